@@ -1,0 +1,163 @@
+"""Typed run configuration: the schema every worker reads, and `load_config` that builds it.
+
+Hydra composes YAML groups into a DictConfig in the launching process only. `load_config`
+merges that into these dataclasses (OmegaConf type checks, unknown keys are errors) and
+returns plain dataclass instances, so `framework/` never indexes a raw dict. Semantic
+checks live in `framework/validate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key, the value and the fix."""
+
+    def __init__(self, key: str, value: Any, problem: str, fix: str):
+        self.key, self.value = key, value
+        super().__init__(f"{key}={value!r}: {problem}. Fix: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt2-tiny"
+    arch: str = "gpt2"  # gpt2 | llama
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_kv_head: Optional[int] = None  # llama grouped-query attention; null = n_head
+    n_inner: Optional[int] = None  # MLP width; null = 4 * n_embd (gpt2) / llama default
+    max_positions: int = 128
+    vocab_size: Optional[int] = None  # null = the data's tokenizer vocabulary
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    pretrained: Optional[str] = None  # hub name or local path; weights replace random init
+
+
+@dataclass
+class DataConfig:
+    name: str = "pycode"  # pycode | synthetic | hf
+    seq_len: int = 64
+    tokenizer: str = "bytes"  # "bytes" (no download) or a transformers tokenizer name / path
+    max_files: Optional[int] = 400  # pycode: first N stdlib files (sorted); null = all
+    path: Optional[str] = None  # hf: dataset name, local dir, or loader ("json", "text")
+    data_files: Optional[str] = None  # hf: local file(s) for a loader
+    text_field: str = "text"  # hf: column holding the text
+    split: str = "train"
+    num_samples: int = 4096  # synthetic: number of sequences
+    vocab_size: int = 256  # synthetic: token ids drawn from [0, vocab_size)
+    cache_dir: Optional[str] = None  # packed-token cache; null = ~/.cache/framework
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = "single"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "flush"  # gpipe | flush | interleaved | 1f1b | 2bw
+    microbatches: int = 1  # per step per dp rank; with pp = 1 these are accumulation steps
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 30
+    micro_batch_size: int = 4
+    global_batch_size: Optional[int] = None  # optional check: must equal mbs * microbatches * dp
+    warmup_steps: int = 3  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
+    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 parameters and optimizer states)
+    activation_checkpointing: bool = False
+    seed: int = 1234
+    log_interval: int = 5
+    save_checkpoint: bool = False  # write final_model.pt (full state dict) in the job dir
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"  # wandb | none
+    mode: str = "auto"  # auto | online | offline | disabled
+    project: str = "parallel-lm"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # null = sweep dir / experiment name
+    run_name: Optional[str] = None  # null = the command-line overrides
+
+
+@dataclass
+class MetricsConfig:
+    skip_first: int = 3  # warm-up steps left out of the summary medians
+    peak_tflops: Optional[float] = None  # per rank; null = measured by a matmul probe
+
+
+@dataclass
+class DebugConfig:
+    fail_rank: Optional[int] = None  # inject a fault: this rank raises ...
+    fail_step: int = 0  # ... at the start of this step
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.optim.AdamW", "lr": 3e-4})
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    device: str = "auto"  # auto | cpu | cuda; resolved once in framework/launch.py
+    launcher: str = "local"  # local: start the ranks here | external: write the job dir for torchrun
+    dry_run: bool = False  # print and write plan.json; start no rank
+    objective: str = "loss"  # summary.json key returned to a Hydra sweeper
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallelism
+        return p.dp * p.tp * p.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all dp ranks."""
+        return self.trainer.micro_batch_size * self.schedule.microbatches * self.parallelism.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.data.seq_len
+
+
+def load_config(cfg: DictConfig | dict) -> RunConfig:
+    """Merge a composed config into the schema; a wrong key or type is a ConfigError."""
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        run = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        value = getattr(e, "value", None)
+        raise ConfigError(key, value, f"does not fit the schema ({e.msg if hasattr(e, 'msg') else e})",
+                          "see the README's config table for the keys and their types") from None
+    assert isinstance(run, RunConfig)
+    return run
+
+
+def to_yaml(run: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(run))
+
+
+def read_config(path: str) -> RunConfig:
+    """Workers load the resolved config the launching process wrote (no Hydra here)."""
+    return load_config(OmegaConf.load(path))

@@ -1,0 +1,136 @@
+"""What the launching (Hydra) process does for one job: validate -> plan or prepare -> launch.
+
+Everything that can reject a config runs here, before any rank starts: schema and
+semantic validation, the device check, the data (tokenizer vocabulary, enough samples)
+and the model (positions of a pretrained checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+
+from .config import ConfigError, RunConfig, to_yaml
+from .data import prepare
+from .launch import RankFailure, launch_local, resolve_device, threads_per_rank
+from .logging import RunInfo
+from .metrics.bubble import analytic_bubble
+from .metrics.flops import flops_per_token, matmul_params, probe_peak_flops
+from .models import build_hf_model, num_positions
+from .plan import make_plan, render_plan
+from .validate import validate
+
+
+def meta_model(run: RunConfig, vocab_size: int):
+    """The transformers model on the meta device: shapes and counts without memory."""
+    if run.model.pretrained:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run.model.pretrained))
+    return build_hf_model(run.model, vocab_size, run.trainer.seed, device="meta")
+
+
+def _peak(run: RunConfig, device_type: str) -> tuple[float, str]:
+    if run.metrics.peak_tflops:
+        return run.metrics.peak_tflops * 1e12, "config"
+    dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
+    threads = torch.get_num_threads()
+    if device_type == "cpu":
+        torch.set_num_threads(threads_per_rank(run.world_size))  # what one rank will have
+    try:
+        return probe_peak_flops(torch.device(device_type), dtype), "probe"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_info(run: RunConfig, device_type: str) -> RunInfo:
+    prepared = prepare(run)
+    vocab = run.model.vocab_size or prepared.vocab_size
+    model = meta_model(run, vocab)
+    if run.data.seq_len > num_positions(model):
+        raise ConfigError("data.seq_len", run.data.seq_len, f"above the model's {num_positions(model)} positions",
+                          f"use data.seq_len <= {num_positions(model)}")
+    c = model.config
+    fpt = flops_per_token(matmul_params(model), c.num_hidden_layers, c.hidden_size, run.data.seq_len)
+    peak, source = _peak(run, device_type)
+    s = run.schedule
+    bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages)
+    return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble)
+
+
+def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
+    t, p = run.trainer, run.parallelism
+    per_dp_rank = t.micro_batch_size * run.schedule.microbatches
+    assert per_dp_rank * p.dp == run.global_batch
+    return (f"world {run.world_size} = dp {p.dp} x tp {p.tp} x pp {p.pp} on {device_type} | "
+            f"model {run.model.name} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
+            f"global batch {run.global_batch} seqs = micro_batch_size {t.micro_batch_size} x microbatches "
+            f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
+            f"{info.flops_per_token / 1e6:.2f} MFLOP/token | peak {info.peak_flops_per_rank / 1e12:.3f} "
+            f"TFLOP/s per rank ({info.peak_source})")
+
+
+def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(run))
+    with open(os.path.join(job_dir, "run_info.json"), "w") as f:
+        json.dump(asdict(info), f, indent=2)
+
+
+def dry_run(run: RunConfig, job_dir: str) -> dict:
+    vocab = run.model.vocab_size or _vocab_without_data(run)
+    plan = make_plan(run, meta_model(run, vocab))
+    print(render_plan(plan))
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "plan.json"), "w") as f:
+        json.dump(plan, f, indent=1)
+    return plan
+
+
+def _vocab_without_data(run: RunConfig) -> int:
+    from .data import get_tokenizer
+
+    return run.data.vocab_size if run.data.name == "synthetic" else get_tokenizer(run.data.tokenizer).vocab_size
+
+
+def summary_lines(summary: dict) -> str:
+    lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
+             f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {summary['mfu']:.2%} "
+             f"(medians over {summary['measured_steps']} steps after {summary['steps'] - summary['measured_steps']} warm-up)"]
+    for r in summary["ranks"]:
+        lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
+                     f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
+                     f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
+    return "\n".join(lines)
+
+
+def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
+    """Validate, then dry-run, prepare for an external launcher, or launch locally."""
+    validate(run)
+    if run.dry_run:
+        return dry_run(run, job_dir)
+    device_type = resolve_device(run.device, 1 if run.launcher == "external" else run.world_size)
+    info = run_info(run, device_type)
+    write_job_files(run, info, job_dir)
+    print(startup_banner(run, info, device_type), flush=True)
+    if run.launcher == "external":
+        print("launch the ranks with:\n  torchrun --nnodes=<N> --nproc-per-node=<ranks per node> --rdzv-backend=c10d "
+              f"--rdzv-endpoint=<host:port> -m framework.worker {shlex.quote(job_dir)}")
+        return None
+    try:
+        summary = launch_local(run, job_dir, info)
+    except RankFailure as e:
+        with open(os.path.join(job_dir, "error.txt"), "w") as f:
+            f.write(str(e))
+        print(str(e), file=sys.stderr, flush=True)
+        raise
+    print(summary_lines(summary), flush=True)
+    return summary

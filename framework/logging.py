@@ -1,0 +1,163 @@
+"""Sinks for one run: console, files in the job directory, and W&B. Rank 0 logs for all.
+
+Every rank keeps its own step records; `gather_and_log` gathers them to rank 0 once per
+log interval and rank 0 merges them into one record per step:
+  loss        the global mean over the step's tokens (identical on every rank)
+  step_time_s the slowest rank's wall time for the step (data + fwd/bwd + optimizer)
+  tokens_per_s global tokens per step / step_time_s
+  tflops, mfu model FLOP/s per rank (6N + 12·L·h·s per token, framework.metrics.flops)
+Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
+when the run completes), summary.json (written last, atomically: its presence means the
+run completed). Summary statistics are medians over steps after metrics.skip_first.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from .config import RunConfig
+from .metrics.flops import mfu
+from .topology import ParallelContext
+
+MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s")
+
+
+@dataclass
+class RunInfo:
+    """Derived once before launch and handed to every rank."""
+
+    tokens_path: Optional[str]
+    vocab_size: int
+    num_samples: int
+    flops_per_token: float
+    peak_flops_per_rank: float
+    peak_source: str  # "config" | "probe"
+    bubble_fraction_analytic: float
+
+
+def wandb_mode(requested: str) -> str:
+    """auto -> online when an API key is configured (env or ~/.netrc), else offline."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        return "online" if netrc.netrc().authenticators("api.wandb.ai") else "offline"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return "offline"
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class RunLogger:
+    def __init__(self, run: RunConfig, job_dir: str, ctx: ParallelContext, info: RunInfo):
+        self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
+        self.is_logger = ctx.rank == 0
+        self.records: list[dict] = []
+        self.wandb = None
+        self.completed = False
+        if self.is_logger:
+            self.partial_path = os.path.join(job_dir, "metrics.jsonl.partial")
+            self.jsonl = open(self.partial_path, "w")
+            self.wandb = self._init_wandb()
+
+    def _init_wandb(self):
+        lg = self.run.logger
+        if lg.name != "wandb" or wandb_mode(lg.mode) == "disabled":
+            return None
+        import wandb
+
+        return wandb.init(project=lg.project, entity=lg.entity, group=lg.group, name=lg.run_name,
+                          config=asdict(self.run), dir=self.job_dir, mode=wandb_mode(lg.mode),
+                          reinit="finish_previous", settings=wandb.Settings(console="off", quiet=True))
+
+    def _merge(self, per_rank: list[dict]) -> dict:
+        r0 = per_rank[0]
+        step_time = max(r["step_time_s"] for r in per_rank)
+        tps = self.run.tokens_per_step / step_time
+        achieved_mfu = mfu(tps, self.info.flops_per_token, self.run.world_size, self.info.peak_flops_per_rank)
+        return {
+            "step": r0["step"], "loss": r0["loss"], "lr": r0["lr"], "grad_norm": r0["grad_norm"],
+            "step_time_s": step_time, "tokens_per_s": tps,
+            "tflops": tps * self.info.flops_per_token / self.run.world_size / 1e12, "mfu": achieved_mfu,
+            "data_s": max(r["data_s"] for r in per_rank), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),
+            "optimizer_s": max(r["optimizer_s"] for r in per_rank),
+            # No pipeline yet (pp = 1): no stage waits on another, so no bubble by definition.
+            "bubble_fraction": 0.0, "bubble_fraction_analytic": self.info.bubble_fraction_analytic,
+            "activation_peak_bytes": max(r["activation_peak_bytes"] for r in per_rank),
+            "rank_step_time_s": [r["step_time_s"] for r in per_rank],
+        }
+
+    def gather_and_log(self, pending: list[dict]) -> None:
+        gathered = [None] * self.run.world_size if self.is_logger else None
+        dist.gather_object(pending, gathered, dst=0)
+        if not self.is_logger:
+            return
+        for i in range(len(pending)):
+            rec = self._merge([rank_recs[i] for rank_recs in gathered])
+            self.records.append(rec)
+            self.jsonl.write(json.dumps(rec) + "\n")
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in rec.items() if k != "rank_step_time_s"}, step=rec["step"])
+        self.jsonl.flush()
+        self._print(self.records[-1])
+
+    def _print(self, r: dict) -> None:
+        print(f"step {r['step'] + 1:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} "
+              f"| grad {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | {r['step_time_s'] * 1e3:.0f} ms/step "
+              f"| mfu {r['mfu']:.1%}", flush=True)
+
+    def finish(self, rank_memory: dict) -> Optional[dict]:
+        """Gather each rank's memory, write summary.json and finalise metrics.jsonl."""
+        gathered = [None] * self.run.world_size if self.is_logger else None
+        mem = {"rank": self.ctx.rank, **asdict(self.ctx.coords), **rank_memory}
+        dist.gather_object(mem, gathered, dst=0)
+        if not self.is_logger:
+            return None
+        summary = self._summary(gathered)
+        self.jsonl.close()
+        os.replace(self.partial_path, os.path.join(self.job_dir, "metrics.jsonl"))
+        _atomic_write(os.path.join(self.job_dir, "summary.json"), json.dumps(summary, indent=2))
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+        self.completed = True
+        return summary
+
+    def _summary(self, ranks: list[dict]) -> dict:
+        measured = self.records[self.run.metrics.skip_first:]
+        med = {k: statistics.median(r[k] for r in measured) for k in MEDIAN_KEYS}
+        run, info = self.run, self.info
+        return {
+            "status": "completed", "loss": self.records[-1]["loss"], "loss_first": self.records[0]["loss"],
+            **med, "steps": run.trainer.steps, "measured_steps": len(measured),
+            "bubble_fraction": 0.0, "bubble_fraction_analytic": info.bubble_fraction_analytic,
+            "memory_peak_bytes": max(r["memory_peak_bytes"] for r in ranks),
+            "model_state_bytes_max": max(r["model_state_bytes"] for r in ranks),
+            "activation_peak_bytes_max": max(r["activation_peak_bytes"] for r in ranks),
+            "world_size": run.world_size, "dp": run.parallelism.dp, "tp": run.parallelism.tp,
+            "pp": run.parallelism.pp, "zero": run.parallelism.zero, "global_batch": run.global_batch,
+            "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,
+            "peak_tflops_per_rank": info.peak_flops_per_rank / 1e12, "peak_source": info.peak_source,
+            "device": self.ctx.device.type, "ranks": ranks,
+        }
+
+    def close(self) -> None:
+        """Always runs (finally): a failed run's W&B run is marked failed and closed."""
+        if not self.is_logger:
+            return
+        if not self.jsonl.closed:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=0 if self.completed else 1)

@@ -1,0 +1,65 @@
+"""Model FLOPs per token, a matmul peak probe, and MFU.
+
+Training FLOPs per token = 6N + 12·L·h·s: 6N for the forward and backward matmuls of N
+parameters (2 forward + 4 backward per parameter per token) and 12·L·h·s for attention
+scores and values over context s (Kaplan et al., 2020, "Scaling Laws for Neural Language
+Models", sec. 2.1; Chowdhery et al., 2022, PaLM, appendix B; nanoGPT's estimate_mfu).
+N counts every parameter except position embeddings (a lookup, no matmul); a tied
+embedding counts once, through the LM head matmul it also serves. Activation
+recomputation is not counted: this is *model* FLOPs, so checkpointed runs show lower MFU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+POSITION_EMBEDDING_NAMES = ("wpe",)
+
+
+def matmul_params(model: nn.Module) -> int:
+    """N: unique parameters, without position-embedding tables."""
+    seen, n = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or any(part in POSITION_EMBEDDING_NAMES for part in name.split(".")):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
+    return 6.0 * n_params + 12.0 * n_layer * n_embd * seq_len
+
+
+def probe_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+                     seconds: float = 0.5) -> float:
+    """Best sustained matmul FLOP/s of one (n x n) @ (n x n) on this device and thread count.
+
+    Used as the MFU denominator when metrics.peak_tflops is not given: an attainable peak,
+    not the datasheet one, so CPU MFU reads as "share of what this core's GEMM reaches".
+    """
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: kernel selection, caches
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        best = max(best, 4 * 2.0 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, world_size: int, peak_flops_per_rank: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s per rank over the per-rank peak."""
+    return tokens_per_s * flops_per_tok / world_size / peak_flops_per_rank

@@ -1,0 +1,95 @@
+"""Memory accounting per rank: exact tensor bytes plus process / allocator statistics.
+
+- Model states (parameters, gradients, optimizer states): bytes of the tensors themselves,
+  each storage counted once (tied weights, DDP's bucket views of gradients).
+- Saved activations: `ActivationTracker` wraps each micro-batch's forward in
+  `torch.autograd.graph.saved_tensors_hooks`. The hook sees every tensor autograd saves,
+  weights included, so parameter storages are excluded and the rest deduplicated by
+  storage. A micro-batch's saved tensors live from its forward until its backward; the
+  peak is the largest sum over micro-batches alive at once (1 for gradient accumulation,
+  more for pipeline schedules). Only the innermost saved-tensor hook runs, so with
+  activation checkpointing this counts what checkpointing keeps, which is the point.
+- Peak RSS from getrusage (whole process, includes the Python runtime and libraries);
+  on CUDA also the caching allocator's max allocated / reserved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+
+import torch
+from torch import nn
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (s.device.type, s.data_ptr()), s.nbytes()
+
+
+def tensor_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        key, nbytes = _storage_key(t)
+        seen[key] = nbytes
+    return sum(seen.values())
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    opt_tensors = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {
+        "params_bytes": tensor_bytes(params),
+        "grads_bytes": tensor_bytes(p.grad for p in params),
+        "optimizer_bytes": tensor_bytes(opt_tensors),
+    }
+
+
+class ActivationTracker:
+    """Peak bytes of tensors saved for backward, over micro-batches alive at once."""
+
+    def __init__(self, model: nn.Module):
+        self._param_keys = {_storage_key(p)[0] for p in model.parameters()}
+        self._live: dict[object, dict] = {}
+        self.peak_bytes = 0
+
+    @contextlib.contextmanager
+    def forward(self, microbatch_id):
+        saved = self._live.setdefault(microbatch_id, {})
+
+        def pack(t: torch.Tensor):
+            try:
+                key, nbytes = _storage_key(t)
+            except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses with no storage
+                return t
+            if key not in self._param_keys:
+                saved[key] = nbytes
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+
+    def live_bytes(self) -> int:
+        keys = {}
+        for saved in self._live.values():
+            keys.update(saved)
+        return sum(keys.values())
+
+    def backward_done(self, microbatch_id) -> None:
+        self._live.pop(microbatch_id, None)
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def device_memory(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    return {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}

@@ -1,0 +1,46 @@
+"""Llama (Touvron et al., 2023) from transformers' LlamaForCausalLM, split for parallelism."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..config import ModelConfig
+from .split import HFBlock, SplitLM
+
+
+class LlamaEmbedding(nn.Module):
+    def __init__(self, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # (B, T, H); positions enter as rotary in each block
+
+
+class LlamaHead(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))  # (B, T, V)
+
+
+def hf_config(m: ModelConfig, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=m.n_embd, intermediate_size=m.n_inner or 4 * m.n_embd,
+        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
+        num_key_value_heads=m.n_kv_head or m.n_head, max_position_embeddings=m.max_positions,
+        attention_dropout=m.dropout, tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa",
+    )
+
+
+def split(model: LlamaForCausalLM, checkpoint_blocks: bool = False) -> SplitLM:
+    inner = model.model
+    return SplitLM(LlamaEmbedding(inner.embed_tokens), [HFBlock(b, inner.rotary_emb) for b in inner.layers],
+                   LlamaHead(inner.norm, model.lm_head), hf_model=model, checkpoint_blocks=checkpoint_blocks)
+
+
+MODEL_CLASS = LlamaForCausalLM

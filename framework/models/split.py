@@ -1,0 +1,80 @@
+"""A causal LM as embedding | blocks | head: the unit every parallel layout cuts up.
+
+`SplitLM` holds (a slice of) a transformers model's modules, not copies: the embedding
+(token + position embedding), a list of transformer blocks and the head (final norm + LM
+head). Composed in order they compute exactly the transformers model's forward and loss
+(tests/test_models.py). A pipeline stage is a SplitLM with the embedding only on the first
+stage and the head only on the last.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; labels are already shifted (labels[t] = input[t+1]).
+
+    Upcast to fp32 as transformers' ForCausalLMLoss does, so bf16 runs score alike.
+    """
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+class SplitLM(nn.Module):
+    def __init__(self, embedding: Optional[nn.Module], blocks: list[nn.Module], head: Optional[nn.Module],
+                 hf_model: Optional[nn.Module] = None, checkpoint_blocks: bool = False):
+        super().__init__()
+        self.embedding = embedding
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+        self.checkpoint_blocks = checkpoint_blocks
+        # Kept outside the module tree: registering it would list every parameter twice in
+        # state_dict. It gives the transformers names for checkpoints and comparisons.
+        object.__setattr__(self, "_hf", hf_model)
+
+    @property
+    def hf_model(self) -> Optional[nn.Module]:
+        return self._hf
+
+    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                # Non-reentrant: works with DDP's no_sync and with saved-tensor hooks.
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return h
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T) token ids -> loss when labels are given, else logits (B, T, V)."""
+        h = self.embedding(input_ids)  # (B, T, H)
+        logits = self.head(self.run_blocks(h))  # (B, T, V)
+        return logits if labels is None else lm_loss(logits, labels)
+
+
+class HFBlock(nn.Module):
+    """One transformers decoder layer as a hidden -> hidden module.
+
+    No attention mask is passed: transformers' SDPA path then runs causal attention, the
+    same as the full model does for unpadded, packed sequences.
+    """
+
+    def __init__(self, layer: nn.Module, rotary: Optional[nn.Module] = None):
+        super().__init__()
+        self.layer = layer
+        # Llama's rotary embedding has no parameters (inv_freq is a non-persistent buffer),
+        # so sharing one instance across blocks adds nothing to the state dict.
+        self.rotary = rotary
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.rotary is None:
+            out = self.layer(h)
+        else:
+            pos = torch.arange(h.size(1), device=h.device).unsqueeze(0)  # (1, T)
+            out = self.layer(h, position_ids=pos, position_embeddings=self.rotary(h, pos))
+        return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,1 @@
+"""One file per parallel dimension; each wrapper is handed the process group it uses."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: partition of blocks into stages (schedules and executor follow)."""

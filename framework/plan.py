@@ -1,0 +1,114 @@
+"""The dry run: rank layout, stage contents, analytic bubble and a per-rank memory estimate.
+
+Pure planning, no process group and no real tensors (the model is built on the meta
+device), so it works for world sizes far beyond the machine it runs on.
+
+Memory estimate per rank, model states only (activations depend on the schedule and are
+measured in real runs): parameters of the rank's stage divided by tp (norms and biases
+that tensor parallelism replicates are divided too, so this slightly underestimates tp
+runs); gradients the same size; optimizer states = parameters x the optimizer's state
+ratio, found by stepping the configured optimizer once on a small tensor. A tied
+embedding sits on the first and the last stage, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import RunConfig
+from .metrics.bubble import analytic_bubble
+from .models import ARCHS
+from .optim import build_optimizer
+from .parallel.pipeline.partition import uniform
+from .topology import ParallelDims
+
+MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def optimizer_state_ratio(spec: dict) -> float:
+    """Optimizer-state bytes per parameter byte (AdamW 2.0, SGD with momentum 1.0, plain SGD 0)."""
+    p = nn.Parameter(torch.zeros(256))
+    p.grad = torch.ones(256)
+    opt = build_optimizer(spec, [p])
+    opt.step()
+    state = [v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel()]
+    return sum(v.numel() * v.element_size() for v in state) / (p.numel() * p.element_size())
+
+
+def stage_table(run: RunConfig, hf_model: nn.Module) -> list[dict]:
+    split = ARCHS[run.model.arch].split(hf_model)
+    ranges = uniform(len(split.blocks), run.parallelism.pp)
+    emb, head = _numel(split.embedding), _numel(split.head)
+    tied = run.model.tie_embeddings
+    if tied:  # lm_head shares the embedding weight: parameters() of head already counted it
+        head -= hf_model.get_output_embeddings().weight.numel()
+    stages = []
+    for s, r in enumerate(ranges):
+        first, last = s == 0, s == len(ranges) - 1
+        n = sum(_numel(split.blocks[i]) for i in r) + (emb if first else 0)
+        if last:
+            n += head + (hf_model.get_output_embeddings().weight.numel() if tied and not first else 0)
+        stages.append({"stage": s, "blocks": [r.start, r.stop - 1], "embedding": first, "head": last, "params": n})
+    return stages
+
+
+def draw_layout(dims: ParallelDims) -> str:
+    """Rank numbers per pipeline stage as a dp x tp grid (the cube of Megatron's docstring, sliced)."""
+    out = [f"ranks = arange({dims.world_size}).view(pp={dims.pp}, dp={dims.dp}, tp={dims.tp})"]
+    width = len(str(dims.world_size - 1))
+    for pp in range(min(dims.pp, MAX_DRAWN["pp"])):
+        out.append(f"pp stage {pp}:" + " " * 4 + "  ".join(f"tp{t:<{width - 1}}" for t in range(min(dims.tp, MAX_DRAWN["tp"]))))
+        for dp in range(min(dims.dp, MAX_DRAWN["dp"])):
+            ranks = [(pp * dims.dp + dp) * dims.tp + t for t in range(min(dims.tp, MAX_DRAWN["tp"]))]
+            more = " ..." if dims.tp > MAX_DRAWN["tp"] else ""
+            out.append(f"  dp {dp:<{len(str(dims.dp))}} [ " + "  ".join(f"{r:>{max(width, 3)}}" for r in ranks) + f" ]{more}")
+        if dims.dp > MAX_DRAWN["dp"]:
+            out.append(f"  ... {dims.dp - MAX_DRAWN['dp']} more dp rows")
+    if dims.pp > MAX_DRAWN["pp"]:
+        out.append(f"... {dims.pp - MAX_DRAWN['pp']} more pipeline stages")
+    return "\n".join(out)
+
+
+def make_plan(run: RunConfig, hf_model: nn.Module) -> dict:
+    p, s = run.parallelism, run.schedule
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
+    stages = stage_table(run, hf_model)
+    ratio = optimizer_state_ratio(run.optimizer)
+    memory = []
+    for st in stages:
+        params_bytes = st["params"] // p.tp * 4  # fp32 parameters (bf16 runs autocast, keep fp32 weights)
+        memory.append({"stage": st["stage"], "params_bytes": params_bytes, "grads_bytes": params_bytes,
+                       "optimizer_bytes": int(params_bytes * ratio),
+                       "model_state_bytes": int(params_bytes * (2 + ratio))})
+    return {
+        "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp}, "zero": p.zero,
+        "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp")}, "layout": draw_layout(dims),
+        "stages": stages, "schedule": {"name": s.name, "microbatches": s.microbatches,
+                                       "virtual_stages": s.virtual_stages},
+        "bubble_fraction_analytic": analytic_bubble(s.name, p.pp, s.microbatches, s.virtual_stages),
+        "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step,
+        "optimizer_state_ratio": ratio, "memory_estimate_per_rank": memory,
+    }
+
+
+def render_plan(plan: dict) -> str:
+    lines = [f"dry run: {plan['world_size']} ranks (pp {plan['dims']['pp']} x dp {plan['dims']['dp']} x "
+             f"tp {plan['dims']['tp']}), no rank started", plan["layout"], "", "groups (first 4 of each):"]
+    for d, gs in plan["groups"].items():
+        lines.append(f"  {d}: {len(gs)} groups of {len(gs[0])}: " + " ".join(str(g) for g in gs[:4]) + (" ..." if len(gs) > 4 else ""))
+    lines.append("stages:")
+    for st, mem in zip(plan["stages"], plan["memory_estimate_per_rank"]):
+        parts = (["embedding"] if st["embedding"] else []) + [f"blocks {st['blocks'][0]}-{st['blocks'][1]}"] + (["head"] if st["head"] else [])
+        lines.append(f"  stage {st['stage']}: {' + '.join(parts)} | {st['params'] / 1e6:.2f}M params | per rank est.: "
+                     f"params {mem['params_bytes'] / 2**20:.1f} MiB, grads {mem['grads_bytes'] / 2**20:.1f} MiB, "
+                     f"optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB")
+    s = plan["schedule"]
+    lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
+                 f"analytic bubble {plan['bubble_fraction_analytic']:.3f}")
+    lines.append(f"global batch {plan['global_batch']} sequences = {plan['tokens_per_step']} tokens/step")
+    return "\n".join(lines)

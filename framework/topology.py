@@ -1,0 +1,102 @@
+"""Rank layout: rank <-> (pp_rank, dp_rank, tp_rank) and the groups of each dimension.
+
+Ranks are laid out as `arange(world).view(pp, dp, tp)`, as in Megatron-LM's model-parallel
+unit: tp innermost so tensor-parallel peers are neighbouring ranks (same node, fastest
+links), then dp, then pp outermost. This is the only place that layout is written.
+`ParallelDims` is pure (no torch.distributed) so the rank math is testable without
+processes; `ParallelContext.create` builds the process groups from it, once per rank, and
+the context is passed explicitly to every wrapper (no module-level state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp: int
+    tp: int
+
+    def __post_init__(self):
+        for k in ("pp", "dp", "tp"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"ParallelDims.{k}={getattr(self, k)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank(self, c: Coords) -> int:
+        return (c.pp * self.dp + c.dp) * self.tp + c.tp
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coords(pp=pp, dp=dp, tp=tp)
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of `dim` ('tp' | 'dp' | 'pp'): ranks that differ only in that coordinate."""
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        if dim not in sizes:
+            raise ValueError(f"unknown dimension {dim!r}; use pp, dp or tp")
+        others = [d for d in ("pp", "dp", "tp") if d != dim]
+        out = []
+        for a in range(sizes[others[0]]):
+            for b in range(sizes[others[1]]):
+                fixed = {others[0]: a, others[1]: b}
+                out.append([self.rank(Coords(**fixed, **{dim: i})) for i in range(sizes[dim])])
+        return sorted(out)
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        return next(g for g in self.groups(dim) if rank in g)
+
+
+@dataclass
+class ParallelContext:
+    """One rank's view: its coordinates, its process groups and its device."""
+
+    dims: ParallelDims
+    rank: int
+    coords: Coords
+    device: Any  # torch.device
+    groups: dict[str, Any]  # 'dp' | 'tp' | 'pp' -> torch.distributed ProcessGroup
+    group_ranks: dict[str, list[int]]
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pp"]
+
+    @classmethod
+    def create(cls, dims: ParallelDims, rank: int, device) -> "ParallelContext":
+        import torch.distributed as dist
+
+        groups, members = {}, {}
+        for dim in ("pp", "dp", "tp"):
+            # new_group is collective over the whole world: every rank creates every group,
+            # in the same order, and keeps the one it belongs to.
+            for ranks in dims.groups(dim):
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[dim], members[dim] = g, ranks
+        return cls(dims, rank, dims.coords(rank), device, groups, members)

@@ -1,0 +1,175 @@
+"""Semantic checks of a RunConfig, run in the launching process before any rank starts.
+
+Each failure is a ConfigError naming the key, the value and the fix. Checks that need the
+tokenizer or the dataset (vocabulary size, enough samples) run in `framework.data.prepare`,
+also before launch; the device check lives with the device choice in `framework.launch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterable
+
+from .config import ConfigError, RunConfig
+
+ARCHS = ("gpt2", "llama")
+DATASETS = ("pycode", "synthetic", "hf")
+SCHEDULES = ("gpipe", "flush", "interleaved", "1f1b", "2bw")
+PRECISIONS = ("fp32", "bf16")
+LOGGERS = ("wandb", "none")
+LOGGER_MODES = ("auto", "online", "offline", "disabled")
+DEVICES = ("auto", "cpu", "cuda")
+LAUNCHERS = ("local", "external")
+# Summary keys a sweeper may optimise (see framework/logging.py for their meaning).
+OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction")
+
+
+def validate(run: RunConfig) -> None:
+    for check in (_parallelism, _schedule, _trainer, _model, _data, _optimizer, _logger, _misc):
+        check(run)
+
+
+def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(key, value, "unknown name", f"use one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: int) -> None:
+    if value is None or value < 1:
+        raise ConfigError(key, value, "must be a positive integer", f"set {key} to 1 or more")
+
+
+def _parallelism(run: RunConfig) -> None:
+    p = run.parallelism
+    for k in ("dp", "tp", "pp"):
+        _positive(f"parallelism.{k}", getattr(p, k))
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallelism.zero", p.zero, "ZeRO stage must be 0, 1, 2 or 3", "pick a stage in 0..3")
+    if p.world_size is not None and p.world_size != run.world_size:
+        raise ConfigError("parallelism.world_size", p.world_size,
+                          f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
+                          "change dp/tp/pp so their product is the world size, or leave world_size null")
+    pending = {"tp": (p.tp > 1, "tensor-parallel"), "pp": (p.pp > 1, "pipeline-parallel"),
+               "zero": (p.zero > 0, "ZeRO")}
+    for key, (used, what) in pending.items():
+        if used and not run.dry_run:  # a dry run only plans, so it may show any layout
+            raise ConfigError(f"parallelism.{key}", getattr(p, key),
+                              f"{what} training is not implemented yet (its own issue adds it)",
+                              f"use parallelism.{key}={0 if key == 'zero' else 1} with dp for now")
+
+
+def _schedule(run: RunConfig) -> None:
+    s = run.schedule
+    _choice("schedule.name", s.name, SCHEDULES)
+    _positive("schedule.microbatches", s.microbatches)
+    _positive("schedule.virtual_stages", s.virtual_stages)
+    if run.parallelism.pp == 1 and s.name not in ("gpipe", "flush"):
+        raise ConfigError("schedule.name", s.name,
+                          "with pp = 1 only the synchronous gpipe / flush (gradient accumulation) run",
+                          "use schedule=flush, or set parallelism.pp > 1 once pipelining lands")
+    if run.parallelism.pp == 1 and s.virtual_stages != 1:
+        raise ConfigError("schedule.virtual_stages", s.virtual_stages,
+                          "virtual stages need a pipeline (pp > 1)", "set schedule.virtual_stages=1")
+
+
+def _trainer(run: RunConfig) -> None:
+    t = run.trainer
+    _positive("trainer.steps", t.steps)
+    _positive("trainer.micro_batch_size", t.micro_batch_size)
+    _positive("trainer.log_interval", t.log_interval)
+    _choice("trainer.precision", t.precision, PRECISIONS)
+    if t.global_batch_size is not None:
+        per = t.micro_batch_size * run.parallelism.dp
+        if t.global_batch_size < 1 or t.global_batch_size % per:
+            raise ConfigError("trainer.global_batch_size", t.global_batch_size,
+                              f"not divisible by micro_batch_size * dp = {t.micro_batch_size}*{run.parallelism.dp}",
+                              f"use a multiple of {per}, or change trainer.micro_batch_size")
+        if t.global_batch_size != run.global_batch:
+            m = t.global_batch_size // per
+            raise ConfigError("trainer.global_batch_size", t.global_batch_size,
+                              f"micro_batch_size * microbatches * dp = {run.global_batch}",
+                              f"set schedule.microbatches={m}, or leave global_batch_size null")
+    if t.warmup_steps < 0:
+        raise ConfigError("trainer.warmup_steps", t.warmup_steps, "must be >= 0", "set 0 for no warm-up")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError("trainer.min_lr_ratio", t.min_lr_ratio, "must lie in [0, 1]", "e.g. 0.1")
+    if t.grad_clip < 0:
+        raise ConfigError("trainer.grad_clip", t.grad_clip, "must be >= 0", "set 0 to disable clipping")
+
+
+def _model(run: RunConfig) -> None:
+    m = run.model
+    _choice("model.arch", m.arch, ARCHS)
+    for k in ("n_layer", "n_embd", "n_head", "max_positions"):
+        _positive(f"model.{k}", getattr(m, k))
+    if m.n_embd % m.n_head:
+        raise ConfigError("model.n_head", m.n_head, f"does not divide model.n_embd={m.n_embd}",
+                          "pick n_head that divides n_embd")
+    if m.n_kv_head is not None:
+        _positive("model.n_kv_head", m.n_kv_head)
+        if m.arch != "llama" or m.n_head % m.n_kv_head:
+            raise ConfigError("model.n_kv_head", m.n_kv_head,
+                              f"key-value heads need arch=llama and must divide n_head={m.n_head}",
+                              "pick a divisor of n_head, or null")
+    if m.vocab_size is not None:
+        _positive("model.vocab_size", m.vocab_size)
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must lie in [0, 1)", "use 0 for exact runs")
+
+
+def _data(run: RunConfig) -> None:
+    d = run.data
+    _choice("data.name", d.name, DATASETS)
+    _positive("data.seq_len", d.seq_len)
+    if d.seq_len > run.model.max_positions:
+        raise ConfigError("data.seq_len", d.seq_len,
+                          f"above the model's positions (model.max_positions={run.model.max_positions})",
+                          f"use data.seq_len <= {run.model.max_positions}")
+    _positive("data.num_samples", d.num_samples)
+    _positive("data.vocab_size", d.vocab_size)
+    if d.max_files is not None:
+        _positive("data.max_files", d.max_files)
+    if d.name == "hf" and not d.path:
+        raise ConfigError("data.path", d.path, "data=hf needs a dataset",
+                          "set data.path to a hub name or a loader such as json with data.data_files")
+
+
+def _optimizer(run: RunConfig) -> None:
+    o = run.optimizer
+    target = o.get("_target_")
+    try:
+        module, _, name = str(target).rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError("optimizer._target_", target, "cannot be imported",
+                          "use a class path such as torch.optim.AdamW") from None
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError("optimizer._target_", target, "is not a torch.optim.Optimizer", "use torch.optim.AdamW")
+    lr = o.get("lr")
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise ConfigError("optimizer.lr", lr, "must be a positive number", "e.g. optimizer.lr=3e-4")
+
+
+def _logger(run: RunConfig) -> None:
+    _choice("logger.name", run.logger.name, LOGGERS)
+    _choice("logger.mode", run.logger.mode, LOGGER_MODES)
+
+
+def _misc(run: RunConfig) -> None:
+    _choice("device", run.device, DEVICES)
+    _choice("launcher", run.launcher, LAUNCHERS)
+    _choice("objective", run.objective, OBJECTIVES)
+    if not 0 <= run.metrics.skip_first < run.trainer.steps:
+        raise ConfigError("metrics.skip_first", run.metrics.skip_first,
+                          f"must leave at least one of trainer.steps={run.trainer.steps} to summarise",
+                          f"use 0 <= metrics.skip_first < {run.trainer.steps}")
+    if run.metrics.peak_tflops is not None and run.metrics.peak_tflops <= 0:
+        raise ConfigError("metrics.peak_tflops", run.metrics.peak_tflops, "must be positive",
+                          "set the per-rank peak, or null to measure it")
+    fr = run.debug.fail_rank
+    if fr is not None and not 0 <= fr < run.world_size:
+        raise ConfigError("debug.fail_rank", fr, f"no such rank in world size {run.world_size}",
+                          f"use 0..{run.world_size - 1} or null")

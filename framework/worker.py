@@ -1,0 +1,46 @@
+"""A rank's entry point: read the resolved config from the job directory, train, exit.
+
+Ranks never run Hydra: the launching process composed, validated and wrote
+`<job_dir>/config.yaml` and `<job_dir>/run_info.json`. Locally `launch_local` calls
+`rank_main`; on a cluster run `torchrun ... -m framework.worker <job_dir>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .config import read_config
+from .logging import RunInfo
+
+
+@record
+def rank_main(job_dir: str, info: dict) -> Optional[dict]:
+    import torch.distributed as dist
+
+    from .launch import init_rank
+    from .trainer import train
+
+    run = read_config(os.path.join(job_dir, "config.yaml"))
+    ctx = init_rank(run)
+    try:
+        return train(run, RunInfo(**info), ctx, job_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: torchrun [options] -m framework.worker <job_dir>   (written by run.py launcher=external)")
+    job_dir = argv[0]
+    with open(os.path.join(job_dir, "run_info.json")) as f:
+        info = json.load(f)
+    rank_main(job_dir, info)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
