@@ -148,7 +148,8 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         value = getattr(e, "value", None)
-        raise ConfigError(key, value, f"does not fit the schema ({e.msg if hasattr(e, 'msg') else e})",
+        reason = str(e).splitlines()[0]  # OmegaConf appends full_key / object_type lines
+        raise ConfigError(key, value, f"does not fit the schema ({reason})",
                           "see the README's config table for the keys and their types") from None
     assert isinstance(run, RunConfig)
     return run

@@ -10,7 +10,8 @@ permutation of the samples. Step k takes stream positions [k*G, (k+1)*G) for the
 batch G; dp rank r takes the r-th contiguous slice of it, cut into micro-batches. So every
 dp layout with the same G sees the same samples in the same step as one process does, and
 within an epoch no sample is dropped or repeated across ranks (a step may straddle an
-epoch boundary instead of dropping the epoch's tail).
+epoch boundary instead of dropping the epoch's tail; such a step can then meet a sample
+once from each epoch).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def _checked(run: RunConfig, p: PreparedData) -> PreparedData:
                           f"smaller than the tokenizer's vocabulary ({p.vocab_size})",
                           f"set model.vocab_size >= {p.vocab_size} or null")
     if p.num_samples < run.global_batch:
-        raise ConfigError("data.seq_len", run.data.seq_len,
+        key = "data.num_samples" if run.data.name == "synthetic" else "data.seq_len"
+        raise ConfigError(key, run.data.num_samples if run.data.name == "synthetic" else run.data.seq_len,
                           f"the corpus gives {p.num_samples} sequences, fewer than the global batch {run.global_batch}",
                           "use more data (data.max_files / data.num_samples), a shorter seq_len or a smaller batch")
     return p

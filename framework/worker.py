@@ -20,9 +20,15 @@ from .logging import RunInfo
 
 @record
 def rank_main(job_dir: str, info: dict) -> Optional[dict]:
+    import logging
+
     import torch.distributed as dist
 
     from .launch import init_rank
+
+    # The launcher prints the failed rank's traceback once; elastic's in-rank error log
+    # would print it a second time, prefixed on every line.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     from .trainer import train
 
     run = read_config(os.path.join(job_dir, "config.yaml"))

@@ -1,0 +1,107 @@
+"""Exact memory accounting, the activation tracker, FLOPs, bubble and the lr schedule."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from framework.config import ModelConfig
+from framework.metrics.bubble import analytic_bubble
+from framework.metrics.flops import flops_per_token, matmul_params, mfu, probe_peak_flops
+from framework.metrics.memory import ActivationTracker, model_state_bytes
+from framework.models import build_model
+from framework.optim import build_optimizer, lr_at
+from framework.plan import optimizer_state_ratio
+
+from .conftest import compose
+
+
+def _gpt2():
+    return build_model(ModelConfig(arch="gpt2", n_layer=2, n_embd=32, n_head=2, max_positions=16), 50, seed=0)
+
+
+def test_model_state_bytes_are_exact_for_adamw():
+    model = _gpt2()
+    opt = build_optimizer({"_target_": "torch.optim.AdamW", "lr": 1e-3}, model.parameters())
+    tensors = list(model.parameters())  # tied lm_head listed once
+    P = sum(p.numel() for p in tensors) * 4
+    model(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))).backward()
+    opt.step()
+    got = model_state_bytes(model, opt)
+    # exp_avg + exp_avg_sq per parameter, plus AdamW's fp32 scalar `step` per tensor
+    assert got == {"params_bytes": P, "grads_bytes": P, "optimizer_bytes": 2 * P + 4 * len(tensors)}
+
+
+def test_model_state_bytes_dedupe_views_of_one_storage():
+    big = nn.Parameter(torch.zeros(100))
+    m = nn.Module()
+    m.a = big
+    m.b = big  # the same tensor registered twice
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert model_state_bytes(m, opt) == {"params_bytes": 400, "grads_bytes": 0, "optimizer_bytes": 0}
+
+
+def test_activation_tracker_excludes_weights_and_sums_live_microbatches():
+    lin = nn.Linear(64, 64, bias=False)
+    tracker = ActivationTracker(lin)
+    x = [torch.randn(8, 64, requires_grad=True) for _ in range(3)]
+    outs = []
+    for j in range(2):  # two micro-batches in flight, as a pipeline warm-up holds them
+        with tracker.forward(j):
+            outs.append(lin(x[j]).sum())
+    assert tracker.peak_bytes == 2 * 8 * 64 * 4  # each saves its input, never the weight
+    for j, o in enumerate(outs):
+        o.backward()
+        tracker.backward_done(j)
+    assert tracker.live_bytes() == 0
+    with tracker.forward(2):
+        lin(x[2]).sum().backward()
+    assert tracker.peak_bytes == 2 * 8 * 64 * 4  # the peak is kept
+
+
+def test_activation_tracker_sees_less_with_checkpointing():
+    peaks = []
+    for ckpt in (False, True):
+        model = build_model(ModelConfig(arch="gpt2", n_layer=4, n_embd=32, n_head=2, max_positions=32), 50, 0,
+                            checkpoint_blocks=ckpt)
+        tracker = ActivationTracker(model)
+        with tracker.forward(0):
+            loss = model(torch.randint(0, 50, (4, 32)), torch.randint(0, 50, (4, 32)))
+        loss.backward()
+        peaks.append(tracker.peak_bytes)
+    assert 0 < peaks[1] < peaks[0] / 2
+
+
+def test_flops_per_token_follows_6n_plus_12lhs():
+    model = _gpt2()
+    n = sum(p.numel() for p in model.parameters()) - model.embedding.wpe.weight.numel()
+    assert matmul_params(model) == n
+    assert flops_per_token(n, 2, 32, 16) == 6 * n + 12 * 2 * 32 * 16
+
+
+def test_mfu_and_the_probe():
+    assert mfu(tokens_per_s=1000, flops_per_tok=1e6, world_size=2, peak_flops_per_rank=1e9) == pytest.approx(0.5)
+    peak = probe_peak_flops(torch.device("cpu"), n=128, seconds=0.05)
+    assert math.isfinite(peak) and peak > 1e6
+
+
+def test_analytic_bubble():
+    assert analytic_bubble("flush", 1, 8) == 0.0
+    assert analytic_bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert analytic_bubble("flush", 2, 8) == pytest.approx(1 / 9)
+    assert analytic_bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_lr_warms_up_then_decays_to_the_floor():
+    run = compose("optimizer.lr=1.0", "trainer.steps=10", "trainer.warmup_steps=2", "trainer.min_lr_ratio=0.1")
+    lrs = [lr_at(s, run) for s in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_optimizer_state_ratio():
+    assert optimizer_state_ratio({"_target_": "torch.optim.AdamW", "lr": 1e-3}) == 2.0
+    assert optimizer_state_ratio({"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}) == 1.0
+    assert optimizer_state_ratio({"_target_": "torch.optim.SGD", "lr": 0.1}) == 0.0
