@@ -79,9 +79,14 @@ class RunLogger:
             return None
         import wandb
 
-        return wandb.init(project=lg.project, entity=lg.entity, group=lg.group, name=lg.run_name,
-                          config=asdict(self.run), dir=self.job_dir, mode=wandb_mode(lg.mode),
-                          reinit="finish_previous", settings=wandb.Settings(console="off", quiet=True))
+        run = wandb.init(project=lg.project, entity=lg.entity, group=lg.group, name=lg.run_name,
+                         config=asdict(self.run), dir=self.job_dir, mode=wandb_mode(lg.mode),
+                         reinit="finish_previous", settings=wandb.Settings(console="off", quiet=True))
+        for key in MEDIAN_KEYS:
+            # W&B's summary would default to each metric's last step; ours is the median
+            # after warm-up, written by finish(), so keep W&B from overwriting it.
+            run.define_metric(key, summary="none")
+        return run
 
     def _merge(self, per_rank: list[dict]) -> dict:
         r0 = per_rank[0]

@@ -1,0 +1,144 @@
+"""End to end through `python run.py`: the main job, W&B read-back, sweeps and the report,
+submitit_local, the dry run at 1024 ranks, torchrun, and a crashing rank."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from framework.report import main as report_main
+
+from . import wandb_reader
+from .conftest import ROOT, run_cli
+
+SMOKE = ["experiment=smoke", "metrics.skip_first=0"]
+SUMMARY_KEYS = {"loss", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction", "bubble_fraction_analytic",
+                "memory_peak_bytes", "world_size", "ranks"}
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """`python run.py` exactly as the README's first command runs it (plus where to write)."""
+    job = tmp_path_factory.mktemp("main_job")
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}  # auto -> offline
+    r = subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={job}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return job, r
+
+
+def test_main_job_writes_config_metrics_and_summary(main_job):
+    job, r = main_job
+    summary = json.loads((job / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    cfg = yaml.safe_load((job / "config.yaml").read_text())
+    assert cfg["parallelism"]["dp"] == 2 and cfg["model"]["name"] == "gpt2-tiny" and "${" not in (job / "config.yaml").read_text()
+    metrics = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(cfg["trainer"]["steps"]))
+    assert summary["loss"] == metrics[-1]["loss"] < metrics[0]["loss"] - 1.0  # it learns pycode
+    assert summary["world_size"] == 2 and [x["dp"] for x in summary["ranks"]] == [0, 1]
+    for rank in summary["ranks"]:
+        assert rank["params_bytes"] == rank["grads_bytes"] > 0 and rank["optimizer_bytes"] > 2 * rank["params_bytes"]
+        assert rank["activation_peak_bytes"] > 0 and rank["rss_peak_bytes"] >= rank["model_state_bytes"]
+    assert summary["memory_peak_bytes"] == max(x["memory_peak_bytes"] for x in summary["ranks"])
+    assert not list(job.glob("*.partial")) and not list(job.glob("*.tmp"))
+    assert "loss" in r.stdout and "tokens/s" in r.stdout and "rank 1" in r.stdout
+
+
+def test_wandb_offline_run_reads_back(main_job):
+    job, _ = main_job
+    files = glob.glob(str(job / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1
+    history = wandb_reader.history(files[0])
+    metrics = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [h["loss"] for h in history] == [m["loss"] for m in metrics]
+    assert {"tokens_per_s", "mfu", "bubble_fraction", "grad_norm", "lr"} <= history[0].keys()
+    summary, config = wandb_reader.summary_and_config(files[0])
+    assert summary["tokens_per_s"] == json.loads((job / "summary.json").read_text())["tokens_per_s"]
+    assert config["parallelism"]["dp"] == 2
+    assert wandb_reader.run_meta(files[0])["name"] == "default"
+
+
+def test_multirun_of_four_jobs_and_the_report(tmp_path):
+    r = run_cli(["-m", "parallelism=single,dp2", "optimizer.lr=1e-3,3e-4", *SMOKE, "logger=wandb",
+                 "logger.mode=offline", f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    metas = [wandb_reader.run_meta(glob.glob(str(j / "wandb" / "*" / "run-*.wandb"))[0]) for j in jobs]
+    assert len({m["name"] for m in metas}) == 4 and len({m["group"] for m in metas}) == 1  # own runs, one group
+    assert metas[0]["group"] == "smoke" and "parallelism=single optimizer.lr=0.001" in metas[0]["name"]
+    assert report_main([str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text().splitlines()
+    assert len(md) == 2 + 4 and md[0].startswith("| job | overrides | status | loss | tokens_per_s")
+    rows = (tmp_path / "report.csv").read_text().splitlines()
+    assert len(rows) == 5 and "parallelism=dp2 optimizer.lr=0.0003" in rows[4] and ",completed," in rows[4]
+    assert json.loads((jobs[3] / "summary.json").read_text())["world_size"] == 2
+
+
+def test_submitit_local_launcher(tmp_path):
+    r = run_cli(["-m", "hydra/launcher=submitit_local", *SMOKE, f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["status"] == "completed"
+    assert list((tmp_path / ".submitit").glob("*/*_result.pkl"))
+
+
+def test_dry_run_plans_1024_ranks_without_starting_any(tmp_path):
+    r = run_cli(["dry_run=true", "model=gpt2-medium", "parallelism.pp=4", "parallelism.dp=32", "parallelism.tp=8",
+                 "schedule.microbatches=8", f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["world_size"] == 1024 and plan["dims"] == {"pp": 4, "dp": 32, "tp": 8}
+    assert plan["groups"]["tp"][1] == list(range(8, 16)) and plan["groups"]["pp"][0] == [0, 256, 512, 768]
+    assert [s["blocks"] for s in plan["stages"]] == [[0, 5], [6, 11], [12, 17], [18, 23]]
+    assert plan["stages"][0]["embedding"] and plan["stages"][3]["head"]
+    assert plan["bubble_fraction_analytic"] == pytest.approx(3 / 11)
+    mem = plan["memory_estimate_per_rank"][1]
+    assert mem["optimizer_bytes"] == 2 * mem["params_bytes"] == 2 * mem["grads_bytes"] > 0
+    assert "pp stage 0" in r.stdout and "rank" not in " ".join(os.listdir(tmp_path))
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "config.yaml").exists()
+
+
+def test_external_launcher_then_torchrun(tmp_path):
+    r = run_cli(["launcher=external", *SMOKE, f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 0 and "-m framework.worker" in r.stdout
+    assert not (tmp_path / "summary.json").exists()
+    t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "-m", "framework.worker", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert t.returncode == 0, t.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 2
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for env in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            if marker.encode() in Path(env).read_bytes():
+                found.append(int(env.split("/")[2]))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path):
+    marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    start = time.monotonic()
+    # Rank 1 dies at step 3 while rank 0 waits in the gradient all-reduce.
+    r = run_cli(["parallelism=dp4", *SMOKE, "trainer.steps=50", "debug.fail_rank=1", "debug.fail_step=3",
+                 f"hydra.run.dir={tmp_path}"], timeout=120, env={key: value})
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    assert "rank 1 failed" in r.stderr and "InjectedFault: injected fault on rank 1 at step 3" in r.stderr
+    assert elapsed < 60  # the issue's 30 s bound is for the failure itself; this includes start-up
+    assert _processes_with(marker) == []  # no orphan rank left behind
+    assert "InjectedFault" in (tmp_path / "error.txt").read_text()
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "metrics.jsonl").exists()
