@@ -22,7 +22,8 @@ import os
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -156,7 +157,7 @@ class TokenData:
         self.num_samples = (len(tokens) - 1) // seq_len
 
     @classmethod
-    def load(cls, run: RunConfig, tokens_path: Optional[str]) -> "TokenData":
+    def load(cls, run: RunConfig, tokens_path: Optional[str]) -> TokenData:
         d = run.data
         if tokens_path is None:
             rng = np.random.default_rng(run.trainer.seed)

@@ -22,9 +22,6 @@ import torch
 from .config import ConfigError, RunConfig
 from .topology import ParallelContext, ParallelDims
 
-RUN_MARKER_ENV = "FRAMEWORK_RUN_ID"  # inherited by every rank: lets tests find stray processes
-
-
 class RankFailure(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
 
@@ -87,10 +84,8 @@ def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
     from .worker import rank_main
 
     _logging.getLogger("torch.distributed.elastic").setLevel(_logging.WARNING)
-    run_id = uuid.uuid4().hex[:12]
-    os.environ[RUN_MARKER_ENV] = run_id
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=run.world_size, run_id=run_id,
+        min_nodes=1, max_nodes=1, nproc_per_node=run.world_size, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, as torchrun --standalone
         max_restarts=0, monitor_interval=0.2, start_method="spawn",
     )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import torch
 

@@ -88,7 +88,7 @@ class ParallelContext:
         return self.groups["pp"]
 
     @classmethod
-    def create(cls, dims: ParallelDims, rank: int, device) -> "ParallelContext":
+    def create(cls, dims: ParallelDims, rank: int, device) -> ParallelContext:
         import torch.distributed as dist
 
         groups, members = {}, {}

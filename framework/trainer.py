@@ -83,9 +83,9 @@ def train_step(step: int, st: RankState, run: RunConfig, ctx: ParallelContext) -
     clip = run.trainer.grad_clip or float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), clip)
     st.optimizer.step()
-    states = model_state_bytes(st.model, st.optimizer)  # grads still held: measure before freeing
-    st.optimizer.zero_grad(set_to_none=True)
     t3 = _now(dev)
+    states = model_state_bytes(st.model, st.optimizer)  # untimed; grads still held, so measured before freeing
+    st.optimizer.zero_grad(set_to_none=True)
     if ctx.dims.dp > 1:
         dist.all_reduce(loss_sum, group=ctx.dp_group)  # after timing: reporting, not training
         loss_sum /= ctx.dims.dp

@@ -8,7 +8,8 @@ also before launch; the device check lives with the device choice in `framework.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from .config import ConfigError, RunConfig
 

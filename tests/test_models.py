@@ -54,7 +54,7 @@ def test_same_seed_same_weights_and_activation_checkpointing_is_exact():
     la, lb = a(ids[:, :-1], ids[:, 1:]), b(ids[:, :-1], ids[:, 1:])
     la.backward(), lb.backward()
     assert torch.equal(la, lb)
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=0)
 
 
@@ -64,7 +64,7 @@ def test_pretrained_weights_load_from_a_local_directory(tmp_path):
     cfg = ModelConfig(arch="gpt2", pretrained=str(tmp_path))
     split = build_model(cfg, vocab_size=999, seed=0)  # sizes come from the checkpoint
     assert len(split.blocks) == 2
-    for (n, p), q in zip(real.state_dict().items(), split.hf_model.state_dict().values()):
+    for (n, p), q in zip(real.state_dict().items(), split.hf_model.state_dict().values(), strict=True):
         assert torch.equal(p, q), n
 
 

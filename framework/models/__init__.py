@@ -38,10 +38,8 @@ def _load_pretrained(m: ModelConfig, device):
 def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu",
                 checkpoint_blocks: bool = False) -> SplitLM:
     hf = build_hf_model(m, vocab_size, seed, device)
-    if m.dropout == 0.0:
-        hf.eval()  # dropout 0 anyway; eval keeps transformers from any train-only path
-    else:
-        hf.train()
+    # Train mode only matters for dropout; from_pretrained returns eval mode, random init train.
+    hf.train(m.dropout > 0)
     return ARCHS[m.arch].split(hf, checkpoint_blocks)
 
 
