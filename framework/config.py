@@ -62,6 +62,7 @@ class ParallelismConfig:
     pp: int = 1
     zero: int = 0
     world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size
+    partition: Any = "uniform"  # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]
 
 
 @dataclass

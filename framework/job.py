@@ -59,10 +59,25 @@ def run_info(run: RunConfig, device_type: str) -> RunInfo:
                           f"use data.seq_len <= {num_positions(model)}")
     c = model.config
     fpt = flops_per_token(matmul_params(model), c.num_hidden_layers, c.hidden_size, run.data.seq_len)
+    check_partition(run, model)
     peak, source = _peak(run, device_type)
     s = run.schedule
-    bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages)
+    bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
     return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble)
+
+
+def check_partition(run: RunConfig, hf_model) -> list[range]:
+    """Blocks -> stages on the meta model, so a stage without blocks fails before launch."""
+    from .models import ARCHS
+    from .parallel.pipeline.partition import PartitionError
+    from .parallel.pipeline.stage import stage_ranges
+
+    stages = run.parallelism.pp * run.schedule.virtual_stages
+    try:
+        return stage_ranges(run.parallelism.partition, ARCHS[run.model.arch].split(hf_model), stages)
+    except PartitionError as e:
+        raise ConfigError("parallelism.partition", run.parallelism.partition, str(e),
+                          "use fewer stages, another method, or a balance list with a block per stage") from None
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
@@ -87,7 +102,8 @@ def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
 
 def dry_run(run: RunConfig, job_dir: str) -> dict:
     vocab = run.model.vocab_size or _vocab_without_data(run)
-    plan = make_plan(run, meta_model(run, vocab))
+    model = meta_model(run, vocab)
+    plan = make_plan(run, model, check_partition(run, model))
     print(render_plan(plan))
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as f:

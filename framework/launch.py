@@ -11,8 +11,10 @@ by `torch.distributed.elastic.multiprocessing.errors.record`. The same rank code
 
 from __future__ import annotations
 
+import json
 import logging as _logging
 import os
+import shutil
 import uuid
 from dataclasses import asdict
 from typing import Optional
@@ -68,7 +70,23 @@ def init_rank(run: RunConfig) -> ParallelContext:
     return ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, device)
 
 
-def _failure_message(err) -> str:
+def _failure_message(err, job_dir: str) -> str:
+    """The root cause: the earliest failure the ranks recorded (worker.record_failure),
+    else elastic's first failure. Ranks that failed after it are named, not blamed."""
+    from .worker import FAILURES_DIR
+
+    folder = os.path.join(job_dir, FAILURES_DIR)
+    records = []
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            with open(os.path.join(folder, name)) as f:
+                records.append(json.load(f))
+        shutil.rmtree(folder)
+    if records:
+        records.sort(key=lambda r: r["time"])
+        first, later = records[0], records[1:]
+        also = f"\n(then ranks {', '.join(str(r['rank']) for r in later)} failed as a consequence)" if later else ""
+        return f"rank {first['rank']} failed:\n{first['traceback']}{also}"
     rank, failure = err.get_first_failure()
     data = failure.error_file_data or {}
     msg = data.get("message", {})
@@ -92,5 +110,5 @@ def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
     try:
         results = elastic_launch(config, rank_main)(job_dir, asdict(info))
     except ChildFailedError as e:
-        raise RankFailure(_failure_message(e)) from None
+        raise RankFailure(_failure_message(e, job_dir)) from None
     return results[0]

@@ -6,9 +6,15 @@ log interval and rank 0 merges them into one record per step:
   step_time_s the slowest rank's wall time for the step (data + fwd/bwd + optimizer)
   tokens_per_s global tokens per step / step_time_s
   tflops, mfu model FLOP/s per rank (6N + 12·L·h·s per token, framework.metrics.flops)
+  bubble_fraction  pipeline idle share, mean over ranks (each: 1 - compute / window,
+              framework/parallel/pipeline/runner.py); _max and per rank beside it
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
 when the run completes), summary.json (written last, atomically: its presence means the
-run completed). Summary statistics are medians over steps after metrics.skip_first.
+run completed), and for pipelines trace.json (every step's actions, Chrome trace format)
+and timeline.png (one step). Summary statistics are medians over steps after
+metrics.skip_first; for the asynchronous schedules the bubble is measured over the whole
+run instead (start-up and drain are the bubble there, and they fall in the first and last
+steps).
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .metrics.flops import mfu
+from .metrics.timeline import render_timeline, write_trace
 from .topology import ParallelContext
 
-MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s")
+MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
+               "bubble_fraction", "bubble_fraction_max")
 
 
 @dataclass
@@ -66,6 +74,8 @@ class RunLogger:
         self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
+        self.actions: dict[int, list] = {}  # step -> per-rank action records (pipelines)
+        self.busy_window: list[list[tuple[float, float]]] = []  # step -> per-rank (busy, window)
         self.wandb = None
         self.completed = False
         if self.is_logger:
@@ -99,10 +109,14 @@ class RunLogger:
             "tflops": tps * self.info.flops_per_token / self.run.world_size / 1e12, "mfu": achieved_mfu,
             "data_s": max(r["data_s"] for r in per_rank), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),
             "optimizer_s": max(r["optimizer_s"] for r in per_rank),
-            # No pipeline yet (pp = 1): no stage waits on another, so no bubble by definition.
-            "bubble_fraction": 0.0, "bubble_fraction_analytic": self.info.bubble_fraction_analytic,
+            # pp = 1: no stage waits on another, so no bubble by definition (runners report 0).
+            "bubble_fraction": sum(r["bubble"] for r in per_rank) / len(per_rank),
+            "bubble_fraction_max": max(r["bubble"] for r in per_rank),
+            "bubble_fraction_analytic": self.info.bubble_fraction_analytic,
             "activation_peak_bytes": max(r["activation_peak_bytes"] for r in per_rank),
+            "weight_version_bytes": max(r["weight_version_bytes"] for r in per_rank),
             "rank_step_time_s": [r["step_time_s"] for r in per_rank],
+            "rank_bubble_fraction": [r["bubble"] for r in per_rank],
         }
 
     def gather_and_log(self, pending: list[dict]) -> None:
@@ -111,11 +125,15 @@ class RunLogger:
         if not self.is_logger:
             return
         for i in range(len(pending)):
-            rec = self._merge([rank_recs[i] for rank_recs in gathered])
+            per_rank = [rank_recs[i] for rank_recs in gathered]
+            rec = self._merge(per_rank)
             self.records.append(rec)
+            if self.run.parallelism.pp > 1:
+                self.actions[rec["step"]] = [r["actions"] for r in per_rank]
+                self.busy_window.append([(r["busy_s"], r["window_s"]) for r in per_rank])
             self.jsonl.write(json.dumps(rec) + "\n")
             if self.wandb is not None:
-                self.wandb.log({k: v for k, v in rec.items() if k != "rank_step_time_s"}, step=rec["step"])
+                self.wandb.log(_wandb_row(rec), step=rec["step"])
         self.jsonl.flush()
         self._print(self.records[-1])
 
@@ -132,6 +150,8 @@ class RunLogger:
         if not self.is_logger:
             return None
         summary = self._summary(gathered)
+        if self.run.parallelism.pp > 1:
+            self._write_timeline(summary)
         self.jsonl.close()
         os.replace(self.partial_path, os.path.join(self.job_dir, "metrics.jsonl"))
         _atomic_write(os.path.join(self.job_dir, "summary.json"), json.dumps(summary, indent=2))
@@ -143,11 +163,22 @@ class RunLogger:
     def _summary(self, ranks: list[dict]) -> dict:
         measured = self.records[self.run.metrics.skip_first:]
         med = {k: statistics.median(r[k] for r in measured) for k in MEDIAN_KEYS}
+        n_ranks = len(ranks)
+        per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
+        if self.run.schedule.name in ("1f1b", "2bw") and self.busy_window:
+            per_rank = [1 - sum(s[i][0] for s in self.busy_window) / sum(s[i][1] for s in self.busy_window)
+                        for i in range(n_ranks)]  # whole run: fill and drain are the async bubble
+            med["bubble_fraction"], med["bubble_fraction_max"] = sum(per_rank) / n_ranks, max(per_rank)
+        for r, b in zip(ranks, per_rank, strict=True):
+            r["bubble_fraction"] = b
         run, info = self.run, self.info
         return {
             "status": "completed", "loss": self.records[-1]["loss"], "loss_first": self.records[0]["loss"],
             **med, "steps": run.trainer.steps, "measured_steps": len(measured),
-            "bubble_fraction": 0.0, "bubble_fraction_analytic": info.bubble_fraction_analytic,
+            "bubble_fraction_analytic": info.bubble_fraction_analytic,
+            "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
+            "virtual_stages": run.schedule.virtual_stages,
+            "weight_version_bytes_max": max(r["weight_version_bytes"] for r in ranks),
             "memory_peak_bytes": max(r["memory_peak_bytes"] for r in ranks),
             "model_state_bytes_max": max(r["model_state_bytes"] for r in ranks),
             "activation_peak_bytes_max": max(r["activation_peak_bytes"] for r in ranks),
@@ -158,6 +189,25 @@ class RunLogger:
             "device": self.ctx.device.type, "ranks": ranks,
         }
 
+    def _write_timeline(self, summary: dict) -> None:
+        """trace.json (every step) and timeline.png (the measured step with the median time)."""
+        write_trace(self.actions, os.path.join(self.job_dir, "trace.json"))
+        measured = self.records[self.run.metrics.skip_first:]
+        chosen = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]["step"]
+        png = os.path.join(self.job_dir, "timeline.png")
+        title = (f"{self.run.schedule.name}, pp={self.run.parallelism.pp}, m={self.run.schedule.microbatches}, "
+                 f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time) | bubble measured "
+                 f"{self.records[chosen]['bubble_fraction']:.3f}, analytic {self.info.bubble_fraction_analytic:.3f}")
+        render_timeline(self.actions[chosen], png, title)
+        summary["timeline_step"] = chosen
+        if self.wandb is not None:
+            import wandb
+
+            rows = [[rank, step, a, s, cs - s, e - cs] for step, per in self.actions.items()
+                    for rank, recs in enumerate(per) for a, s, cs, e in recs]
+            self.wandb.log({"timeline": wandb.Image(png), "actions": wandb.Table(
+                columns=["rank", "step", "action", "start_unix_s", "wait_s", "compute_s"], data=rows)})
+
     def close(self) -> None:
         """Always runs (finally): a failed run's W&B run is marked failed and closed."""
         if not self.is_logger:
@@ -166,3 +216,9 @@ class RunLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=0 if self.completed else 1)
+
+
+def _wandb_row(rec: dict) -> dict:
+    row = {k: v for k, v in rec.items() if not k.startswith("rank_")}
+    row.update({f"bubble_fraction/rank{i}": b for i, b in enumerate(rec["rank_bubble_fraction"])})
+    return row

@@ -20,7 +20,8 @@ from .config import RunConfig
 from .metrics.bubble import analytic_bubble
 from .models import ARCHS
 from .optim import build_optimizer
-from .parallel.pipeline.partition import uniform
+from .parallel.pipeline.check import grid
+from .parallel.pipeline.schedules import build_schedule
 from .topology import ParallelDims
 
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
@@ -40,20 +41,20 @@ def optimizer_state_ratio(spec: dict) -> float:
     return sum(v.numel() * v.element_size() for v in state) / (p.numel() * p.element_size())
 
 
-def stage_table(run: RunConfig, hf_model: nn.Module) -> list[dict]:
+def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> list[dict]:
     split = ARCHS[run.model.arch].split(hf_model)
-    ranges = uniform(len(split.blocks), run.parallelism.pp)
     emb, head = _numel(split.embedding), _numel(split.head)
     tied = run.model.tie_embeddings
     if tied:  # lm_head shares the embedding weight: parameters() of head already counted it
         head -= hf_model.get_output_embeddings().weight.numel()
-    stages = []
+    stages, pp = [], run.parallelism.pp
     for s, r in enumerate(ranges):
         first, last = s == 0, s == len(ranges) - 1
         n = sum(_numel(split.blocks[i]) for i in r) + (emb if first else 0)
         if last:
             n += head + (hf_model.get_output_embeddings().weight.numel() if tied and not first else 0)
-        stages.append({"stage": s, "blocks": [r.start, r.stop - 1], "embedding": first, "head": last, "params": n})
+        stages.append({"stage": s, "pp_rank": s % pp, "chunk": s // pp, "blocks": [r.start, r.stop - 1],
+                       "embedding": first, "head": last, "params": n})
     return stages
 
 
@@ -74,23 +75,28 @@ def draw_layout(dims: ParallelDims) -> str:
     return "\n".join(out)
 
 
-def make_plan(run: RunConfig, hf_model: nn.Module) -> dict:
+def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     p, s = run.parallelism, run.schedule
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
-    stages = stage_table(run, hf_model)
+    stages = stage_table(run, hf_model, ranges)
     ratio = optimizer_state_ratio(run.optimizer)
     memory = []
-    for st in stages:
-        params_bytes = st["params"] // p.tp * 4  # fp32 parameters (bf16 runs autocast, keep fp32 weights)
-        memory.append({"stage": st["stage"], "params_bytes": params_bytes, "grads_bytes": params_bytes,
+    for rank in range(p.pp):  # a rank holds its v chunks
+        n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
+        params_bytes = n // p.tp * 4  # fp32 parameters (bf16 runs autocast, keep fp32 weights)
+        memory.append({"pp_rank": rank, "params_bytes": params_bytes, "grads_bytes": params_bytes,
                        "optimizer_bytes": int(params_bytes * ratio),
                        "model_state_bytes": int(params_bytes * (2 + ratio))})
+    lists = build_schedule(s.name, p.pp, s.microbatches, s.virtual_stages, steps=2)
+    schedule_grid = grid(lists, p.pp, s.virtual_stages) if p.pp > 1 else ""  # async: its first two steps
     return {
         "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp}, "zero": p.zero,
         "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp")}, "layout": draw_layout(dims),
         "stages": stages, "schedule": {"name": s.name, "microbatches": s.microbatches,
                                        "virtual_stages": s.virtual_stages},
-        "bubble_fraction_analytic": analytic_bubble(s.name, p.pp, s.microbatches, s.virtual_stages),
+        "bubble_fraction_analytic": analytic_bubble(s.name, p.pp, s.microbatches, s.virtual_stages,
+                                                    run.trainer.steps),
+        "schedule_grid": schedule_grid,
         "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step,
         "optimizer_state_ratio": ratio, "memory_estimate_per_rank": memory,
     }
@@ -102,13 +108,17 @@ def render_plan(plan: dict) -> str:
     for d, gs in plan["groups"].items():
         lines.append(f"  {d}: {len(gs)} groups of {len(gs[0])}: " + " ".join(str(g) for g in gs[:4]) + (" ..." if len(gs) > 4 else ""))
     lines.append("stages:")
-    for st, mem in zip(plan["stages"], plan["memory_estimate_per_rank"]):
+    for st in plan["stages"]:
         parts = (["embedding"] if st["embedding"] else []) + [f"blocks {st['blocks'][0]}-{st['blocks'][1]}"] + (["head"] if st["head"] else [])
-        lines.append(f"  stage {st['stage']}: {' + '.join(parts)} | {st['params'] / 1e6:.2f}M params | per rank est.: "
-                     f"params {mem['params_bytes'] / 2**20:.1f} MiB, grads {mem['grads_bytes'] / 2**20:.1f} MiB, "
-                     f"optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB")
+        lines.append(f"  stage {st['stage']} (pp rank {st['pp_rank']}, chunk {st['chunk']}): {' + '.join(parts)} "
+                     f"| {st['params'] / 1e6:.2f}M params")
+    for mem in plan["memory_estimate_per_rank"]:
+        lines.append(f"  pp rank {mem['pp_rank']} per rank est.: params {mem['params_bytes'] / 2**20:.1f} MiB, "
+                     f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB")
     s = plan["schedule"]
     lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
                  f"analytic bubble {plan['bubble_fraction_analytic']:.3f}")
+    if plan["schedule_grid"]:
+        lines.append("schedule grid (unit-time simulation; . = idle):\n" + plan["schedule_grid"])
     lines.append(f"global batch {plan['global_batch']} sequences = {plan['tokens_per_step']} tokens/step")
     return "\n".join(lines)

@@ -60,6 +60,11 @@ class ParallelDims:
                 out.append([self.rank(Coords(**fixed, **{dim: i})) for i in range(sizes[dim])])
         return sorted(out)
 
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last stage of each pipeline (Megatron's embedding group): they hold the
+        two copies of a tied input/output embedding. None when pp = 1."""
+        return [[g[0], g[-1]] for g in self.groups("pp")] if self.pp > 1 else []
+
     def group_of(self, dim: str, rank: int) -> list[int]:
         return next(g for g in self.groups(dim) if rank in g)
 
@@ -92,10 +97,10 @@ class ParallelContext:
         import torch.distributed as dist
 
         groups, members = {}, {}
-        for dim in ("pp", "dp", "tp"):
+        for dim in ("pp", "dp", "tp", "embedding"):
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the one it belongs to.
-            for ranks in dims.groups(dim):
+            for ranks in dims.groups(dim) if dim != "embedding" else dims.embedding_groups():
                 g = dist.new_group(ranks)
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks

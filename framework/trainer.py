@@ -1,9 +1,12 @@
-"""One rank's training run: build model, data, wrapper and optimizer, then loop over steps.
+"""One rank's training run: build a runner for the layout, then loop over steps.
 
-Per step each rank records wall time split into data loading, forward+backward (which on
-the last micro-batch includes DDP's overlapped gradient all-reduce) and optimizer, plus
-loss, lr, grad norm and saved-activation peak. Records are gathered to the logging rank
-every log interval (not every step, so logging does not add a sync point to each step).
+A runner does one optimizer step (or, for asynchronous pipelines, one step's share of the
+never-flushed schedule) and reports loss, grad norm and timings:
+- `AccumulationRunner` (pp = 1): micro-batches accumulated under DDP's no_sync, one
+  gradient all-reduce per step (framework/parallel/data_parallel.py).
+- `PipelineRunner` (pp > 1): the schedule's action list (framework/parallel/pipeline/).
+Records are gathered to the logging rank every log interval (not every step, so logging
+adds no sync point to each step).
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,8 @@ from .metrics.memory import ActivationTracker, device_memory, model_state_bytes,
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import data_parallel
+from .parallel.pipeline.runner import PipelineRunner
+from .parallel.pipeline.stage import stage_state_dict
 from .topology import ParallelContext
 
 
@@ -31,101 +35,148 @@ class InjectedFault(RuntimeError):
     """Raised by debug.fail_rank to test that a crashed rank ends the whole job."""
 
 
-@dataclass
-class RankState:
-    model: torch.nn.Module  # the SplitLM
-    wrapped: torch.nn.Module  # DDP(model) or model
-    optimizer: torch.optim.Optimizer
-    data: TokenData
-    sampler: ShardedSampler
-    tracker: ActivationTracker
-
-
-def build(run: RunConfig, info: RunInfo, ctx: ParallelContext) -> RankState:
-    vocab = run.model.vocab_size or info.vocab_size
-    model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing)
-    wrapped = data_parallel.wrap(model, ctx)
-    optimizer = build_optimizer(run.optimizer, model.parameters())
-    data = TokenData.load(run, info.tokens_path)
-    sampler = ShardedSampler(data.num_samples, run.trainer.micro_batch_size, run.schedule.microbatches,
-                             ctx.coords.dp, ctx.dims.dp, run.trainer.seed)
-    return RankState(model, wrapped, optimizer, data, sampler, ActivationTracker(model))
-
-
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # time the work, not the kernel launches
-    return time.perf_counter()
+    return time.time()
 
 
-def _autocast(run: RunConfig, device: torch.device):
+def autocast_context(run: RunConfig, device: torch.device):
     if run.trainer.precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def train_step(step: int, st: RankState, run: RunConfig, ctx: ParallelContext) -> dict:
-    dev, m = ctx.device, run.schedule.microbatches
-    lr = lr_at(step, run)
-    set_lr(st.optimizer, lr)
-    t0 = _now(dev)
-    batches = [(x.to(dev), y.to(dev)) for x, y in st.sampler.microbatches(st.data, step)]
-    t1 = _now(dev)
-    loss_sum = torch.zeros((), device=dev)
-    for j, (x, y) in enumerate(batches):
-        with data_parallel.sync_context(st.wrapped, last_microbatch=j == m - 1):
-            with st.tracker.forward(j), _autocast(run, dev):
-                loss = st.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
-            loss.backward()
-        st.tracker.backward_done(j)
-        loss_sum += loss.detach()
-    t2 = _now(dev)
-    clip = run.trainer.grad_clip or float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), clip)
-    st.optimizer.step()
-    t3 = _now(dev)
-    states = model_state_bytes(st.model, st.optimizer)  # untimed; grads still held, so measured before freeing
-    st.optimizer.zero_grad(set_to_none=True)
-    if ctx.dims.dp > 1:
-        dist.all_reduce(loss_sum, group=ctx.dp_group)  # after timing: reporting, not training
-        loss_sum /= ctx.dims.dp
-    return {"step": step, "loss": loss_sum.item(), "lr": lr, "grad_norm": grad_norm.item(),
-            "step_time_s": t3 - t0, "data_s": t1 - t0, "fwd_bwd_s": t2 - t1, "optimizer_s": t3 - t2,
-            "activation_peak_bytes": st.tracker.peak_bytes, **states}
+class AccumulationRunner:
+    """pp = 1: the whole model on this rank, DDP over dp, gradient accumulation."""
+
+    is_async = False
+
+    def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker):
+        self.run, self.ctx, self.tracker = run, ctx, tracker
+        self.module, self.chunks = model, [model]
+        self.wrapped = data_parallel.wrap(model, ctx)
+        self.optimizer = build_optimizer(run.optimizer, model.parameters())
+
+    def step(self, step: int, batch_of) -> dict:
+        dev, m = self.ctx.device, self.run.schedule.microbatches
+        set_lr(self.optimizer, lr_at(step, self.run))
+        t1 = _now(dev)
+        loss_sum = torch.zeros((), device=dev)
+        for j in range(m):
+            x, y = batch_of(j)
+            with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
+                with self.tracker.forward(j), autocast_context(self.run, dev):
+                    loss = self.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
+                loss.backward()
+            self.tracker.backward_done(j)
+            loss_sum += loss.detach()
+        t2 = _now(dev)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.run.trainer.grad_clip or float("inf"))
+        self.optimizer.step()
+        t3 = _now(dev)
+        self.states = model_state_bytes(self.module, self.optimizer)  # untimed; grads still held
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.dims.dp > 1:
+            dist.all_reduce(loss_sum, group=self.ctx.dp_group)  # after timing: reporting, not training
+            loss_sum /= self.ctx.dims.dp
+        return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "pipeline_s": t2 - t1,
+                "optimizer_s": t3 - t2, "bubble": 0.0, "records": [], "weight_version_bytes": 0}
 
 
-def rank_memory(st: RankState, last: dict, device: torch.device) -> dict:
+def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
+    vocab = run.model.vocab_size or info.vocab_size
+    model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing)
+    tracker = ActivationTracker(model)
+
+    def forward_context(mb, chunk):
+        stack = contextlib.ExitStack()
+        stack.enter_context(tracker.forward((mb, chunk)))
+        stack.enter_context(autocast_context(run, ctx.device))
+        return stack
+
+    if run.parallelism.pp == 1:
+        return AccumulationRunner(run, ctx, model, tracker), model
+    return PipelineRunner(run, ctx, model, tracker, forward_context), model
+
+
+class Batches:
+    """Micro-batches by (data step, index), loaded on demand and dropped once used."""
+
+    def __init__(self, run: RunConfig, info: RunInfo, ctx: ParallelContext):
+        self.data = TokenData.load(run, info.tokens_path)
+        self.sampler = ShardedSampler(self.data.num_samples, run.trainer.micro_batch_size, run.schedule.microbatches,
+                                      ctx.coords.dp, ctx.dims.dp, run.trainer.seed)
+        self.m, self.device = run.schedule.microbatches, ctx.device
+
+    def load(self, keys: list[tuple[int, int]]) -> dict:
+        by_step = {s: self.sampler.step_indices(s) for s in {s for s, _ in keys}}
+        return {(s, j): tuple(t.to(self.device) for t in self.data.batch(by_step[s][j])) for s, j in keys}
+
+
+def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
+    """Which micro-batches a step needs, and how the runner names them."""
+    if runner.is_async:  # global micro-batch ids, possibly of the next step (warm-up runs ahead)
+        ids = sorted({a.microbatch for a in runner.segments[step] if a.op == "F"})
+        return [(j // m, j % m) for j in ids], lambda j: (j // m, j % m)
+    return [(step, j) for j in range(m)], lambda j: (step, j)
+
+
+def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> dict:
+    t0 = _now(ctx.device)
+    keys, key_of = _keys(runner, step, run.schedule.microbatches)
+    loaded = batches.load(keys)
+    t1 = _now(ctx.device)
+    out = runner.step(step, lambda j: loaded[key_of(j)])
+    t2 = _now(ctx.device)
+    return {"step": step, "loss": out["loss"], "lr": lr_at(step, run), "grad_norm": out["grad_norm"],
+            "step_time_s": t2 - t0, "data_s": t1 - t0, "fwd_bwd_s": out["pipeline_s"], "optimizer_s": out["optimizer_s"],
+            "bubble": out["bubble"], "busy_s": out.get("busy_s", 0.0), "window_s": out.get("window_s", 0.0),
+            "activation_peak_bytes": runner.tracker.peak_bytes,
+            "weight_version_bytes": out["weight_version_bytes"],
+            "actions": [(r.action, r.start, r.compute_start, r.end) for r in out["records"]], **runner.states}
+
+
+def rank_memory(runner, last: dict, device: torch.device) -> dict:
     rss = peak_rss_bytes()
     mem = {k: last[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+    mem["weight_version_bytes"] = last["weight_version_bytes"]
     mem["model_state_bytes"] = sum(mem.values())
-    mem.update(activation_peak_bytes=st.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
+    mem.update(activation_peak_bytes=runner.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
     mem["memory_peak_bytes"] = mem.get("cuda_max_reserved_bytes", rss)
     return mem
 
 
-def save_checkpoint(model, job_dir: str) -> None:
-    """final_model.pt: the transformers state dict (loadable with from_pretrained's names)."""
-    path = os.path.join(job_dir, "final_model.pt")
-    torch.save(model.hf_model.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
+def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
+    """final_model.pt: transformers parameter names, merged over pipeline stages on rank 0."""
+    part = stage_state_dict(full, runner.chunks) if ctx.coords.dp == 0 and ctx.coords.tp == 0 else {}
+    parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    if ctx.rank == 0:
+        merged = {k: v for p in parts for k, v in p.items()}
+        path = os.path.join(job_dir, "final_model.pt")
+        torch.save(merged, path + ".tmp")
+        os.replace(path + ".tmp", path)
 
 
 def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> Optional[dict]:
     """Run every step on this rank; the logging rank returns the summary, others None."""
-    st = build(run, info, ctx)
+    runner, full = build_runner(run, info, ctx)
+    batches = Batches(run, info, ctx)
     logger = RunLogger(run, job_dir, ctx, info)
     try:
         pending, rec = [], {}
         for step in range(run.trainer.steps):
             if run.debug.fail_rank == ctx.rank and step == run.debug.fail_step:
-                raise InjectedFault(f"injected fault on rank {ctx.rank} at step {step} (debug.fail_rank)")
-            rec = train_step(step, st, run, ctx)
+                raise InjectedFault(f"injected fault on rank {ctx.rank} at step {step} "
+                                    f"(debug.fail_rank; unix time {time.time():.3f})")
+            rec = train_step(step, runner, batches, run, ctx)
             pending.append(rec)
             if (step + 1) % run.trainer.log_interval == 0 or step + 1 == run.trainer.steps:
                 logger.gather_and_log(pending)
                 pending = []
-        if run.trainer.save_checkpoint and ctx.rank == 0:
-            save_checkpoint(st.model, job_dir)
-        return logger.finish(rank_memory(st, rec, ctx.device))  # summary.json last: marks completion
+        if run.trainer.save_checkpoint:
+            save_checkpoint(runner, full, ctx, job_dir)
+        return logger.finish(rank_memory(runner, rec, ctx.device))  # summary.json last: marks completion
     finally:
         logger.close()

@@ -8,14 +8,16 @@ also before launch; the device check lives with the device choice in `framework.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import re
 from collections.abc import Iterable
+from typing import Any
 
 from .config import ConfigError, RunConfig
+from .parallel.pipeline.partition import uniform
+from .parallel.pipeline.schedules import ASYNC_SCHEDULES, SCHEDULES, interleaved_check
 
 ARCHS = ("gpt2", "llama")
 DATASETS = ("pycode", "synthetic", "hf")
-SCHEDULES = ("gpipe", "flush", "interleaved", "1f1b", "2bw")
 PRECISIONS = ("fp32", "bf16")
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
@@ -51,8 +53,7 @@ def _parallelism(run: RunConfig) -> None:
         raise ConfigError("parallelism.world_size", p.world_size,
                           f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
                           "change dp/tp/pp so their product is the world size, or leave world_size null")
-    pending = {"tp": (p.tp > 1, "tensor-parallel"), "pp": (p.pp > 1, "pipeline-parallel"),
-               "zero": (p.zero > 0, "ZeRO")}
+    pending = {"tp": (p.tp > 1, "tensor-parallel"), "zero": (p.zero > 0, "ZeRO")}
     for key, (used, what) in pending.items():
         if used and not run.dry_run:  # a dry run only plans, so it may show any layout
             raise ConfigError(f"parallelism.{key}", getattr(p, key),
@@ -61,17 +62,67 @@ def _parallelism(run: RunConfig) -> None:
 
 
 def _schedule(run: RunConfig) -> None:
-    s = run.schedule
+    s, pp = run.schedule, run.parallelism.pp
     _choice("schedule.name", s.name, SCHEDULES)
     _positive("schedule.microbatches", s.microbatches)
     _positive("schedule.virtual_stages", s.virtual_stages)
-    if run.parallelism.pp == 1 and s.name not in ("gpipe", "flush"):
+    if pp == 1 and s.name not in ("gpipe", "flush"):
         raise ConfigError("schedule.name", s.name,
                           "with pp = 1 only the synchronous gpipe / flush (gradient accumulation) run",
-                          "use schedule=flush, or set parallelism.pp > 1 once pipelining lands")
-    if run.parallelism.pp == 1 and s.virtual_stages != 1:
+                          "use schedule=flush, or set parallelism.pp > 1")
+    if s.virtual_stages != 1 and (pp == 1 or s.name != "interleaved"):
         raise ConfigError("schedule.virtual_stages", s.virtual_stages,
-                          "virtual stages need a pipeline (pp > 1)", "set schedule.virtual_stages=1")
+                          "several model chunks per rank need schedule=interleaved and pp > 1",
+                          "set schedule.virtual_stages=1, or schedule=interleaved with parallelism.pp > 1")
+    if s.name == "interleaved" and pp > 1 and interleaved_check(pp, s.microbatches, s.virtual_stages):
+        raise ConfigError("schedule.microbatches", s.microbatches, interleaved_check(pp, s.microbatches, s.virtual_stages),
+                          f"use a multiple of {pp}, e.g. schedule.microbatches={pp * max(1, s.microbatches // pp)}")
+    if s.name in ASYNC_SCHEDULES:
+        _async_schedule(run)
+    stages = pp * s.virtual_stages
+    if stages > run.model.n_layer and not run.model.pretrained:
+        raise ConfigError("parallelism.pp", pp, f"{stages} stages (pp * virtual_stages) for model.n_layer="
+                          f"{run.model.n_layer} blocks: a stage would hold no block",
+                          f"use pp * virtual_stages <= {run.model.n_layer}")
+    _partition(run, stages)
+
+
+def _async_schedule(run: RunConfig) -> None:
+    s, p = run.schedule, run.parallelism
+    if p.dp > 1:
+        raise ConfigError("parallelism.dp", p.dp, f"schedule={s.name} is asynchronous; its per-update gradient "
+                          "all-reduce over dp is not implemented", "use parallelism.dp=1 with 1f1b / 2bw")
+    if run.model.tie_embeddings and p.pp > 1:
+        raise ConfigError("model.tie_embeddings", True,
+                          f"schedule={s.name} updates the first and last stage at different times from different "
+                          "weight versions, so their two copies of a tied embedding cannot stay one weight",
+                          "set model.tie_embeddings=false (the schedule=1f1b / schedule=2bw presets do)")
+    if s.name == "2bw" and s.microbatches < p.pp:
+        raise ConfigError("schedule.microbatches", s.microbatches,
+                          f"2bw keeps two weight versions only when microbatches >= pp={p.pp} (a stage must "
+                          "finish a step's backward before the step after next starts)",
+                          f"use schedule.microbatches >= {p.pp}")
+
+
+def _partition(run: RunConfig, stages: int) -> None:
+    method = run.parallelism.partition
+    if isinstance(method, (list, tuple)):
+        if len(method) != stages or any(not isinstance(b, int) or b < 1 for b in method) \
+                or (not run.model.pretrained and sum(method) != run.model.n_layer):
+            raise ConfigError("parallelism.partition", list(method),
+                              f"an explicit balance lists {stages} positive block counts summing to model.n_layer",
+                              f"e.g. parallelism.partition={[len(r) for r in uniform(run.model.n_layer, stages)]}")
+        return
+    if method in ("uniform", "parameters"):
+        return
+    if isinstance(method, str) and method.startswith("type:"):
+        try:
+            re.compile(method[5:])
+            return
+        except re.error as e:
+            raise ConfigError("parallelism.partition", method, f"bad regular expression ({e})", "e.g. type:Block") from None
+    raise ConfigError("parallelism.partition", method, "unknown partition method",
+                      "use uniform, parameters, type:<regex> or a list of blocks per stage")
 
 
 def _trainer(run: RunConfig) -> None:

@@ -17,6 +17,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .config import read_config
 from .logging import RunInfo
 
+FAILURES_DIR = "rank_failures"
+
 
 @record
 def rank_main(job_dir: str, info: dict) -> Optional[dict]:
@@ -31,12 +33,30 @@ def rank_main(job_dir: str, info: dict) -> Optional[dict]:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     from .trainer import train
 
-    run = read_config(os.path.join(job_dir, "config.yaml"))
-    ctx = init_rank(run)
     try:
-        return train(run, RunInfo(**info), ctx, job_dir)
-    finally:
-        dist.destroy_process_group()
+        run = read_config(os.path.join(job_dir, "config.yaml"))
+        ctx = init_rank(run)
+        try:
+            return train(run, RunInfo(**info), ctx, job_dir)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        record_failure(job_dir)
+        raise
+
+
+def record_failure(job_dir: str) -> None:
+    """Note this rank's failure with a precise time: when one rank dies, its peers' next
+    collective fails too ("connection closed by peer") within milliseconds, and elastic's
+    own error files only keep whole seconds. The launcher reports the earliest as the cause."""
+    import time
+    import traceback
+
+    folder = os.path.join(job_dir, FAILURES_DIR)
+    os.makedirs(folder, exist_ok=True)
+    rank = os.environ.get("RANK", "?")
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}, f)
 
 
 def main(argv: list[str]) -> None:

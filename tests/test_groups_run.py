@@ -53,3 +53,18 @@ def test_option_runs_a_couple_of_steps(group, option, tmp_path):
         assert summary["world_size"] == len(summary["ranks"]) == {"single": 1, "dp2": 2, "dp4": 4}[option]
     if group == "logger":
         assert any((tmp_path / "wandb").glob("offline-run-*")) == (option == "wandb")
+
+
+def test_bf16_and_activation_checkpointing_run_under_ddp(tmp_path):
+    base = [*TINY, "data=synthetic", "data.num_samples=64", "trainer.steps=3", "trainer.warmup_steps=1",
+            "parallelism=dp2", "schedule.microbatches=2"]
+    fp32 = run_local(tmp_path / "fp32", *base)
+    ckpt = run_local(tmp_path / "ckpt", *base, "trainer.activation_checkpointing=true")
+    bf16 = run_local(tmp_path / "bf16", *base, "trainer.precision=bf16")
+    # Recomputation changes no math: same losses; it keeps only block inputs for backward.
+    assert [m["loss"] for m in read_metrics(tmp_path / "ckpt")] == pytest.approx(
+        [m["loss"] for m in read_metrics(tmp_path / "fp32")], rel=1e-6)
+    assert ckpt["activation_peak_bytes_max"] < fp32["activation_peak_bytes_max"] / 2
+    # bf16 autocast: close to fp32 but not equal, and fp32 master weights (same param bytes).
+    assert bf16["loss_first"] == pytest.approx(fp32["loss_first"], rel=2e-2) and bf16["loss_first"] != fp32["loss_first"]
+    assert bf16["ranks"][0]["params_bytes"] == fp32["ranks"][0]["params_bytes"]

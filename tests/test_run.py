@@ -4,6 +4,7 @@ submitit_local, the dry run at 1024 ranks, torchrun, and a crashing rank."""
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,14 +132,14 @@ def _processes_with(marker: str) -> list[int]:
 def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path):
     marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
     key, value = marker.split("=")
-    start = time.monotonic()
-    # Rank 1 dies at step 3 while rank 0 waits in the gradient all-reduce.
+    # Rank 1 dies at step 3 while the other ranks wait for it in the gradient all-reduce.
     r = run_cli(["parallelism=dp4", *SMOKE, "trainer.steps=50", "debug.fail_rank=1", "debug.fail_step=3",
                  f"hydra.run.dir={tmp_path}"], timeout=120, env={key: value})
-    elapsed = time.monotonic() - start
+    ended = time.time()
     assert r.returncode != 0
     assert "rank 1 failed" in r.stderr and "InjectedFault: injected fault on rank 1 at step 3" in r.stderr
-    assert elapsed < 60  # the issue's 30 s bound is for the failure itself; this includes start-up
+    fault_time = float(re.search(r"unix time ([0-9.]+)", r.stderr).group(1))
+    assert 0 < ended - fault_time < 30  # the whole job is gone within 30 s of the fault (a liveness bound)
     assert _processes_with(marker) == []  # no orphan rank left behind
     assert "InjectedFault" in (tmp_path / "error.txt").read_text()
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "metrics.jsonl").exists()

@@ -50,10 +50,14 @@ class SplitLM(nn.Module):
                 h = block(h)
         return h
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, T) token ids -> loss when labels are given, else logits (B, T, V)."""
-        h = self.embedding(input_ids)  # (B, T, H)
-        logits = self.head(self.run_blocks(h))  # (B, T, V)
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, hidden states (B, T, H) elsewhere. Returns the
+        loss on the last stage when labels are given, logits (B, T, V) without, else (B, T, H)."""
+        h = self.embedding(x) if self.embedding is not None else x  # (B, T, H)
+        h = self.run_blocks(h)
+        if self.head is None:
+            return h
+        logits = self.head(h)  # (B, T, V)
         return logits if labels is None else lm_loss(logits, labels)
 
 

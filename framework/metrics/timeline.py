@@ -1,0 +1,68 @@
+"""Pipeline timelines: Chrome trace events (opens in Perfetto) and a per-rank Gantt PNG.
+
+Input: for each step, each rank's action records (name, start, compute_start, end) in
+unix seconds. Clocks of ranks on one host are the same clock; across hosts they are as
+close as the hosts' time sync. A receive wait (start -> compute_start) is drawn as its own
+`wait` slice in the trace, so idle time shows as what it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+Record = tuple[str, float, float, float]  # action, start, compute_start, end
+
+
+def _microbatch(action: str) -> int:
+    return int(re.search(r"[FBU](\d+)$", action).group(1))
+
+
+def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
+    t0 = min((r[1] for per_rank in steps.values() for recs in per_rank for r in recs), default=0.0)
+    events = []
+    n_ranks = max((len(v) for v in steps.values()), default=0)
+    for rank in range(n_ranks):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+    for step, per_rank in sorted(steps.items()):
+        for rank, recs in enumerate(per_rank):
+            for name, start, cstart, end in recs:
+                if cstart - start > 0:
+                    events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
+                                   "ts": (start - t0) * 1e6, "dur": (cstart - start) * 1e6, "args": {"step": step}})
+                op = re.search(r"[FBU]", name).group(0)
+                events.append({"name": name, "cat": op, "ph": "X", "pid": 0, "tid": rank, "ts": (cstart - t0) * 1e6,
+                               "dur": (end - cstart) * 1e6, "args": {"step": step, "microbatch": _microbatch(name)}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(steps: dict[int, list[list[Record]]], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(steps), f)
+
+
+def render_timeline(per_rank: list[list[Record]], path: str, title: str) -> None:
+    """Gantt chart of one step: forwards light, backwards dark, both coloured by micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on a training node
+    import matplotlib.pyplot as plt
+
+    t0 = min(r[1] for recs in per_rank for r in recs)
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
+    for rank, recs in enumerate(per_rank):
+        for name, _start, cstart, end in recs:
+            mb, op = _microbatch(name), re.search(r"[FBU]", name).group(0)
+            color = "0.5" if op == "U" else cmap((2 * mb + (op == "F")) % 20)
+            x, w = (cstart - t0) * 1e3, (end - cstart) * 1e3
+            ax.barh(rank, w, left=x, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+            if w > 0:
+                ax.text(x + w / 2, rank, name, ha="center", va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's first action (white = idle: waiting for a neighbour)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,143 @@
+"""A pipeline rank's training step: the executor's actions plus what surrounds them.
+
+Synchronous schedules (gpipe, flush, interleaved): run the step's action list (loss of
+each micro-batch scaled by 1/m), wait for the sends, then dp all-reduce, tied-embedding
+sum, global clip and one optimizer step.
+Asynchronous schedules (1f1b, 2bw): the run is one never-flushed action list, cut into
+steps at the update after each step's last micro-batch; each update applies this stage's
+gradients on its own (clipping by this stage's norm, since other stages update at other
+times; the single-process reference in reference.py does the same).
+
+Measured bubble per rank and step = 1 - busy / window, where busy is the sum of the
+rank's compute (forward, backward and, for async, updates; receive waits excluded) and
+the window runs from the step's first action to the end of its last compute action (the
+dp all-reduce and optimizer of a flushing step come after and are excluded from both).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...config import RunConfig
+from ...optim import build_optimizer, lr_at, set_lr
+from ...topology import ParallelContext
+from .executor import PipelineExecutor, PipelinePeers
+from .schedules import ASYNC_SCHEDULES, build_schedule, stage_of, version_of
+from .stage import all_reduce_grads, build_chunks, clip_grad_norm, stage_ranges, sum_tied_grad, tied_weight
+from .weights import WeightVersions
+
+
+def _segments(actions, m: int, steps: int) -> list[list]:
+    """Cut a whole-run async list after the update of each step's last micro-batch."""
+    out, cur = [], []
+    for a in actions:
+        cur.append(a)
+        if a.op == "U" and (a.microbatch + 1) % m == 0:
+            out.append(cur)
+            cur = []
+    if cur:
+        out[-1].extend(cur)
+    assert len(out) == steps
+    return out
+
+
+class PipelineRunner:
+    def __init__(self, run: RunConfig, ctx: ParallelContext, full, tracker, forward_context: Callable):
+        p, v, m = run.parallelism.pp, run.schedule.virtual_stages, run.schedule.microbatches
+        self.run, self.ctx, self.m, self.p = run, ctx, m, p
+        self.name = run.schedule.name
+        self.is_async = self.name in ASYNC_SCHEDULES
+        self.ranges = stage_ranges(run.parallelism.partition, full, p * v)
+        self.chunks = build_chunks(full, self.ranges, p, ctx.coords.pp, v)
+        self.module = nn.ModuleList(self.chunks)  # what this rank owns, for memory accounting
+        self.params = list(self.module.parameters())
+        self.optimizer = build_optimizer(run.optimizer, self.params)
+        self.tied = tied_weight(full, self.chunks)
+        self.is_last = any(ch.head is not None for ch in self.chunks)
+        self.tracker = tracker
+        self.stage = stage_of(ctx.coords.pp, 0, p)
+        peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, v)
+        act_shape = (run.trainer.micro_batch_size, run.data.seq_len, full.hf_model.config.hidden_size)
+        self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
+                                         self._backward_done)
+        lists = build_schedule(self.name, p, m, v, steps=run.trainer.steps)[ctx.coords.pp]
+        if self.is_async:
+            self.segments = _segments(lists, m, run.trainer.steps)
+            uses = Counter(self._version(j) for j in range(m * run.trainer.steps))
+            self.versions = WeightVersions(self.chunks[0], uses)
+        else:
+            self.actions = lists
+
+    def _version(self, j: int) -> int:
+        return version_of(self.name, j, self.stage, self.p, self.m)
+
+    def _backward_done(self, mb: int, chunk: int) -> None:
+        self.tracker.backward_done((mb, chunk))
+        if self.is_async:
+            self.versions.backward_done(self._version(mb))
+
+    def step(self, step: int, batch_of: Callable) -> dict:
+        start = time.time()
+        if self.is_async:
+            records = self.executor.run(self.segments[step], batch_of, 1.0 if self.name == "1f1b" else 1.0 / self.m,
+                                        params_of=lambda j, c: self.versions.params(self._version(j)),
+                                        update=self._async_update)
+            if step == len(self.segments) - 1:
+                self.executor.wait_sends()
+            else:
+                self.executor.prune_sends()
+            pipe_end = time.time()
+            norm = self._last_norm
+        else:
+            set_lr(self.optimizer, lr_at(step, self.run))
+            records = self.executor.run(self.actions, batch_of, 1.0 / self.m)
+            self.executor.wait_sends()
+            pipe_end = time.time()
+            norm = self._sync_update()
+        done = time.time()
+        busy = sum(r.compute_s for r in records)
+        window = max(r.end for r in records) - start
+        return {"records": records, "busy_s": busy, "window_s": window, "bubble": 1.0 - busy / window,
+                "pipeline_s": pipe_end - start, "optimizer_s": done - pipe_end, "grad_norm": float(norm),
+                "loss": self._step_loss(), "weight_version_bytes": self.versions.peak_bytes if self.is_async else 0}
+
+    def _sync_update(self) -> torch.Tensor:
+        ctx = self.ctx
+        all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp)
+        sum_tied_grad(self.tied, ctx.groups.get("embedding"))
+        skip = self.tied if (self.tied is not None and self.is_last) else None  # count the tied weight once
+        norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, ctx.pp_group, skip=skip)
+        self.optimizer.step()
+        self.states = self._state_bytes()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _async_update(self, j: int) -> None:
+        self.versions.take_grads(self._version(j))
+        set_lr(self.optimizer, lr_at(j // self.m, self.run))
+        self._last_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, None)
+        self.optimizer.step()
+        self.states = self._state_bytes()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.versions.updated()
+
+    def _state_bytes(self) -> dict:
+        from ...metrics.memory import model_state_bytes
+
+        return model_state_bytes(self.module, self.optimizer)
+
+    def _step_loss(self) -> float:
+        losses = self.executor.take_losses()
+        local = torch.stack(list(losses.values())).mean() if losses else torch.zeros((), device=self.ctx.device)
+        # Only the last stage has losses: sum over the pp group moves it to every stage, then mean over dp.
+        dist.all_reduce(local, group=self.ctx.pp_group)
+        if self.ctx.dims.dp > 1:
+            dist.all_reduce(local, group=self.ctx.dp_group)
+            local /= self.ctx.dims.dp
+        return local.item()
