@@ -28,7 +28,7 @@ OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes",
 
 
 def validate(run: RunConfig) -> None:
-    for check in (_parallelism, _schedule, _trainer, _model, _data, _optimizer, _logger, _misc):
+    for check in (_parallelism, _model, _schedule, _trainer, _data, _optimizer, _logger, _misc):
         check(run)
 
 

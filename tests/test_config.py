@@ -12,11 +12,12 @@ from framework.validate import validate
 
 from .conftest import ROOT, compose, run_cli
 
+WORLD = {"single": 1, "dp2": 2, "dp4": 4, "pp2": 2, "pp4": 4, "dp2_pp2": 4}
 GROUPS = {
     "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny"],
     "data": ["pycode", "synthetic", "hf"],
-    "parallelism": ["single", "dp2", "dp4"],
-    "schedule": ["flush", "gpipe"],
+    "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2"],
+    "schedule": ["flush", "gpipe", "interleaved", "1f1b", "2bw"],
     "optimizer": ["adamw", "sgd"],
     "logger": ["wandb", "none"],
     "experiment": ["smoke", "gpt2_squad", "dp_scaling"],
@@ -34,15 +35,22 @@ def test_every_option_composes_and_validates(group, option):
     run = compose(f"{group}={option}")
     validate(run)
     if group == "parallelism":
-        assert run.world_size == {"single": 1, "dp2": 2, "dp4": 4}[option]
+        assert run.world_size == WORLD[option]
     if group == "model":
         assert run.model.name == option
 
 
 def test_defaults_are_the_main_job():
     run = compose()
-    assert (run.model.name, run.data.name, run.parallelism.dp, run.device) == ("gpt2-tiny", "pycode", 2, "auto")
-    assert run.global_batch == run.trainer.micro_batch_size * run.schedule.microbatches * 2
+    assert (run.model.name, run.data.name, run.device) == ("gpt2-tiny", "pycode", "auto")
+    assert (run.parallelism.pp, run.parallelism.dp, run.schedule.name) == (2, 1, "flush")  # a 2-stage pipeline
+    assert run.global_batch == run.trainer.micro_batch_size * run.schedule.microbatches
+
+
+def test_async_presets_untie_the_embedding():
+    assert compose("schedule=1f1b").model.tie_embeddings is False
+    assert compose("schedule=2bw", "model=gpt2").model.tie_embeddings is False
+    assert compose("schedule=flush").model.tie_embeddings is True
 
 
 BAD = [
@@ -51,12 +59,12 @@ BAD = [
     (["model=llama-tiny", "model.n_kv_head=3"], "model.n_kv_head=3", "must divide n_head"),
     (["data.seq_len=512"], "data.seq_len=512", "above the model's positions"),
     (["trainer.global_batch_size=10"], "trainer.global_batch_size=10", "not divisible"),
-    (["trainer.global_batch_size=64"], "trainer.global_batch_size=64", "schedule.microbatches=4"),
+    (["trainer.global_batch_size=64"], "trainer.global_batch_size=64", "schedule.microbatches=8"),
     (["model.arch=gpt3"], "model.arch='gpt3'", "unknown name"),
     (["data.name=books"], "data.name='books'", "unknown name"),
     (["schedule.name=zb"], "schedule.name='zb'", "unknown name"),
-    (["schedule.name=1f1b"], "schedule.name='1f1b'", "pp = 1"),
-    (["schedule.virtual_stages=2"], "schedule.virtual_stages=2", "pp > 1"),
+    (["parallelism=single", "schedule.name=1f1b"], "schedule.name='1f1b'", "pp = 1"),
+    (["parallelism=single", "schedule.virtual_stages=2"], "schedule.virtual_stages=2", "pp > 1"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'", "unknown name"),
     (["logger.mode=loud"], "logger.mode='loud'", "unknown name"),
     (["device=tpu"], "device='tpu'", "unknown name"),
@@ -73,7 +81,6 @@ BAD = [
     (["data.seq_len=0"], "data.seq_len=0", "positive integer"),
     (["model.n_layer=0"], "model.n_layer=0", "positive integer"),
     (["parallelism.tp=2"], "parallelism.tp=2", "not implemented yet"),
-    (["parallelism.pp=2"], "parallelism.pp=2", "not implemented yet"),
     (["parallelism.zero=1"], "parallelism.zero=1", "not implemented yet"),
     (["parallelism.zero=4"], "parallelism.zero=4", "0, 1, 2 or 3"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "[0, 1]"),

@@ -6,11 +6,11 @@ import math
 import pytest
 
 from .conftest import TINY, read_metrics, run_local
-from .test_config import GROUPS
+from .test_config import GROUPS, WORLD
 from .test_data import make_local_hf_dataset
 
-SMALL = [*TINY, "data=synthetic", "data.num_samples=64", "trainer.steps=2", "trainer.warmup_steps=1",
-         "parallelism=single", "schedule.microbatches=1"]
+SMALL = [*TINY, "model.n_layer=4", "data=synthetic", "data.num_samples=64", "trainer.steps=2",
+         "trainer.warmup_steps=1", "parallelism=single", "schedule.microbatches=1"]
 
 
 def _local_hf(tmp_path):
@@ -23,6 +23,10 @@ def _overrides(group: str, option: str, tmp_path) -> list[str]:
     args = [*SMALL, f"{group}={option}"]
     if group == "model":  # full-size models at their real shape, kept short
         args = [a for a in args if not a.startswith("model.")] + ["data.seq_len=16", "trainer.micro_batch_size=1"]
+    if group == "schedule":  # pipeline schedules need stages; keep each preset's micro-batch count
+        args = [a for a in args if a not in ("parallelism=single", "schedule.microbatches=1")] + ["parallelism=pp2"]
+    if group == "parallelism" and "pp" in option:
+        args = [a for a in args if a != "schedule.microbatches=1"]
     if group == "data" and option == "pycode":
         args += ["data.max_files=10", f"data.cache_dir={tmp_path / 'cache'}"]
     if (group == "data" and option == "hf") or (group == "experiment" and option == "gpt2_squad"):
@@ -50,7 +54,10 @@ def test_option_runs_a_couple_of_steps(group, option, tmp_path):
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
     assert summary["tokens_per_s"] > 0 and summary["memory_peak_bytes"] > summary["model_state_bytes_max"] > 0
     if group == "parallelism":
-        assert summary["world_size"] == len(summary["ranks"]) == {"single": 1, "dp2": 2, "dp4": 4}[option]
+        assert summary["world_size"] == len(summary["ranks"]) == WORLD[option]
+        assert summary["pp"] == (4 if option == "pp4" else 2 if "pp2" in option else 1)
+    if group == "schedule":
+        assert summary["schedule"] == option and (tmp_path / "timeline.png").exists()
     if group == "logger":
         assert any((tmp_path / "wandb").glob("offline-run-*")) == (option == "wandb")
 

@@ -40,14 +40,17 @@ def test_main_job_writes_config_metrics_and_summary(main_job):
     summary = json.loads((job / "summary.json").read_text())
     assert SUMMARY_KEYS <= summary.keys()
     cfg = yaml.safe_load((job / "config.yaml").read_text())
-    assert cfg["parallelism"]["dp"] == 2 and cfg["model"]["name"] == "gpt2-tiny" and "${" not in (job / "config.yaml").read_text()
+    assert cfg["parallelism"]["pp"] == 2 and cfg["model"]["name"] == "gpt2-tiny" and "${" not in (job / "config.yaml").read_text()
     metrics = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(cfg["trainer"]["steps"]))
     assert summary["loss"] == metrics[-1]["loss"] < metrics[0]["loss"] - 1.0  # it learns pycode
-    assert summary["world_size"] == 2 and [x["dp"] for x in summary["ranks"]] == [0, 1]
+    assert summary["world_size"] == 2 and [x["pp"] for x in summary["ranks"]] == [0, 1]  # a 2-stage pipeline
     for rank in summary["ranks"]:
         assert rank["params_bytes"] == rank["grads_bytes"] > 0 and rank["optimizer_bytes"] > 2 * rank["params_bytes"]
         assert rank["activation_peak_bytes"] > 0 and rank["rss_peak_bytes"] >= rank["model_state_bytes"]
+    assert summary["schedule"] == "flush" and summary["bubble_fraction_analytic"] == 0.2
+    assert 0 < summary["bubble_fraction"] < 1
+    assert (job / "timeline.png").exists() and (job / "trace.json").exists()
     assert summary["memory_peak_bytes"] == max(x["memory_peak_bytes"] for x in summary["ranks"])
     assert not list(job.glob("*.partial")) and not list(job.glob("*.tmp"))
     assert "loss" in r.stdout and "tokens/s" in r.stdout and "rank 1" in r.stdout
@@ -63,7 +66,7 @@ def test_wandb_offline_run_reads_back(main_job):
     assert {"tokens_per_s", "mfu", "bubble_fraction", "grad_norm", "lr"} <= history[0].keys()
     summary, config = wandb_reader.summary_and_config(files[0])
     assert summary["tokens_per_s"] == json.loads((job / "summary.json").read_text())["tokens_per_s"]
-    assert config["parallelism"]["dp"] == 2
+    assert config["parallelism"]["pp"] == 2
     assert wandb_reader.run_meta(files[0])["name"] == "default"
 
 

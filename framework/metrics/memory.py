@@ -73,6 +73,14 @@ class ActivationTracker:
             yield
         self.peak_bytes = max(self.peak_bytes, self.live_bytes())
 
+    def exclude(self, tensors) -> None:
+        """More weights (e.g. the weight snapshots of asynchronous schedules): not activations."""
+        self._param_keys.update(_storage_key(t)[0] for t in tensors)
+
+    def include_again(self, tensors) -> None:
+        """Those weights were freed: their storage may come back as an activation."""
+        self._param_keys.difference_update(_storage_key(t)[0] for t in tensors)
+
     def live_bytes(self) -> int:
         keys = {}
         for saved in self._live.values():

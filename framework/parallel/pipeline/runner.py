@@ -70,7 +70,7 @@ class PipelineRunner:
         if self.is_async:
             self.segments = _segments(lists, m, run.trainer.steps)
             uses = Counter(self._version(j) for j in range(m * run.trainer.steps))
-            self.versions = WeightVersions(self.chunks[0], uses)
+            self.versions = WeightVersions(self.chunks[0], uses, tracker)
         else:
             self.actions = lists
 

@@ -20,9 +20,10 @@ from torch import nn
 
 
 class WeightVersions:
-    def __init__(self, chunk: nn.Module, uses: Counter):
-        """`uses[k]`: how many micro-batches run on version k on this stage."""
-        self.chunk = chunk
+    def __init__(self, chunk: nn.Module, uses: Counter, tracker=None):
+        """`uses[k]`: how many micro-batches run on version k on this stage. Snapshots are
+        weights, so the activation tracker is told to leave them out."""
+        self.chunk, self.tracker = chunk, tracker
         self.names = [n for n, _ in chunk.named_parameters()]
         self.master = [p for _, p in chunk.named_parameters()]
         self.uses = Counter(uses)
@@ -35,6 +36,8 @@ class WeightVersions:
         if self.uses[self.applied] > 0:
             self.versions[self.applied] = [p.detach().clone().requires_grad_(True) for p in self.master]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+            if self.tracker is not None:
+                self.tracker.exclude(self.versions[self.applied])
 
     def live_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.versions.values() for t in ts)
@@ -54,6 +57,8 @@ class WeightVersions:
             p.grad = s.grad
             s.grad = None
         if self.uses[version] == 0:
+            if self.tracker is not None:
+                self.tracker.include_again(self.versions[version])
             del self.versions[version]
 
     def updated(self) -> None:

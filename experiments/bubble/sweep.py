@@ -1,0 +1,47 @@
+"""Measured vs analytic bubble at pp = 2 over schedule x micro-batches, on this machine.
+
+One Hydra multirun (`python run.py -m schedule=... schedule.microbatches=...`), then a
+table from the jobs' summary.json files, written to results.md.
+
+    python experiments/bubble/sweep.py [sweep_dir]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULES = ["gpipe", "flush", "interleaved", "1f1b", "2bw"]
+MICROBATCHES = [2, 4, 8]
+ARGS = ["parallelism=pp2", "data=synthetic", "logger=none", "trainer.steps=20", "trainer.micro_batch_size=4",
+        "model.n_layer=8", "metrics.skip_first=3"]
+
+
+def main() -> None:
+    sweep = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "outputs" / "bubble")
+    subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", f"schedule={','.join(SCHEDULES)}",
+                    f"schedule.microbatches={','.join(map(str, MICROBATCHES))}", *ARGS, f"hydra.sweep.dir={sweep}"],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+    rows = []
+    for job in sweep.iterdir():
+        if (job / "summary.json").exists():
+            s = json.loads((job / "summary.json").read_text())
+            rows.append(s)
+    rows.sort(key=lambda s: (SCHEDULES.index(s["schedule"]), s["microbatches"]))
+    lines = ["| schedule | m | v | bubble analytic | bubble measured (mean of ranks) | measured - analytic (points) "
+             "| bubble measured rank 0 / rank 1 | tokens/s | step ms |", "|" + "---|" * 9]
+    for s in rows:
+        per_rank = " / ".join(f"{r['bubble_fraction']:.3f}" for r in s["ranks"])
+        lines.append(f"| {s['schedule']} | {s['microbatches']} | {s['virtual_stages']} | {s['bubble_fraction_analytic']:.3f} "
+                     f"| {s['bubble_fraction']:.3f} | {100 * (s['bubble_fraction'] - s['bubble_fraction_analytic']):+.1f} "
+                     f"| {per_rank} | {s['tokens_per_s']:,.0f} | {s['step_time_s'] * 1e3:.0f} |")
+    text = "\n".join(lines) + "\n"
+    (sweep / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Our pipeline schedules against torch.distributed.pipelining on the same model and layout.
+
+For each pair (ours gpipe / ScheduleGPipe, ours flush / Schedule1F1B, ours interleaved /
+ScheduleInterleaved1F1B) both run pp = 2 ranks on this machine with the same gpt2-tiny,
+the same seeded weights, the same uniform partition (interleaved: 2 chunks per rank), the
+same synthetic batches, AdamW with the same lr schedule and no clipping. Ours runs through
+`python run.py`; theirs in two processes started here (gloo). Both time whole optimizer
+steps (data, pipeline, optimizer) and report the median step after 3 warm-up steps, the
+slowest rank's. The final losses are printed too: the same math must give the same loss.
+
+    python experiments/peer_pipelining/compare.py [out_dir]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PAIRS = {"gpipe": "ScheduleGPipe", "flush": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+COMMON = ["parallelism=pp2", "data=synthetic", "logger=none", "trainer.steps=20", "trainer.micro_batch_size=4",
+          "schedule.microbatches=8", "trainer.grad_clip=0", "metrics.skip_first=3", "model.n_layer=8"]
+
+
+def ours(schedule: str, out: Path) -> dict:
+    job = out / f"ours_{schedule}"
+    subprocess.run([sys.executable, str(ROOT / "run.py"), *COMMON, f"schedule={schedule}",
+                    "schedule.virtual_stages=" + ("2" if schedule == "interleaved" else "1"), f"hydra.run.dir={job}"],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads((job / "summary.json").read_text())
+
+
+def _peer_worker(rank: int, schedule: str, port: int, result_path: str) -> None:
+    from torch.distributed import pipelining
+
+    from framework.data import ShardedSampler, TokenData
+    from framework.models import build_model, lm_loss
+    from framework.optim import build_optimizer, lr_at, set_lr
+    from framework.parallel.pipeline.stage import build_chunks, stage_ranges
+    from tests.conftest import compose
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # what our launcher gives each of 2 ranks on 2 cores
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    v = 2 if schedule == "interleaved" else 1
+    run = compose(*COMMON, f"schedule={schedule}", f"schedule.virtual_stages={v}")
+    full = build_model(run.model, run.data.vocab_size, run.trainer.seed)
+    chunks = build_chunks(full, stage_ranges("uniform", full, 2 * v), 2, rank, v)
+    stages = [pipelining.PipelineStage(c, k * 2 + rank, 2 * v, torch.device("cpu")) for k, c in enumerate(chunks)]
+    m = run.schedule.microbatches
+    cls = getattr(pipelining, PAIRS[schedule])
+    sched = cls(stages if v > 1 else stages[0], m, loss_fn=lm_loss)
+    opt = build_optimizer(run.optimizer, [p for c in chunks for p in c.parameters()])
+    data = TokenData.load(run, None)
+    sampler = ShardedSampler(data.num_samples, run.trainer.micro_batch_size, m, 0, 1, run.trainer.seed)
+    times, losses = [], []
+    for step in range(run.trainer.steps):
+        t0 = time.time()
+        x, y = data.batch(__import__("numpy").concatenate(sampler.step_indices(step)))
+        set_lr(opt, lr_at(step, run))
+        step_losses = []
+        if rank == 0:  # holds stage 0 (and stage 2 when interleaved), never the last
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=step_losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.time() - t0)
+        if step_losses:
+            losses.append(float(torch.stack(step_losses).mean()))
+    gathered = [None, None]
+    dist.all_gather_object(gathered, {"times": times, "losses": losses})
+    if rank == 0:
+        per_step = [max(a, b) for a, b in zip(gathered[0]["times"], gathered[1]["times"], strict=True)]
+        med = statistics.median(per_step[3:])
+        loss = (gathered[0]["losses"] or gathered[1]["losses"])[-1]
+        tokens = run.tokens_per_step
+        Path(result_path).write_text(json.dumps({"step_time_s": med, "tokens_per_s": tokens / med, "loss": loss}))
+    dist.destroy_process_group()
+
+
+def theirs(schedule: str, out: Path) -> dict:
+    path = out / f"theirs_{schedule}.json"
+    mp.spawn(_peer_worker, args=(schedule, 29500 + hash(schedule) % 1000, str(path)), nprocs=2, join=True)
+    return json.loads(path.read_text())
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "outputs" / "peer_pipelining")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = ["| schedule (ours / torch.distributed.pipelining) | ours tokens/s | theirs tokens/s | ours / theirs "
+            "| ours step ms | theirs step ms | final loss ours / theirs |", "|" + "---|" * 7]
+    for schedule, peer in PAIRS.items():
+        a, b = ours(schedule, out), theirs(schedule, out)
+        rows.append(f"| {schedule} / {peer} | {a['tokens_per_s']:,.0f} | {b['tokens_per_s']:,.0f} | "
+                    f"{a['tokens_per_s'] / b['tokens_per_s']:.2f} | {a['step_time_s'] * 1e3:.0f} | "
+                    f"{b['step_time_s'] * 1e3:.0f} | {a['loss']:.4f} / {b['loss']:.4f} |")
+    text = f"torch {torch.__version__}, {os.cpu_count()} CPUs\n\n" + "\n".join(rows) + "\n"
+    (out / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

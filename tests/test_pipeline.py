@@ -1,0 +1,142 @@
+"""Synchronous pipelines reproduce the single process; memory, timeline and errors.
+
+gpipe, flush and interleaved at pp = 2 and 4 (interleaved with 2 chunks per rank), with
+and without dp, on the same global batch (8 sequences) as one process accumulating 4
+micro-batches: per-step losses and final parameters agree to float32 round-off. GPT-2
+ties its input and output embeddings, so every GPT-2 run also proves the tied weight's
+gradients are summed between the first and last stage.
+"""
+
+import json
+
+import pytest
+import torch
+
+from framework.config import ConfigError
+from framework.validate import validate
+
+from .conftest import TINY, compose, final_params, read_metrics, run_local, run_cli
+
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
+EIGHT_BLOCKS = ["model.n_layer=8", "model.n_embd=32", "model.n_head=2"]
+LAYOUTS = {
+    "single": ["parallelism=single", "schedule=flush", "schedule.microbatches=4"],
+    "gpipe_pp2": ["parallelism=pp2", "schedule=gpipe", "schedule.microbatches=4"],
+    "flush_pp2": ["parallelism=pp2", "schedule=flush", "schedule.microbatches=4"],
+    "interleaved_pp2": ["parallelism=pp2", "schedule=interleaved", "schedule.microbatches=4"],
+    "flush_pp4": ["parallelism=pp4", "schedule=flush", "schedule.microbatches=4"],
+    "gpipe_pp4": ["parallelism=pp4", "schedule=gpipe", "schedule.microbatches=4"],
+    "interleaved_pp4": ["parallelism=pp4", "schedule=interleaved", "schedule.microbatches=4"],
+    "flush_dp2_pp2": ["parallelism=dp2_pp2", "schedule=flush", "schedule.microbatches=2"],
+    "interleaved_dp2_pp2": ["parallelism=dp2_pp2", "schedule=interleaved", "schedule.microbatches=2"],
+    "gpipe_dp2_pp2_params": ["parallelism=dp2_pp2", "schedule=gpipe", "schedule.microbatches=2",
+                             "parallelism.partition=parameters"],
+}
+
+
+def _common(data_cache):
+    return [*TINY, *EIGHT_BLOCKS, "data=pycode", "data.max_files=20", f"data.cache_dir={data_cache}",
+            "trainer.steps=4", "trainer.warmup_steps=1", "trainer.save_checkpoint=true", "optimizer.lr=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    out = {}
+    for name, args in LAYOUTS.items():
+        job = tmp_path_factory.mktemp(name)
+        out[name] = (run_local(job, *_common(data_cache), *args), read_metrics(job), final_params(job), job)
+    return out
+
+
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "single"])
+def test_sync_pipeline_reproduces_the_single_process(runs, layout):
+    ref_summary, ref_metrics, ref_params, _ = runs["single"]
+    summary, metrics, params, _ = runs[layout]
+    assert summary["global_batch"] == ref_summary["global_batch"] == 8 and summary["pp"] in (2, 4)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]),
+                               torch.tensor([m["loss"] for m in ref_metrics]), **LOSS_TOL)
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]),
+                               torch.tensor([m["grad_norm"] for m in ref_metrics]), rtol=1e-4, atol=1e-6)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, **PARAM_TOL, msg=name)
+    # the tied embedding is still one weight: both stages' copies ended equal
+    assert torch.equal(params["transformer.wte.weight"], params["lm_head.weight"])
+
+
+def test_llama_untied_pipeline_matches_too(tmp_path, data_cache):
+    args = [*_common(data_cache), "model=llama-tiny", "model.n_kv_head=1", "model.n_inner=64", "model.n_layer=4"]
+    run_local(tmp_path / "single", *args, *LAYOUTS["single"])
+    run_local(tmp_path / "pp", *args, "parallelism=pp2", "schedule=interleaved", "schedule.microbatches=2",
+              "trainer.micro_batch_size=4")
+    ref, got = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "pp")
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in got]), torch.tensor([m["loss"] for m in ref]), **LOSS_TOL)
+    ref_p, got_p = final_params(tmp_path / "single"), final_params(tmp_path / "pp")
+    for name, ref_t in ref_p.items():
+        torch.testing.assert_close(got_p[name], ref_t, **PARAM_TOL, msg=name)
+
+
+def test_bubble_fields_and_timeline_files(runs):
+    summary, metrics, _, job = runs["flush_pp2"]
+    assert summary["bubble_fraction_analytic"] == pytest.approx(1 / 5)
+    assert 0 < summary["bubble_fraction"] < 1 and summary["bubble_fraction"] <= summary["bubble_fraction_max"] < 1
+    assert len(metrics[0]["rank_bubble_fraction"]) == 2 and all(0 < b < 1 for b in metrics[0]["rank_bubble_fraction"])
+    assert [r["bubble_fraction"] for r in summary["ranks"]] and summary["ranks"][1]["pp"] == 1
+    trace = json.loads((job / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in trace if e["ph"] == "X" and e["cat"] in "FB"]
+    assert len(slices) == 4 * 2 * 2 * 4  # steps x ranks x (F + B) x micro-batches
+    assert {e["name"] for e in slices if e["tid"] == 1} == {f"{op}{j}" for op in "FB" for j in range(4)}
+    assert all(e["dur"] >= 0 for e in trace if e["ph"] == "X")
+    assert (job / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["timeline_step"] in range(4)
+    interleaved = json.loads((runs["interleaved_pp2"][3] / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "1F0" for e in interleaved)
+    assert runs["interleaved_pp2"][0]["bubble_fraction_analytic"] == pytest.approx(1 / 9)
+
+
+def test_gpipe_holds_about_m_over_p_times_the_activations_of_flush_on_stage_0(tmp_path):
+    args = [*TINY, "model.n_layer=2", "data=synthetic", "data.num_samples=64", "trainer.steps=2",
+            "parallelism=pp2", "schedule.microbatches=8", "trainer.micro_batch_size=2"]
+    peaks = {}
+    for sched in ("gpipe", "flush"):
+        s = run_local(tmp_path / sched, *args, f"schedule={sched}")
+        peaks[sched] = s["ranks"][0]["activation_peak_bytes"]
+    assert peaks["gpipe"] / peaks["flush"] == pytest.approx(8 / 2, rel=0.05)  # m / p: 8 alive vs 2
+
+
+BAD = [
+    (["parallelism=pp4", "schedule=interleaved", "schedule.microbatches=6"], "schedule.microbatches=6", "multiple of pp"),
+    (["parallelism=pp4", "model.n_layer=2"], "parallelism.pp=4", "a stage would hold no block"),
+    (["parallelism=pp2", "schedule=interleaved", "schedule.virtual_stages=3"], "parallelism.pp=2", "a stage would hold no block"),
+    (["parallelism=pp2", "schedule=gpipe", "schedule.virtual_stages=2"], "schedule.virtual_stages=2", "interleaved"),
+    (["parallelism=dp2_pp2", "schedule=1f1b"], "parallelism.dp=2", "asynchronous"),
+    (["parallelism=pp2", "schedule=1f1b", "model.tie_embeddings=true"], "model.tie_embeddings=True", "tied embedding"),
+    (["parallelism=pp4", "schedule=2bw", "schedule.microbatches=2"], "schedule.microbatches=2", "microbatches >= pp=4"),
+    (["parallelism=pp2", "parallelism.partition=[1,2]"], "parallelism.partition=[1, 2]", "summing to model.n_layer"),
+    (["parallelism=pp2", "parallelism.partition=fastest"], "parallelism.partition='fastest'", "unknown partition"),
+    (["parallelism=pp2", 'parallelism.partition="type:("'], "parallelism.partition='type:('", "bad regular expression"),
+]
+
+
+@pytest.mark.parametrize("overrides,head,problem", BAD, ids=[b[1] for b in BAD])
+def test_bad_pipeline_combinations_fail_before_launch(overrides, head, problem):
+    with pytest.raises(ConfigError) as e:
+        validate(compose(*overrides))
+    assert str(e.value).startswith(head + ":") and problem in str(e.value) and "Fix: " in str(e.value)
+
+
+def test_partition_by_type_with_no_match_fails_before_launch(tmp_path):
+    r = run_cli(["parallelism=pp2", "parallelism.partition=type:Mamba", "data=synthetic", "logger=none",
+                 f"hydra.run.dir={tmp_path}"])
+    assert r.returncode != 0 and "config error: parallelism.partition='type:Mamba': no block type matches" in r.stderr
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_dry_run_prints_the_schedule_grid(tmp_path):
+    r = run_cli(["dry_run=true", "parallelism=pp2", "schedule=gpipe", "schedule.microbatches=3",
+                 f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    assert "rank 0: F0 F1 F2 .. .. B0 B1 B2" in r.stdout and "analytic bubble 0.250" in r.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["schedule_grid"].splitlines()[1] == "rank 1: .. F0 F1 F2 B0 B1 B2 .."
