@@ -100,11 +100,15 @@ class RunLogger:
 
     def _merge(self, per_rank: list[dict]) -> dict:
         r0 = per_rank[0]
+        # Ranks holding a loss: every rank when pp = 1, the last stages otherwise; each is the
+        # mean over equally many tokens, so their mean is the global batch's loss.
+        losses = [r["loss"] for r in per_rank if r["loss"] is not None]
         step_time = max(r["step_time_s"] for r in per_rank)
         tps = self.run.tokens_per_step / step_time
         achieved_mfu = mfu(tps, self.info.flops_per_token, self.run.world_size, self.info.peak_flops_per_rank)
         return {
-            "step": r0["step"], "loss": r0["loss"], "lr": r0["lr"], "grad_norm": r0["grad_norm"],
+            "step": r0["step"], "loss": sum(losses) / len(losses), "lr": r0["lr"],
+            "grad_norm": max(r["grad_norm"] for r in per_rank),
             "step_time_s": step_time, "tokens_per_s": tps,
             "tflops": tps * self.info.flops_per_token / self.run.world_size / 1e12, "mfu": achieved_mfu,
             "data_s": max(r["data_s"] for r in per_rank), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),

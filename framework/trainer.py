@@ -77,9 +77,7 @@ class AccumulationRunner:
         t3 = _now(dev)
         self.states = model_state_bytes(self.module, self.optimizer)  # untimed; grads still held
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ctx.dims.dp > 1:
-            dist.all_reduce(loss_sum, group=self.ctx.dp_group)  # after timing: reporting, not training
-            loss_sum /= self.ctx.dims.dp
+        # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "pipeline_s": t2 - t1,
                 "optimizer_s": t3 - t2, "bubble": 0.0, "records": [], "weight_version_bytes": 0}
 

@@ -1,9 +1,11 @@
 """Measured vs analytic bubble at pp = 2 over schedule x micro-batches, on this machine.
 
 One Hydra multirun (`python run.py -m schedule=... schedule.microbatches=...`), then a
-table from the jobs' summary.json files, written to results.md.
+table from the jobs' summary.json files, written to results.md. Two model shapes:
+`narrow` (gpt2-tiny widths, 8 blocks: the LM head makes the last stage ~5% heavier) and
+`wide` (hidden 256, 64-token sequences: the head's share, so the stage imbalance, ~3%).
 
-    python experiments/bubble/sweep.py [sweep_dir]
+    python experiments/bubble/sweep.py narrow|wide [sweep_dir]
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = ["gpipe", "flush", "interleaved", "1f1b", "2bw"]
 MICROBATCHES = [2, 4, 8]
-ARGS = ["parallelism=pp2", "data=synthetic", "logger=none", "trainer.steps=20", "trainer.micro_batch_size=4",
-        "model.n_layer=8", "metrics.skip_first=3"]
+ARGS = ["parallelism=pp2", "data=synthetic", "logger=none", "trainer.micro_batch_size=4", "model.n_layer=8",
+        "metrics.skip_first=3"]
+SHAPES = {"narrow": ["trainer.steps=20"],
+          "wide": ["trainer.steps=12", "model.n_embd=256", "model.n_head=4", "data.seq_len=64"]}
 
 
 def main() -> None:
-    sweep = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "outputs" / "bubble")
+    shape = sys.argv[1] if len(sys.argv) > 1 else "narrow"
+    sweep = Path(sys.argv[2] if len(sys.argv) > 2 else ROOT / "outputs" / f"bubble_{shape}")
     subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", f"schedule={','.join(SCHEDULES)}",
-                    f"schedule.microbatches={','.join(map(str, MICROBATCHES))}", *ARGS, f"hydra.sweep.dir={sweep}"],
+                    f"schedule.microbatches={','.join(map(str, MICROBATCHES))}", *ARGS, *SHAPES[shape],
+                    f"hydra.sweep.dir={sweep}"],
                    cwd=ROOT, check=True, capture_output=True, text=True)
     rows = []
     for job in sweep.iterdir():

@@ -5,8 +5,9 @@ Forward of F(j, c): receive the activation of micro-batch j from the previous st
 on stage 0, which embeds the tokens), run the chunk, send the output to the next stage.
 Backward of B(j, c): receive the gradient of that output from the next stage (the last
 stage starts from its loss), backpropagate, send the input's gradient to the previous
-stage. Sends are non-blocking (isend) and waited for at the end of the step, receives
-block right before the compute that needs them, so no order of sends can deadlock;
+stage. Sends are non-blocking (isend) and waited for at the end of the step; the receive
+an action needs is posted one action ahead (so its transfer overlaps the compute before)
+and waited for right before that action's compute, so no order of sends can deadlock;
 `check.py` proves every schedule's receives also match its sends' order, which NCCL
 needs (it ignores tags; gloo matches by tag). A message between two chunks of the same
 rank (interleaved with pp = 1, or stage p-1 -> p) goes through a local buffer.
@@ -80,6 +81,7 @@ class PipelineExecutor:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.local: dict[int, torch.Tensor] = {}  # messages between chunks of this rank
+        self.posted: dict[int, tuple] = {}  # tag -> (irecv work, buffer), posted ahead of need
         self.sends: list = []
         self.losses: dict[int, torch.Tensor] = {}
 
@@ -96,15 +98,33 @@ class PipelineExecutor:
             t = t.contiguous()
             self.sends.append((dist.isend(t, dst, tag=tag), t))  # keep t alive until the send completes
 
-    def _recv(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        src_stage = stage - 1 if kind == "act" else stage + 1
-        src = self.peers.rank_of_stage(src_stage)
+    def _post_recv(self, kind: str, mb: int, stage: int):
+        """Post the receive an action will need (once); None for a message from this rank."""
+        src = self.peers.rank_of_stage(stage - 1 if kind == "act" else stage + 1)
         tag = _tag(kind, mb, stage, self.peers.num_stages)
         if src == dist.get_rank():
-            return self.local.pop(tag)
-        buf = torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
-        dist.irecv(buf, src, tag=tag).wait()
+            return None
+        if tag not in self.posted:
+            buf = torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
+            self.posted[tag] = (dist.irecv(buf, src, tag=tag), buf)
+        return tag
+
+    def _recv(self, kind: str, mb: int, stage: int) -> torch.Tensor:
+        tag = self._post_recv(kind, mb, stage)
+        if tag is None:
+            return self.local.pop(_tag(kind, mb, stage, self.peers.num_stages))
+        work, buf = self.posted.pop(tag)
+        work.wait()
         return buf
+
+    def _prepost(self, a: Action) -> None:
+        """Post the next action's receive before computing this one, so the transfer
+        overlaps the compute instead of starting when the action does."""
+        g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
+        if a.op == "F" and g > 0:
+            self._post_recv("act", a.microbatch, g)
+        elif a.op == "B" and g < self.peers.num_stages - 1:
+            self._post_recv("grad", a.microbatch, g)
 
     def forward(self, a: Action, batch, loss_scale: float, params: Optional[dict] = None) -> None:
         g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
@@ -142,7 +162,9 @@ class PipelineExecutor:
             update: Optional[Callable[[int], None]] = None) -> list[ActionRecord]:
         """Run the actions in order; `batch_of(j)` gives micro-batch j's (tokens, labels)."""
         records = []
-        for a in actions:
+        for i, a in enumerate(actions):
+            if i + 1 < len(actions):
+                self._prepost(actions[i + 1])
             start = time.time()
             if a.op == "F":
                 cs = self.forward(a, batch_of(a.microbatch), loss_scale,

@@ -10,8 +10,9 @@ times; the single-process reference in reference.py does the same).
 
 Measured bubble per rank and step = 1 - busy / window, where busy is the sum of the
 rank's compute (forward, backward and, for async, updates; receive waits excluded) and
-the window runs from the step's first action to the end of its last compute action (the
-dp all-reduce and optimizer of a flushing step come after and are excluded from both).
+the window runs from the step's first action to the flush (flushing schedules: when every
+stage has finished the step's compute; the dp all-reduce and optimizer come after and are
+excluded from both) or to the end of the rank's last action (asynchronous schedules).
 """
 
 from __future__ import annotations
@@ -94,18 +95,26 @@ class PipelineRunner:
                 self.executor.prune_sends()
             pipe_end = time.time()
             norm = self._last_norm
+            window_end = max(r.end for r in records)
         else:
             set_lr(self.optimizer, lr_at(step, self.run))
             records = self.executor.run(self.actions, batch_of, 1.0 / self.m)
             self.executor.wait_sends()
-            pipe_end = time.time()
+            window_end = pipe_end = self._flush()
             norm = self._sync_update()
         done = time.time()
         busy = sum(r.compute_s for r in records)
-        window = max(r.end for r in records) - start
+        window = window_end - start
         return {"records": records, "busy_s": busy, "window_s": window, "bubble": 1.0 - busy / window,
                 "pipeline_s": pipe_end - start, "optimizer_s": done - pipe_end, "grad_norm": float(norm),
-                "loss": self._step_loss(), "weight_version_bytes": self.versions.peak_bytes if self.is_async else 0}
+                "loss": self._local_loss(), "weight_version_bytes": self.versions.peak_bytes if self.is_async else 0}
+
+    def _flush(self) -> float:
+        """The flush: returns when every stage has finished the step's compute. Ends each
+        rank's bubble window at the same moment, so a stage that finishes early counts its
+        wait for the others as idle (a later collective would otherwise hide it)."""
+        dist.all_reduce(torch.zeros(1, device=self.ctx.device), group=self.ctx.pp_group)
+        return time.time()
 
     def _sync_update(self) -> torch.Tensor:
         ctx = self.ctx
@@ -132,12 +141,9 @@ class PipelineRunner:
 
         return model_state_bytes(self.module, self.optimizer)
 
-    def _step_loss(self) -> float:
+    def _local_loss(self):
+        """The last stage's mean loss over this step's micro-batches, else None. Reduced by
+        the logging rank at its gather, not here: a collective per step would be a sync
+        point that partially flushes the asynchronous schedules."""
         losses = self.executor.take_losses()
-        local = torch.stack(list(losses.values())).mean() if losses else torch.zeros((), device=self.ctx.device)
-        # Only the last stage has losses: sum over the pp group moves it to every stage, then mean over dp.
-        dist.all_reduce(local, group=self.ctx.pp_group)
-        if self.ctx.dims.dp > 1:
-            dist.all_reduce(local, group=self.ctx.dp_group)
-            local /= self.ctx.dims.dp
-        return local.item()
+        return torch.stack(list(losses.values())).double().mean().item() if losses else None
