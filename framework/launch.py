@@ -66,6 +66,9 @@ def init_rank(run: RunConfig) -> ParallelContext:
         torch.set_num_threads(threads_per_rank(local_world))
     dist.init_process_group(backend_for(device_type), rank=rank, world_size=world,
                             device_id=device if device_type == "cuda" else None)
+    # One collective over the world before any point-to-point: NCCL sets up its
+    # communicators on the first collective, and batch_isend_irecv must not be that call.
+    dist.barrier()
     p = run.parallelism
     return ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, device)
 

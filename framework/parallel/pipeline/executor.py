@@ -5,9 +5,10 @@ Forward of F(j, c): receive the activation of micro-batch j from the previous st
 on stage 0, which embeds the tokens), run the chunk, send the output to the next stage.
 Backward of B(j, c): receive the gradient of that output from the next stage (the last
 stage starts from its loss), backpropagate, send the input's gradient to the previous
-stage. Sends are non-blocking (isend) and waited for at the end of the step; the receive
-an action needs is posted one action ahead (so its transfer overlaps the compute before)
-and waited for right before that action's compute, so no order of sends can deadlock;
+stage. After each action, its send and the next action's receive go out together in one
+`batch_isend_irecv` (Megatron's send_forward_recv_backward pattern; see `_exchange`);
+sends are waited for at the end of the step, a receive right before the compute that
+needs it, so no order of sends can deadlock;
 `check.py` proves every schedule's receives also match its sends' order, which NCCL
 needs (it ignores tags; gloo matches by tag). A message between two chunks of the same
 rank (interleaved with pp = 1, or stage p-1 -> p) goes through a local buffer.
@@ -82,49 +83,66 @@ class PipelineExecutor:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.local: dict[int, torch.Tensor] = {}  # messages between chunks of this rank
         self.posted: dict[int, tuple] = {}  # tag -> (irecv work, buffer), posted ahead of need
+        self.outbox: list = []  # sends waiting for the next exchange
         self.sends: list = []
         self.losses: dict[int, torch.Tensor] = {}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # The compute stream only: a device-wide sync would also wait for sends still
+            # pending on the communication stream, i.e. for a peer's later receive.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _send(self, t: torch.Tensor, kind: str, mb: int, to_stage: int) -> None:
+        """Queue a send; it goes out in the next `_exchange`, together with a receive."""
         dst = self.peers.rank_of_stage(to_stage)
         tag = _tag(kind, mb, to_stage, self.peers.num_stages)
         if dst == dist.get_rank():
             self.local[tag] = t
         else:
-            t = t.contiguous()
-            self.sends.append((dist.isend(t, dst, tag=tag), t))  # keep t alive until the send completes
+            self.outbox.append(dist.P2POp(dist.isend, t.contiguous(), dst, tag=tag))
 
-    def _post_recv(self, kind: str, mb: int, stage: int):
-        """Post the receive an action will need (once); None for a message from this rank."""
+    def _needed_recv(self, a: Action):
+        """The (source rank, tag) of the message action `a` must receive, or None."""
+        g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
+        if a.op == "F" and g > 0:
+            kind, src_stage = "act", g - 1
+        elif a.op == "B" and g < self.peers.num_stages - 1:
+            kind, src_stage = "grad", g + 1
+        else:
+            return None
+        src = self.peers.rank_of_stage(src_stage)
+        return None if src == dist.get_rank() else (src, _tag(kind, a.microbatch, g, self.peers.num_stages))
+
+    def _exchange(self, next_action: Optional[Action]) -> None:
+        """Send what the last action produced and post the next action's receive in one
+        batch_isend_irecv, as Megatron's send_forward_recv_backward: NCCL runs a pair's
+        point-to-point ops in issue order, so a send and a receive issued apart could each
+        wait for the other's peer op; in one group they progress together. The receive is
+        posted before the next action starts, so its transfer overlaps this rank's work."""
+        ops, recv = self.outbox, None
+        need = self._needed_recv(next_action) if next_action is not None else None
+        if need is not None and need[1] not in self.posted:
+            buf = torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
+            ops.append(dist.P2POp(dist.irecv, buf, need[0], tag=need[1]))
+            recv = (need[1], buf)
+        if ops:
+            works = dist.batch_isend_irecv(ops)
+            for op, work in zip(ops, works, strict=True):
+                if op.op is dist.isend:
+                    self.sends.append((work, op.tensor))  # keep the tensor alive until sent
+            if recv is not None:
+                self.posted[recv[0]] = (works[-1], recv[1])
+        self.outbox = []
+
+    def _recv(self, kind: str, mb: int, stage: int) -> torch.Tensor:
         src = self.peers.rank_of_stage(stage - 1 if kind == "act" else stage + 1)
         tag = _tag(kind, mb, stage, self.peers.num_stages)
         if src == dist.get_rank():
-            return None
-        if tag not in self.posted:
-            buf = torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
-            self.posted[tag] = (dist.irecv(buf, src, tag=tag), buf)
-        return tag
-
-    def _recv(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        tag = self._post_recv(kind, mb, stage)
-        if tag is None:
-            return self.local.pop(_tag(kind, mb, stage, self.peers.num_stages))
-        work, buf = self.posted.pop(tag)
+            return self.local.pop(tag)
+        work, buf = self.posted.pop(tag)  # posted by the _exchange before this action
         work.wait()
         return buf
-
-    def _prepost(self, a: Action) -> None:
-        """Post the next action's receive before computing this one, so the transfer
-        overlaps the compute instead of starting when the action does."""
-        g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
-        if a.op == "F" and g > 0:
-            self._post_recv("act", a.microbatch, g)
-        elif a.op == "B" and g < self.peers.num_stages - 1:
-            self._post_recv("grad", a.microbatch, g)
 
     def forward(self, a: Action, batch, loss_scale: float, params: Optional[dict] = None) -> None:
         g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
@@ -162,9 +180,9 @@ class PipelineExecutor:
             update: Optional[Callable[[int], None]] = None) -> list[ActionRecord]:
         """Run the actions in order; `batch_of(j)` gives micro-batch j's (tokens, labels)."""
         records = []
+        if actions:
+            self._exchange(actions[0])  # the first action's receive
         for i, a in enumerate(actions):
-            if i + 1 < len(actions):
-                self._prepost(actions[i + 1])
             start = time.time()
             if a.op == "F":
                 cs = self.forward(a, batch_of(a.microbatch), loss_scale,
@@ -176,6 +194,7 @@ class PipelineExecutor:
                 update(a.microbatch)
             self._sync()
             records.append(ActionRecord(str(a), start, cs, time.time()))
+            self._exchange(actions[i + 1] if i + 1 < len(actions) else None)
         return records
 
     def wait_sends(self) -> None:
