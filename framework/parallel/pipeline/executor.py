@@ -20,7 +20,6 @@ waiting). On CUDA every action is synchronised before its end timestamp.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -212,6 +211,3 @@ class PipelineExecutor:
         out, self.losses = self.losses, {}
         return out
 
-
-def no_context(_mb: int, _chunk: int):
-    return contextlib.nullcontext()
