@@ -35,6 +35,18 @@ def compose(*overrides: str) -> RunConfig:
         return load_config(hydra_compose("config", overrides=list(overrides)))
 
 
+def assert_config_error(overrides: list[str], head: str, problem: str) -> None:
+    """Validation rejects the overrides with `key=value: problem. Fix: ...`."""
+    from framework.config import ConfigError
+    from framework.validate import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose(*overrides))
+    msg = str(e.value)
+    assert msg.startswith(head + ":"), msg
+    assert problem in msg and "Fix: " in msg, msg
+
+
 def run_local(job_dir: Path, *overrides: str) -> dict:
     """Compose, validate and launch through framework.job (the path run.py takes)."""
     return run_job(compose(*overrides), str(job_dir))
