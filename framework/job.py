@@ -60,6 +60,7 @@ def run_info(run: RunConfig, device_type: str) -> RunInfo:
     c = model.config
     fpt = flops_per_token(matmul_params(model), c.num_hidden_layers, c.hidden_size, run.data.seq_len)
     check_partition(run, model)
+    check_tensor_parallel(run, model)
     peak, source = _peak(run, device_type)
     s = run.schedule
     bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
@@ -78,6 +79,13 @@ def check_partition(run: RunConfig, hf_model) -> list[range]:
     except PartitionError as e:
         raise ConfigError("parallelism.partition", run.parallelism.partition, str(e),
                           "use fewer stages, another method, or a balance list with a block per stage") from None
+
+
+def check_tensor_parallel(run: RunConfig, hf_model) -> None:
+    from .models import ARCHS, check_tp_sizes
+
+    if run.parallelism.tp > 1:
+        check_tp_sizes(ARCHS[run.model.arch].tp_sizes(hf_model.config), run.parallelism.tp)
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
@@ -103,6 +111,7 @@ def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
 def dry_run(run: RunConfig, job_dir: str) -> dict:
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
+    check_tensor_parallel(run, model)
     plan = make_plan(run, model, check_partition(run, model))
     print(render_plan(plan))
     os.makedirs(job_dir, exist_ok=True)

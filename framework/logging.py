@@ -8,6 +8,8 @@ log interval and rank 0 merges them into one record per step:
   tflops, mfu model FLOP/s per rank (6N + 12·L·h·s per token, framework.metrics.flops)
   bubble_fraction  pipeline idle share, mean over ranks (each: 1 - compute / window,
               framework/parallel/pipeline/runner.py); _max and per rank beside it
+  tp_comm_bytes bytes one rank sent in tp collectives during the step (forward, backward,
+              grad sync; ring-algorithm count, framework/parallel/tp_comm.py), max over ranks
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
 when the run completes), summary.json (written last, atomically: its presence means the
 run completed), and for pipelines trace.json (every step's actions, Chrome trace format)
@@ -34,7 +36,7 @@ from .metrics.timeline import render_timeline, write_trace
 from .topology import ParallelContext
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
-               "bubble_fraction", "bubble_fraction_max")
+               "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
 
 
 @dataclass
@@ -119,6 +121,8 @@ class RunLogger:
             "bubble_fraction_analytic": self.info.bubble_fraction_analytic,
             "activation_peak_bytes": max(r["activation_peak_bytes"] for r in per_rank),
             "weight_version_bytes": max(r["weight_version_bytes"] for r in per_rank),
+            "tp_comm_bytes": max(r["tp_comm_bytes"] for r in per_rank),
+            "rank_tp_comm_bytes": [r["tp_comm_bytes"] for r in per_rank],
             "rank_step_time_s": [r["step_time_s"] for r in per_rank],
             "rank_bubble_fraction": [r["bubble"] for r in per_rank],
         }
@@ -187,7 +191,9 @@ class RunLogger:
             "model_state_bytes_max": max(r["model_state_bytes"] for r in ranks),
             "activation_peak_bytes_max": max(r["activation_peak_bytes"] for r in ranks),
             "world_size": run.world_size, "dp": run.parallelism.dp, "tp": run.parallelism.tp,
-            "pp": run.parallelism.pp, "zero": run.parallelism.zero, "global_batch": run.global_batch,
+            "pp": run.parallelism.pp, "zero": run.parallelism.zero,
+            "sequence_parallel": run.parallelism.sequence_parallel and run.parallelism.tp > 1,
+            "global_batch": run.global_batch,
             "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,
             "peak_tflops_per_rank": info.peak_flops_per_rank / 1e12, "peak_source": info.peak_source,
             "device": self.ctx.device.type, "ranks": ranks,

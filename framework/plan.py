@@ -4,9 +4,9 @@ Pure planning, no process group and no real tensors (the model is built on the m
 device), so it works for world sizes far beyond the machine it runs on.
 
 Memory estimate per rank, model states only (activations depend on the schedule and are
-measured in real runs): parameters of the rank's stage divided by tp (norms and biases
-that tensor parallelism replicates are divided too, so this slightly underestimates tp
-runs); gradients the same size; optimizer states = parameters x the optimizer's state
+measured in real runs): the parameters of the rank's stage, counted per tp rank exactly as
+the TP plan shards them (matrices and column biases split, vocabulary padded to a multiple
+of tp, norms and row biases whole); gradients the same size; optimizer states = parameters x the optimizer's state
 ratio, found by stepping the configured optimizer once on a small tensor. A tied
 embedding sits on the first and the last stage, as in Megatron.
 """
@@ -20,6 +20,7 @@ from .config import RunConfig
 from .metrics.bubble import analytic_bubble
 from .models import ARCHS
 from .optim import build_optimizer
+from .parallel.tensor_parallel import shard_numels
 from .parallel.pipeline.check import grid
 from .parallel.pipeline.schedules import build_schedule
 from .topology import ParallelDims
@@ -27,8 +28,11 @@ from .topology import ParallelDims
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _counter(run: RunConfig, hf_model: nn.Module):
+    """Elements of a module's parameters on one tp rank."""
+    tp = run.parallelism.tp
+    shards = shard_numels(hf_model, ARCHS[run.model.arch].TP_PLAN, tp) if tp > 1 else {}
+    return lambda params: sum(shards.get(id(p), p.numel()) for p in params)
 
 
 def optimizer_state_ratio(spec: dict) -> float:
@@ -43,16 +47,18 @@ def optimizer_state_ratio(spec: dict) -> float:
 
 def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> list[dict]:
     split = ARCHS[run.model.arch].split(hf_model)
-    emb, head = _numel(split.embedding), _numel(split.head)
+    count = _counter(run, hf_model)
+    emb, head = count(split.embedding.parameters()), count(split.head.parameters())
+    out_w = count([hf_model.get_output_embeddings().weight])
     tied = run.model.tie_embeddings
     if tied:  # lm_head shares the embedding weight: parameters() of head already counted it
-        head -= hf_model.get_output_embeddings().weight.numel()
+        head -= out_w
     stages, pp = [], run.parallelism.pp
     for s, r in enumerate(ranges):
         first, last = s == 0, s == len(ranges) - 1
-        n = sum(_numel(split.blocks[i]) for i in r) + (emb if first else 0)
+        n = sum(count(split.blocks[i].parameters()) for i in r) + (emb if first else 0)
         if last:
-            n += head + (hf_model.get_output_embeddings().weight.numel() if tied and not first else 0)
+            n += head + (out_w if tied and not first else 0)
         stages.append({"stage": s, "pp_rank": s % pp, "chunk": s // pp, "blocks": [r.start, r.stop - 1],
                        "embedding": first, "head": last, "params": n})
     return stages
@@ -83,7 +89,7 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     memory = []
     for rank in range(p.pp):  # a rank holds its v chunks
         n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
-        params_bytes = n // p.tp * 4  # fp32 parameters (bf16 runs autocast, keep fp32 weights)
+        params_bytes = n * 4  # fp32 parameters (bf16 runs autocast, keep fp32 weights)
         memory.append({"pp_rank": rank, "params_bytes": params_bytes, "grads_bytes": params_bytes,
                        "optimizer_bytes": int(params_bytes * ratio),
                        "model_state_bytes": int(params_bytes * (2 + ratio))})

@@ -26,6 +26,9 @@ from .metrics.memory import ActivationTracker, device_memory, model_state_bytes,
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import data_parallel
+from .parallel.grads import clip_grad_norm
+from .parallel.tensor_parallel import sync_replicated_grads
+from .parallel.tp_comm import TPComm
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.stage import stage_state_dict
 from .topology import ParallelContext
@@ -52,8 +55,8 @@ class AccumulationRunner:
 
     is_async = False
 
-    def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker):
-        self.run, self.ctx, self.tracker = run, ctx, tracker
+    def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker, tp_comm: TPComm):
+        self.run, self.ctx, self.tracker, self.tp_comm = run, ctx, tracker, tp_comm
         self.module, self.chunks = model, [model]
         self.wrapped = data_parallel.wrap(model, ctx)
         self.optimizer = build_optimizer(run.optimizer, model.parameters())
@@ -72,7 +75,10 @@ class AccumulationRunner:
             self.tracker.backward_done(j)
             loss_sum += loss.detach()
         t2 = _now(dev)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.run.trainer.grad_clip or float("inf"))
+        params = list(self.module.parameters())
+        if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
+            sync_replicated_grads(params, self.tp_comm)
+        grad_norm = clip_grad_norm(params, self.run.trainer.grad_clip, tp_comm=self.tp_comm)
         self.optimizer.step()
         t3 = _now(dev)
         self.states = model_state_bytes(self.module, self.optimizer)  # untimed; grads still held
@@ -84,7 +90,9 @@ class AccumulationRunner:
 
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
     vocab = run.model.vocab_size or info.vocab_size
-    model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing)
+    tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp)
+    model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
+                        tp_comm, run.parallelism.sequence_parallel)
     tracker = ActivationTracker(model)
 
     def forward_context(mb, chunk):
@@ -94,8 +102,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
         return stack
 
     if run.parallelism.pp == 1:
-        return AccumulationRunner(run, ctx, model, tracker), model
-    return PipelineRunner(run, ctx, model, tracker, forward_context), model
+        return AccumulationRunner(run, ctx, model, tracker, tp_comm), model
+    return PipelineRunner(run, ctx, model, tracker, forward_context, tp_comm), model
 
 
 class Batches:
@@ -132,6 +140,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
             "bubble": out["bubble"], "busy_s": out.get("busy_s", 0.0), "window_s": out.get("window_s", 0.0),
             "activation_peak_bytes": runner.tracker.peak_bytes,
             "weight_version_bytes": out["weight_version_bytes"],
+            "tp_comm_bytes": runner.tp_comm.take_bytes(),
             "actions": [(r.action, r.start, r.compute_start, r.end) for r in out["records"]], **runner.states}
 
 
@@ -147,7 +156,9 @@ def rank_memory(runner, last: dict, device: torch.device) -> dict:
 
 def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
     """final_model.pt: transformers parameter names, merged over pipeline stages on rank 0."""
-    part = stage_state_dict(full, runner.chunks) if ctx.coords.dp == 0 and ctx.coords.tp == 0 else {}
+    # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
+    part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
+    part = part if ctx.coords.tp == 0 else {}
     parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     if ctx.rank == 0:

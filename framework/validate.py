@@ -53,12 +53,26 @@ def _parallelism(run: RunConfig) -> None:
         raise ConfigError("parallelism.world_size", p.world_size,
                           f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
                           "change dp/tp/pp so their product is the world size, or leave world_size null")
-    pending = {"tp": (p.tp > 1, "tensor-parallel"), "zero": (p.zero > 0, "ZeRO")}
-    for key, (used, what) in pending.items():
-        if used and not run.dry_run:  # a dry run only plans, so it may show any layout
-            raise ConfigError(f"parallelism.{key}", getattr(p, key),
-                              f"{what} training is not implemented yet (its own issue adds it)",
-                              f"use parallelism.{key}={0 if key == 'zero' else 1} with dp for now")
+    if p.zero > 0 and not run.dry_run:  # a dry run only plans, so it may show any layout
+        raise ConfigError("parallelism.zero", p.zero, "ZeRO training is not implemented yet (its own issue adds it)",
+                          "use parallelism.zero=0 for now")
+    if p.tp > 1:
+        _tensor_parallel(run)
+
+
+def _tensor_parallel(run: RunConfig) -> None:
+    """Divisibility of heads and MLP width is checked on the built (meta) model before
+    launch, in framework.job, so it covers pretrained checkpoints too."""
+    p, m = run.parallelism, run.model
+    if m.dropout > 0:
+        raise ConfigError("model.dropout", m.dropout,
+                          f"with parallelism.tp={p.tp} every tp rank would draw the same dropout masks (no "
+                          "per-rank RNG tracker as in Megatron yet), which is not the single model's dropout",
+                          "use model.dropout=0 with tensor parallelism")
+    if p.sequence_parallel and run.data.seq_len % p.tp:
+        raise ConfigError("data.seq_len", run.data.seq_len,
+                          f"sequence parallelism splits the sequence over tp={p.tp}",
+                          f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
 
 
 def _schedule(run: RunConfig) -> None:

@@ -60,6 +60,18 @@ def final_params(job_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(job_dir / "final_model.pt", weights_only=True)
 
 
+def assert_same_training(metrics: list[dict], params: dict, ref_metrics: list[dict], ref_params: dict) -> None:
+    """Per-step losses (rtol 1e-5), gradient norms (1e-4) and final parameters (1e-5) of a
+    parallel run equal the reference run's: float32 round-off from summation order only."""
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]),
+                               torch.tensor([m["loss"] for m in ref_metrics]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]),
+                               torch.tensor([m["grad_norm"] for m in ref_metrics]), rtol=1e-4, atol=1e-6)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})

@@ -12,11 +12,12 @@ from framework.validate import validate
 
 from .conftest import ROOT, assert_config_error, compose, run_cli
 
-WORLD = {"single": 1, "dp2": 2, "dp4": 4, "pp2": 2, "pp4": 4, "dp2_pp2": 4}
+WORLD = {"single": 1, "dp2": 2, "dp4": 4, "pp2": 2, "pp4": 4, "dp2_pp2": 4, "tp2": 2, "tp4": 4, "tp2_pp2": 4,
+         "3d_2x2x2": 8}
 GROUPS = {
     "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny"],
     "data": ["pycode", "synthetic", "hf"],
-    "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2"],
+    "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2"],
     "schedule": ["flush", "gpipe", "interleaved", "1f1b", "2bw"],
     "optimizer": ["adamw", "sgd"],
     "logger": ["wandb", "none"],
@@ -80,7 +81,9 @@ BAD = [
     (["schedule.microbatches=0"], "schedule.microbatches=0", "positive integer"),
     (["data.seq_len=0"], "data.seq_len=0", "positive integer"),
     (["model.n_layer=0"], "model.n_layer=0", "positive integer"),
-    (["parallelism.tp=2"], "parallelism.tp=2", "not implemented yet"),
+    (["parallelism=tp2", "model.dropout=0.1"], "model.dropout=0.1", "same dropout masks"),
+    (["parallelism=tp2", "parallelism.sequence_parallel=true", "data.seq_len=33"], "data.seq_len=33",
+     "splits the sequence over tp=2"),
     (["parallelism.zero=1"], "parallelism.zero=1", "not implemented yet"),
     (["parallelism.zero=4"], "parallelism.zero=4", "0, 1, 2 or 3"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "[0, 1]"),
@@ -124,8 +127,31 @@ def test_data_checks_vocab_and_sample_count(data_cache):
         prepare(compose("data=synthetic", "data.num_samples=8"))
 
 
+TP_SIZES = [
+    (["parallelism=single", "parallelism.tp=3"], "model.n_head=4 does not divide over tp=3"),
+    (["model=llama-tiny", "parallelism=tp4"], "model.n_kv_head=2 does not divide over tp=4"),
+    (["parallelism=tp2", "model.n_inner=65"], "model.n_inner=65 does not divide over tp=2"),
+]
+
+
+@pytest.mark.parametrize("overrides,problem", TP_SIZES, ids=[p for _, p in TP_SIZES])
+def test_tensor_parallel_sizes_must_divide(overrides, problem):
+    """Checked on the built (meta) model before launch, so pretrained checkpoints are covered."""
+    from framework.job import check_tensor_parallel, meta_model
+
+    run = compose(*overrides)
+    validate(run)
+    with pytest.raises(ConfigError) as e:
+        check_tensor_parallel(run, meta_model(run, 257))
+    assert str(e.value).startswith(f"parallelism.tp={run.parallelism.tp}: {problem}"), str(e.value)
+    assert "Fix: use parallelism.tp in [" in str(e.value)
+
+
 def test_cli_rejects_bad_input_before_any_rank_starts(tmp_path):
     r = run_cli([f"hydra.run.dir={tmp_path}", "parallelism.dp=0"])
     assert r.returncode != 0
     assert "config error: parallelism.dp=0: must be a positive integer. Fix:" in r.stderr
     assert not (tmp_path / "config.yaml").exists()  # nothing was launched or prepared
+    r = run_cli([f"hydra.run.dir={tmp_path}", "parallelism=tp4", "model.n_head=2", "data=synthetic"])
+    assert r.returncode != 0 and "config error: parallelism.tp=4: model.n_head=2 does not divide" in r.stderr
+    assert not (tmp_path / "config.yaml").exists()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from .conftest import TINY, read_metrics, run_local
+from .conftest import TINY, compose, read_metrics, run_local
 from .test_config import GROUPS, WORLD
 from .test_data import make_local_hf_dataset
 
@@ -25,8 +25,10 @@ def _overrides(group: str, option: str, tmp_path) -> list[str]:
         args = [a for a in args if not a.startswith("model.")] + ["data.seq_len=16", "trainer.micro_batch_size=1"]
     if group == "schedule":  # pipeline schedules need stages; keep each preset's micro-batch count
         args = [a for a in args if a not in ("parallelism=single", "schedule.microbatches=1")] + ["parallelism=pp2"]
-    if group == "parallelism" and "pp" in option:
+    if group == "parallelism" and "pp" in option or option == "3d_2x2x2":
         args = [a for a in args if a != "schedule.microbatches=1"]
+    if group == "parallelism" and option.startswith(("tp", "3d")):
+        args += ["model.n_head=4"]  # whole heads per rank at tp = 4
     if group == "data" and option == "pycode":
         args += ["data.max_files=10", f"data.cache_dir={tmp_path / 'cache'}"]
     if (group == "data" and option == "hf") or (group == "experiment" and option == "gpt2_squad"):
@@ -55,7 +57,8 @@ def test_option_runs_a_couple_of_steps(group, option, tmp_path):
     assert summary["tokens_per_s"] > 0 and summary["memory_peak_bytes"] > summary["model_state_bytes_max"] > 0
     if group == "parallelism":
         assert summary["world_size"] == len(summary["ranks"]) == WORLD[option]
-        assert summary["pp"] == (4 if option == "pp4" else 2 if "pp2" in option else 1)
+        expected = compose(f"parallelism={option}").parallelism
+        assert (summary["pp"], summary["tp"], summary["dp"]) == (expected.pp, expected.tp, expected.dp)
     if group == "schedule":
         assert summary["schedule"] == option and (tmp_path / "timeline.png").exists()
     if group == "logger":

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from .conftest import TINY, assert_config_error, final_params, read_metrics, run_cli, run_local
+from .conftest import assert_same_training, TINY, assert_config_error, final_params, read_metrics, run_cli, run_local
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -51,13 +51,7 @@ def test_sync_pipeline_reproduces_the_single_process(runs, layout):
     ref_summary, ref_metrics, ref_params, _ = runs["single"]
     summary, metrics, params, _ = runs[layout]
     assert summary["global_batch"] == ref_summary["global_batch"] == 8 and summary["pp"] in (2, 4)
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics]),
-                               torch.tensor([m["loss"] for m in ref_metrics]), **LOSS_TOL)
-    torch.testing.assert_close(torch.tensor([m["grad_norm"] for m in metrics]),
-                               torch.tensor([m["grad_norm"] for m in ref_metrics]), rtol=1e-4, atol=1e-6)
-    assert params.keys() == ref_params.keys()
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, **PARAM_TOL, msg=name)
+    assert_same_training(metrics, params, ref_metrics, ref_params)
     # the tied embedding is still one weight: both stages' copies ended equal
     assert torch.equal(params["transformer.wte.weight"], params["lm_head.weight"])
 

@@ -35,12 +35,40 @@ def _load_pretrained(m: ModelConfig, device):
     return model.to(device)
 
 
-def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu",
-                checkpoint_blocks: bool = False) -> SplitLM:
+def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkpoint_blocks: bool = False,
+                tp_comm=None, sequence_parallel: bool = False) -> SplitLM:
+    """The seeded model split into embedding | blocks | head; with `tp_comm` (a TPComm of
+    size > 1) the architecture's TP plan is applied first, so every rank shards the very
+    weights the single-process run starts from."""
+    arch = ARCHS[m.arch]
     hf = build_hf_model(m, vocab_size, seed, device)
     # Train mode only matters for dropout; from_pretrained returns eval mode, random init train.
     hf.train(m.dropout > 0)
-    return ARCHS[m.arch].split(hf, checkpoint_blocks)
+    if tp_comm is None or tp_comm.size == 1:
+        return arch.split(hf, checkpoint_blocks)
+    from ..parallel.tensor_parallel import apply_plan
+
+    check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)
+    apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)
+    model = arch.split(hf, checkpoint_blocks)
+    model.loss_fn = model.head.lm_head.loss  # vocab-parallel cross-entropy on sharded logits
+    if sequence_parallel:
+        if hasattr(model.embedding, "seq_shard"):
+            model.embedding.seq_shard = (tp_comm.rank, tp_comm.size)
+        for block in model.blocks:
+            block.seq_shards = tp_comm.size
+    return model
+
+
+def check_tp_sizes(sizes: dict[str, int], tp: int) -> None:
+    """Heads, key-value heads and MLP width must split evenly over tp (checked before launch
+    on the meta model, and again here)."""
+    for key, n in sizes.items():
+        if n % tp:
+            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
+            raise ConfigError("parallelism.tp", tp, f"{key}={n} does not divide over tp={tp}: each rank must "
+                              "hold whole heads and an equal share of the MLP",
+                              f"use parallelism.tp in {divisors}, or change {key}")
 
 
 def num_positions(hf_model) -> int:

@@ -14,10 +14,12 @@ class GPT2Embedding(nn.Module):
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
+        self.seq_shard = (0, 1)  # (rank, shards): sequence parallelism keeps T/shards positions
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(input_ids.size(1), device=input_ids.device)  # (T,)
-        return self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T, H)
+        rank, shards = self.seq_shard
+        pos = torch.arange(input_ids.size(1), device=input_ids.device).chunk(shards)[rank]  # (T/shards,)
+        return self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T/shards, H)
 
 
 class GPT2Head(nn.Module):
@@ -44,3 +46,29 @@ def split(model: GPT2LMHeadModel, checkpoint_blocks: bool = False) -> SplitLM:
 
 
 MODEL_CLASS = GPT2LMHeadModel
+
+# Tensor-parallel plan (styles in framework/parallel/tensor_parallel.py). `c_attn` is the fused
+# [q | k | v] projection: split per head in each third, so a rank holds whole heads of all three.
+# c_attn and c_fc are the only readers of their region's input, so they enter it themselves
+# (with sequence parallelism they then keep only the input's shard for backward).
+TP_PLAN = {
+    "transformer.wte": "vocab_embedding",
+    "transformer.h.*.attn": "heads",
+    "transformer.h.*.attn.c_attn": "colwise_qkv_entry",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise_entry",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "lm_head": "vocab_head",
+}
+
+
+def localize_heads(attn: nn.Module, tp: int) -> None:
+    """GPT2Attention splits c_attn's output by split_size: with n_head/tp heads per rank."""
+    attn.num_heads //= tp
+    attn.split_size //= tp
+    attn.embed_dim //= tp
+
+
+def tp_sizes(c) -> dict[str, int]:
+    """What tensor parallelism splits, by the config key that sets it."""
+    return {"model.n_head": c.n_head, "model.n_inner": c.n_inner or 4 * c.n_embd}

@@ -44,3 +44,31 @@ def split(model: LlamaForCausalLM, checkpoint_blocks: bool = False) -> SplitLM:
 
 
 MODEL_CLASS = LlamaForCausalLM
+
+# Tensor-parallel plan (styles in framework/parallel/tensor_parallel.py). Heads are contiguous
+# in q / k / v, so a plain column split gives each rank n_head/tp query heads and the
+# n_kv_head/tp key-value heads they attend with (the grouped-query ratio is unchanged).
+TP_PLAN = {
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.*.self_attn": "attention",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp": "mlp",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab_head",
+}
+
+
+def localize_heads(attn: nn.Module, tp: int) -> None:
+    """LlamaAttention shapes heads with view(..., -1, head_dim) and keeps num_key_value_groups,
+    which tp leaves unchanged: nothing to adjust."""
+
+
+def tp_sizes(c) -> dict[str, int]:
+    """What tensor parallelism splits, by the config key that sets it."""
+    return {"model.n_head": c.num_attention_heads, "model.n_kv_head": c.num_key_value_heads,
+            "model.n_inner": c.intermediate_size}

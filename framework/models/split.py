@@ -9,7 +9,7 @@ stage and the head only on the last.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class SplitLM(nn.Module):
     def __init__(self, embedding: Optional[nn.Module], blocks: list[nn.Module], head: Optional[nn.Module],
-                 hf_model: Optional[nn.Module] = None, checkpoint_blocks: bool = False):
+                 hf_model: Optional[nn.Module] = None, checkpoint_blocks: bool = False,
+                 loss_fn: Callable = lm_loss):
         super().__init__()
+        self.loss_fn = loss_fn  # the vocab-parallel cross-entropy under tensor parallelism
         self.embedding = embedding
         self.blocks = nn.ModuleList(blocks)
         self.head = head
@@ -40,6 +42,12 @@ class SplitLM(nn.Module):
     @property
     def hf_model(self) -> Optional[nn.Module]:
         return self._hf
+
+    def stage(self, blocks: range, first: bool, last: bool) -> SplitLM:
+        """A pipeline stage: blocks[i] for i in `blocks`, the embedding if first, the head if
+        last; the same modules (not copies) and the same loss."""
+        return SplitLM(self.embedding if first else None, [self.blocks[i] for i in blocks], self.head if last else None,
+                       self.hf_model, self.checkpoint_blocks, self.loss_fn)
 
     def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -58,7 +66,7 @@ class SplitLM(nn.Module):
         if self.head is None:
             return h
         logits = self.head(h)  # (B, T, V)
-        return logits if labels is None else lm_loss(logits, labels)
+        return logits if labels is None else self.loss_fn(logits, labels)
 
 
 class HFBlock(nn.Module):
@@ -74,11 +82,12 @@ class HFBlock(nn.Module):
         # Llama's rotary embedding has no parameters (inv_freq is a non-persistent buffer),
         # so sharing one instance across blocks adds nothing to the state dict.
         self.rotary = rotary
+        self.seq_shards = 1  # sequence parallelism: h holds T/seq_shards positions, attention all T
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:
             out = self.layer(h)
         else:
-            pos = torch.arange(h.size(1), device=h.device).unsqueeze(0)  # (1, T)
+            pos = torch.arange(h.size(1) * self.seq_shards, device=h.device).unsqueeze(0)  # (1, T)
             out = self.layer(h, position_ids=pos, position_embeddings=self.rotary(h, pos))
         return out[0] if isinstance(out, tuple) else out

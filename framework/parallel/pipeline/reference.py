@@ -20,13 +20,13 @@ from ...data import ShardedSampler, TokenData
 from ...models import SplitLM, build_model
 from ...optim import build_optimizer, lr_at, set_lr
 from .schedules import version_of
-from .stage import clip_grad_norm, stage_ranges, stage_state_dict
+from ..grads import clip_grad_norm
+from .stage import stage_ranges, stage_state_dict
 
 
 def _stages(full: SplitLM, ranges: list[range]) -> list[SplitLM]:
     last = len(ranges) - 1
-    return [SplitLM(full.embedding if g == 0 else None, [full.blocks[i] for i in r],
-                    full.head if g == last else None, hf_model=full.hf_model) for g, r in enumerate(ranges)]
+    return [full.stage(r, first=g == 0, last=g == last) for g, r in enumerate(ranges)]
 
 
 def _snapshot(stage: SplitLM) -> dict[str, torch.Tensor]:

@@ -30,7 +30,9 @@ from ...optim import build_optimizer, lr_at, set_lr
 from ...topology import ParallelContext
 from .executor import PipelineExecutor, PipelinePeers
 from .schedules import ASYNC_SCHEDULES, build_schedule, stage_of, version_of
-from .stage import all_reduce_grads, build_chunks, clip_grad_norm, stage_ranges, sum_tied_grad, tied_weight
+from ..grads import all_reduce_grads, clip_grad_norm
+from ..tensor_parallel import sync_replicated_grads
+from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
 from .weights import WeightVersions
 
 
@@ -49,9 +51,9 @@ def _segments(actions, m: int, steps: int) -> list[list]:
 
 
 class PipelineRunner:
-    def __init__(self, run: RunConfig, ctx: ParallelContext, full, tracker, forward_context: Callable):
+    def __init__(self, run: RunConfig, ctx: ParallelContext, full, tracker, forward_context: Callable, tp_comm):
         p, v, m = run.parallelism.pp, run.schedule.virtual_stages, run.schedule.microbatches
-        self.run, self.ctx, self.m, self.p = run, ctx, m, p
+        self.run, self.ctx, self.m, self.p, self.tp_comm = run, ctx, m, p, tp_comm
         self.name = run.schedule.name
         self.is_async = self.name in ASYNC_SCHEDULES
         self.ranges = stage_ranges(run.parallelism.partition, full, p * v)
@@ -64,7 +66,9 @@ class PipelineRunner:
         self.tracker = tracker
         self.stage = stage_of(ctx.coords.pp, 0, p)
         peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, v)
-        act_shape = (run.trainer.micro_batch_size, run.data.seq_len, full.hf_model.config.hidden_size)
+        # Sequence parallelism: stages exchange their sequence shard (B, T/tp, H).
+        seq = run.data.seq_len // (tp_comm.size if run.parallelism.sequence_parallel else 1)
+        act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
                                          self._backward_done)
         lists = build_schedule(self.name, p, m, v, steps=run.trainer.steps)[ctx.coords.pp]
@@ -120,8 +124,9 @@ class PipelineRunner:
         ctx = self.ctx
         all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp)
         sum_tied_grad(self.tied, ctx.groups.get("embedding"))
+        self._sync_sequence_parallel()
         skip = self.tied if (self.tied is not None and self.is_last) else None  # count the tied weight once
-        norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, ctx.pp_group, skip=skip)
+        norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, ctx.pp_group, self.tp_comm, skip=skip)
         self.optimizer.step()
         self.states = self._state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
@@ -130,11 +135,16 @@ class PipelineRunner:
     def _async_update(self, j: int) -> None:
         self.versions.take_grads(self._version(j))
         set_lr(self.optimizer, lr_at(j // self.m, self.run))
-        self._last_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, None)
+        self._sync_sequence_parallel()
+        self._last_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, None, self.tp_comm)
         self.optimizer.step()
         self.states = self._state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         self.versions.updated()
+
+    def _sync_sequence_parallel(self) -> None:
+        if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
+            sync_replicated_grads(self.params, self.tp_comm)
 
     def _state_bytes(self) -> dict:
         from ...metrics.memory import model_state_bytes

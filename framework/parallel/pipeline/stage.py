@@ -13,16 +13,14 @@ Collectives after a step's last backward (Megatron's finalize-grads order):
   weight in the single model. Each copy gets only its stage's gradient, so the two are
   summed over the embedding group {first stage, last stage} (Megatron's embedding group);
   identical updates then keep the copies identical.
-- gradient norm for clipping: squared norms summed over the pp group, the tied weight
-  counted once.
+- gradient norm for clipping (framework/parallel/grads.py): squared norms summed over the
+  pp group (and tp), the tied weight counted once.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ...models import SplitLM
 from .partition import partition
@@ -42,9 +40,7 @@ def build_chunks(full: SplitLM, ranges: list[range], pp: int, pp_rank: int, v: i
     chunks = []
     for c in range(v):
         g = c * pp + pp_rank
-        chunks.append(SplitLM(full.embedding if g == 0 else None, [full.blocks[i] for i in ranges[g]],
-                              full.head if g == num_stages - 1 else None, hf_model=full.hf_model,
-                              checkpoint_blocks=full.checkpoint_blocks))
+        chunks.append(full.stage(ranges[g], first=g == 0, last=g == num_stages - 1))
     owned = {id(p) for ch in chunks for p in ch.parameters()}
     for p in full.hf_model.parameters():
         if id(p) not in owned:
@@ -64,18 +60,6 @@ def tied_weight(full: SplitLM, chunks: list[SplitLM]):
     return w_in if (has_first or has_last) and not (has_first and has_last) else None
 
 
-def all_reduce_grads(params: list[nn.Parameter], group, world: int) -> None:
-    """Average gradients over `group` in one flattened bucket."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if world == 1 or not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
-
-
 def sum_tied_grad(weight, group) -> None:
     if weight is not None and group is not None:
         if weight.grad is None:
@@ -83,22 +67,15 @@ def sum_tied_grad(weight, group) -> None:
         dist.all_reduce(weight.grad, group=group)
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group, skip=None) -> torch.Tensor:
-    """Global L2 norm over all pipeline stages (pre-clip), then clip in place."""
-    grads = [p.grad for p in params if p.grad is not None and p is not skip]
-    local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    if pp_group is not None:
-        dist.all_reduce(local, group=pp_group)
-    norm = local.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
+def stage_state_dict(full: SplitLM, chunks: list[SplitLM], tp_comm=None) -> dict[str, torch.Tensor]:
+    """This rank's parameters under their transformers names and shapes (for the merged
+    checkpoint). Tensor-parallel shards are gathered over tp: every tp rank must call it."""
+    from ..tensor_parallel import full_tensor
 
-
-def stage_state_dict(full: SplitLM, chunks: list[SplitLM]) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their transformers names (for the merged checkpoint)."""
     owned = {id(p) for ch in chunks for p in ch.parameters()}
-    return {n: p.detach().cpu() for n, p in full.hf_model.named_parameters(remove_duplicate=False) if id(p) in owned}
+    out = {}
+    for n, p in full.hf_model.named_parameters(remove_duplicate=False):
+        if id(p) in owned:
+            spec = getattr(p, "tp_shard", None)
+            out[n] = (full_tensor(p, spec, tp_comm) if spec is not None else p.detach()).cpu()
+    return out

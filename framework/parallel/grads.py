@@ -1,0 +1,53 @@
+"""Gradient collectives every layout shares: dp averaging, and the global norm for clipping.
+
+The global gradient norm must be the norm of the single model's gradient however it is
+split: squared norms are summed over the pp group (each stage holds different parameters)
+and over the tp group for tensor-parallel shards, while a parameter that tp replicates is
+counted once (on tp rank 0), as in Megatron's `param_is_not_tensor_parallel_duplicate`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def all_reduce_grads(params: list[nn.Parameter], group, world: int) -> None:
+    """Average gradients over `group` in one flattened bucket."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if world == 1 or not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(synced)
+
+
+def _counted(p: nn.Parameter, tp_comm) -> bool:
+    return tp_comm is None or tp_comm.size == 1 or tp_comm.rank == 0 or hasattr(p, "tp_shard")
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, tp_comm=None,
+                   skip: Optional[nn.Parameter] = None) -> torch.Tensor:
+    """Global L2 norm over tp shards and pipeline stages (pre-clip), then clip in place.
+    `skip`: a weight this rank holds a second copy of (a tied embedding on the last stage)."""
+    grads = [p.grad for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
+    local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    if grads:
+        local = local.to(grads[0].device)
+    if tp_comm is not None and tp_comm.size > 1:
+        local = tp_comm.all_reduce(local)
+    if pp_group is not None:
+        dist.all_reduce(local, group=pp_group)
+    norm = local.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
