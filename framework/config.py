@@ -61,6 +61,7 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
     world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size
     partition: Any = "uniform"  # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]

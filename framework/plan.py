@@ -13,13 +13,12 @@ embedding sits on the first and the last stage, as in Megatron.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .config import RunConfig
 from .metrics.bubble import analytic_bubble
 from .models import ARCHS
-from .optim import build_optimizer
+from .metrics.memory import optimizer_state_ratio, zero_model_states
 from .parallel.tensor_parallel import shard_numels
 from .parallel.pipeline.check import grid
 from .parallel.pipeline.schedules import build_schedule
@@ -33,16 +32,6 @@ def _counter(run: RunConfig, hf_model: nn.Module):
     tp = run.parallelism.tp
     shards = shard_numels(hf_model, ARCHS[run.model.arch].TP_PLAN, tp) if tp > 1 else {}
     return lambda params: sum(shards.get(id(p), p.numel()) for p in params)
-
-
-def optimizer_state_ratio(spec: dict) -> float:
-    """Optimizer-state bytes per parameter byte (AdamW 2.0, SGD with momentum 1.0, plain SGD 0)."""
-    p = nn.Parameter(torch.zeros(256))
-    p.grad = torch.ones(256)
-    opt = build_optimizer(spec, [p])
-    opt.step()
-    state = [v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel()]
-    return sum(v.numel() * v.element_size() for v in state) / (p.numel() * p.element_size())
 
 
 def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> list[dict]:
@@ -89,10 +78,11 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     memory = []
     for rank in range(p.pp):  # a rank holds its v chunks
         n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
-        params_bytes = n * 4  # fp32 parameters (bf16 runs autocast, keep fp32 weights)
-        memory.append({"pp_rank": rank, "params_bytes": params_bytes, "grads_bytes": params_bytes,
-                       "optimizer_bytes": int(params_bytes * ratio),
-                       "model_state_bytes": int(params_bytes * (2 + ratio))})
+        # fp32 parameters (bf16 runs autocast and keep fp32 weights); ZeRO shards over dp
+        est = {k: int(v) for k, v in zero_model_states(p.zero, n, p.dp, ratio).items()}
+        bf16 = sum(zero_model_states(p.zero, n, p.dp, ratio, bf16=True).values())
+        memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),
+                       "model_state_formula_bf16_bytes": int(bf16)})
     lists = build_schedule(s.name, p.pp, s.microbatches, s.virtual_stages, steps=2)
     schedule_grid = grid(lists, p.pp, s.virtual_stages) if p.pp > 1 else ""  # async: its first two steps
     return {
@@ -120,7 +110,9 @@ def render_plan(plan: dict) -> str:
                      f"| {st['params'] / 1e6:.2f}M params")
     for mem in plan["memory_estimate_per_rank"]:
         lines.append(f"  pp rank {mem['pp_rank']} per rank est.: params {mem['params_bytes'] / 2**20:.1f} MiB, "
-                     f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB")
+                     f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB "
+                     f"(ZeRO-{plan['zero']} formula, fp32; bf16 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} "
+                     "MiB in all)")
     s = plan["schedule"]
     lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
                  f"analytic bubble {plan['bubble_fraction_analytic']:.3f}")

@@ -22,13 +22,15 @@ import torch.distributed as dist
 from .config import RunConfig
 from .data import ShardedSampler, TokenData
 from .logging import RunInfo, RunLogger
-from .metrics.memory import ActivationTracker, device_memory, model_state_bytes, peak_rss_bytes
+from .metrics.memory import (ActivationTracker, device_memory, model_state_bytes, optimizer_state_ratio, peak_rss_bytes,
+                             zero_model_states)
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import data_parallel
 from .parallel.grads import clip_grad_norm
 from .parallel.tensor_parallel import sync_replicated_grads
 from .parallel.tp_comm import TPComm
+from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.stage import stage_state_dict
 from .topology import ParallelContext
@@ -51,37 +53,59 @@ def autocast_context(run: RunConfig, device: torch.device):
 
 
 class AccumulationRunner:
-    """pp = 1: the whole model on this rank, DDP over dp, gradient accumulation."""
+    """pp = 1: the whole model on this rank, gradient accumulation, and over dp either DDP
+    (zero = 0) or ZeRO (framework/parallel/zero.py: units = the embedding with the head,
+    and each block)."""
 
     is_async = False
 
     def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker, tp_comm: TPComm):
         self.run, self.ctx, self.tracker, self.tp_comm = run, ctx, tracker, tp_comm
         self.module, self.chunks = model, [model]
-        self.wrapped = data_parallel.wrap(model, ctx)
-        self.optimizer = build_optimizer(run.optimizer, model.parameters())
+        stage = run.parallelism.zero
+        if stage:
+            units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
+            self.zero = Zero(stage, units, ctx, tracker)
+            self.wrapped, self.params = model, self.zero.shards
+            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer)
+        else:
+            self.zero = None
+            self.wrapped, self.params = data_parallel.wrap(model, ctx), list(model.parameters())
+            self.optimizer = build_optimizer(run.optimizer, self.params)
 
     def step(self, step: int, batch_of) -> dict:
         dev, m = self.ctx.device, self.run.schedule.microbatches
         set_lr(self.optimizer, lr_at(step, self.run))
         t1 = _now(dev)
         loss_sum = torch.zeros((), device=dev)
+        if self.zero:
+            self.zero.start_step()
         for j in range(m):
             x, y = batch_of(j)
+            if self.zero:
+                self.zero.start_microbatch()
             with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
                 with self.tracker.forward(j), autocast_context(self.run, dev):
                     loss = self.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
                 loss.backward()
+            if self.zero:
+                self.zero.finish_backward()
             self.tracker.backward_done(j)
             loss_sum += loss.detach()
         t2 = _now(dev)
-        params = list(self.module.parameters())
+        if self.zero:
+            self.zero.reduce_gradients()
         if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
-            sync_replicated_grads(params, self.tp_comm)
-        grad_norm = clip_grad_norm(params, self.run.trainer.grad_clip, tp_comm=self.tp_comm)
+            sync_replicated_grads(self.params, self.tp_comm)
+        grad_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, tp_comm=self.tp_comm,
+                                   dp_group=self.ctx.dp_group if self.zero else None)
         self.optimizer.step()
+        if self.zero:
+            self.zero.after_step()
         t3 = _now(dev)
-        self.states = model_state_bytes(self.module, self.optimizer)  # untimed; grads still held
+        # untimed; gradients still held
+        self.states = self.zero.state_bytes(self.optimizer) if self.zero else model_state_bytes(self.module,
+                                                                                               self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "pipeline_s": t2 - t1,
@@ -144,11 +168,18 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
             "actions": [(r.action, r.start, r.compute_start, r.end) for r in out["records"]], **runner.states}
 
 
-def rank_memory(runner, last: dict, device: torch.device) -> dict:
+def rank_memory(runner, last: dict, run: RunConfig, device: torch.device) -> dict:
     rss = peak_rss_bytes()
     mem = {k: last[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     mem["weight_version_bytes"] = last["weight_version_bytes"]
     mem["model_state_bytes"] = sum(mem.values())
+    # The ZeRO paper's accounting for this rank's psi parameters (its tp / pp part), N = dp.
+    p = run.parallelism
+    psi = sum(q.numel() for q in runner.module.parameters())
+    ratio = optimizer_state_ratio(run.optimizer)
+    mem.update(psi=psi, model_state_formula_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio).values()),
+               model_state_formula_bf16_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()),
+               zero_transient_peak_bytes=last.get("zero_transient_peak_bytes", 0))
     mem.update(activation_peak_bytes=runner.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
     mem["memory_peak_bytes"] = mem.get("cuda_max_reserved_bytes", rss)
     return mem
@@ -156,6 +187,8 @@ def rank_memory(runner, last: dict, device: torch.device) -> dict:
 
 def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
     """final_model.pt: transformers parameter names, merged over pipeline stages on rank 0."""
+    if getattr(runner, "zero", None) is not None and runner.zero.stage == 3:
+        runner.zero.gather_all()  # parameters are sharded over dp between steps
     # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
     part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
     part = part if ctx.coords.tp == 0 else {}
@@ -186,6 +219,6 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> 
                 pending = []
         if run.trainer.save_checkpoint:
             save_checkpoint(runner, full, ctx, job_dir)
-        return logger.finish(rank_memory(runner, rec, ctx.device))  # summary.json last: marks completion
+        return logger.finish(rank_memory(runner, rec, run, ctx.device))  # summary.json last: marks completion
     finally:
         logger.close()

@@ -53,11 +53,34 @@ def _parallelism(run: RunConfig) -> None:
         raise ConfigError("parallelism.world_size", p.world_size,
                           f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
                           "change dp/tp/pp so their product is the world size, or leave world_size null")
-    if p.zero > 0 and not run.dry_run:  # a dry run only plans, so it may show any layout
-        raise ConfigError("parallelism.zero", p.zero, "ZeRO training is not implemented yet (its own issue adds it)",
-                          "use parallelism.zero=0 for now")
+    _zero(run)
     if p.tp > 1:
         _tensor_parallel(run)
+
+
+def _zero(run: RunConfig) -> None:
+    p = run.parallelism
+    if p.offload_optimizer and p.zero == 0:
+        raise ConfigError("parallelism.offload_optimizer", True, "ZeRO-Offload moves the sharded optimizer step to "
+                          "the host and needs a ZeRO stage (parallelism.zero >= 1)",
+                          "set parallelism.zero=1 (or 2, 3), or offload_optimizer=false")
+    if p.zero == 0:
+        return
+    if run.schedule.name in ASYNC_SCHEDULES:
+        raise ConfigError("parallelism.zero", p.zero,
+                          f"schedule={run.schedule.name} is asynchronous: each stage updates after every micro-batch "
+                          "with dp = 1, so there is no dp group to shard over and no step-wide update to shard",
+                          "use parallelism.zero=0 with 1f1b / 2bw, or a flushing schedule (gpipe, flush, interleaved)")
+    if p.zero >= 2 and p.pp > 1:
+        raise ConfigError("parallelism.zero", p.zero,
+                          "ZeRO-2/3 shard gradients, which a pipeline accumulates over its micro-batches: each "
+                          "micro-batch's backward would need its own reduce-scatter (DeepSpeed rejects this too)",
+                          "use parallelism.zero=1 with pipeline parallelism, or pp=1 (tp and dp) with zero 2 / 3")
+    if p.zero == 3 and run.trainer.activation_checkpointing:
+        raise ConfigError("parallelism.zero", p.zero,
+                          "with trainer.activation_checkpointing the recomputed forward inside backward would free "
+                          "the block's gathered parameters before its backward uses them",
+                          "set trainer.activation_checkpointing=false, or use parallelism.zero=2")
 
 
 def _tensor_parallel(run: RunConfig) -> None:

@@ -13,11 +13,12 @@ from framework.validate import validate
 from .conftest import ROOT, assert_config_error, compose, run_cli
 
 WORLD = {"single": 1, "dp2": 2, "dp4": 4, "pp2": 2, "pp4": 4, "dp2_pp2": 4, "tp2": 2, "tp4": 4, "tp2_pp2": 4,
-         "3d_2x2x2": 8}
+         "3d_2x2x2": 8, "zero1": 2, "zero2": 2, "zero3": 2, "3d_zero1": 8}
 GROUPS = {
     "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny"],
     "data": ["pycode", "synthetic", "hf"],
-    "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2"],
+    "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2",
+                    "zero1", "zero2", "zero3", "3d_zero1"],
     "schedule": ["flush", "gpipe", "interleaved", "1f1b", "2bw"],
     "optimizer": ["adamw", "sgd"],
     "logger": ["wandb", "none"],
@@ -84,7 +85,6 @@ BAD = [
     (["parallelism=tp2", "model.dropout=0.1"], "model.dropout=0.1", "same dropout masks"),
     (["parallelism=tp2", "parallelism.sequence_parallel=true", "data.seq_len=33"], "data.seq_len=33",
      "splits the sequence over tp=2"),
-    (["parallelism.zero=1"], "parallelism.zero=1", "not implemented yet"),
     (["parallelism.zero=4"], "parallelism.zero=4", "0, 1, 2 or 3"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "[0, 1]"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0", ">= 0"),

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .tensor_parallel import is_tp_sharded
+
 
 def all_reduce_grads(params: list[nn.Parameter], group, world: int) -> None:
     """Average gradients over `group` in one flattened bucket."""
@@ -29,21 +31,23 @@ def all_reduce_grads(params: list[nn.Parameter], group, world: int) -> None:
 
 
 def _counted(p: nn.Parameter, tp_comm) -> bool:
-    return tp_comm is None or tp_comm.size == 1 or tp_comm.rank == 0 or hasattr(p, "tp_shard")
+    return tp_comm is None or tp_comm.size == 1 or tp_comm.rank == 0 or is_tp_sharded(p)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, tp_comm=None,
-                   skip: Optional[nn.Parameter] = None) -> torch.Tensor:
+                   skip: Optional[nn.Parameter] = None, dp_group=None) -> torch.Tensor:
     """Global L2 norm over tp shards and pipeline stages (pre-clip), then clip in place.
-    `skip`: a weight this rank holds a second copy of (a tied embedding on the last stage)."""
+    `skip`: a weight this rank holds a second copy of (a tied embedding on the last stage).
+    `dp_group`: ZeRO, where each dp rank holds a different slice of the gradient."""
     grads = [p.grad for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
     local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
     if grads:
         local = local.to(grads[0].device)
     if tp_comm is not None and tp_comm.size > 1:
         local = tp_comm.all_reduce(local)
-    if pp_group is not None:
-        dist.all_reduce(local, group=pp_group)
+    for group in (pp_group, dp_group):
+        if group is not None:
+            dist.all_reduce(local, group=group)
     norm = local.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -286,10 +286,15 @@ def shard_numels(model: nn.Module, plan: dict[str, str], tp: int) -> dict[int, i
     return out
 
 
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """A tp shard (or a ZeRO buffer made only of tp shards): each tp rank holds different values."""
+    return hasattr(p, "tp_shard") or getattr(p, "tp_sharded", False)
+
+
 def sync_replicated_grads(params: list[nn.Parameter], comm: TPComm) -> None:
     """Sequence parallelism: sum the gradients of replicated parameters over tp (each rank's
     holds only its sequence shard's contribution), in one flattened bucket."""
-    grads = [p.grad for p in params if p.grad is not None and not hasattr(p, "tp_shard")]
+    grads = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)]
     if grads:
         flat = comm.all_reduce(_flatten_dense_tensors(grads))
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):

@@ -33,6 +33,7 @@ from .schedules import ASYNC_SCHEDULES, build_schedule, stage_of, version_of
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
 from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
+from ..zero import Zero
 from .weights import WeightVersions
 
 
@@ -59,9 +60,15 @@ class PipelineRunner:
         self.ranges = stage_ranges(run.parallelism.partition, full, p * v)
         self.chunks = build_chunks(full, self.ranges, p, ctx.coords.pp, v)
         self.module = nn.ModuleList(self.chunks)  # what this rank owns, for memory accounting
-        self.params = list(self.module.parameters())
-        self.optimizer = build_optimizer(run.optimizer, self.params)
         self.tied = tied_weight(full, self.chunks)
+        self.zero = None
+        if run.parallelism.zero:  # stage 1 only with pp > 1 (validate.py): one buffer per chunk
+            self.zero = Zero(1, [[c] for c in self.chunks], ctx, tracker, separate=self.tied)
+            self.params = self.zero.shards
+            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer)
+        else:
+            self.params = list(self.module.parameters())
+            self.optimizer = build_optimizer(run.optimizer, self.params)
         self.is_last = any(ch.head is not None for ch in self.chunks)
         self.tracker = tracker
         self.stage = stage_of(ctx.coords.pp, 0, p)
@@ -102,6 +109,8 @@ class PipelineRunner:
             window_end = max(r.end for r in records)
         else:
             set_lr(self.optimizer, lr_at(step, self.run))
+            if self.zero:
+                self.zero.start_step()
             records = self.executor.run(self.actions, batch_of, 1.0 / self.m)
             self.executor.wait_sends()
             window_end = pipe_end = self._flush()
@@ -122,12 +131,20 @@ class PipelineRunner:
 
     def _sync_update(self) -> torch.Tensor:
         ctx = self.ctx
-        all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp)
+        if not self.zero:
+            all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp)
         sum_tied_grad(self.tied, ctx.groups.get("embedding"))
+        if self.zero:  # ZeRO-1: the dp reduction is a reduce-scatter to each slice's owner
+            self.zero.reduce_gradients()
         self._sync_sequence_parallel()
         skip = self.tied if (self.tied is not None and self.is_last) else None  # count the tied weight once
-        norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, ctx.pp_group, self.tp_comm, skip=skip)
+        if skip is not None and self.zero:
+            skip = self.zero.separate.shard
+        norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, ctx.pp_group, self.tp_comm, skip=skip,
+                              dp_group=ctx.dp_group if self.zero else None)
         self.optimizer.step()
+        if self.zero:
+            self.zero.after_step()
         self.states = self._state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -149,7 +166,7 @@ class PipelineRunner:
     def _state_bytes(self) -> dict:
         from ...metrics.memory import model_state_bytes
 
-        return model_state_bytes(self.module, self.optimizer)
+        return self.zero.state_bytes(self.optimizer) if self.zero else model_state_bytes(self.module, self.optimizer)
 
     def _local_loss(self):
         """The last stage's mean loss over this step's micro-batches, else None. Reduced by

@@ -1,0 +1,297 @@
+"""ZeRO stages 1, 2 and 3 over the dp group (Rajbhandari et al., 2020), written over flat buffers.
+
+Sharded over dp: each *unit*'s parameters (per transformer block, and the embedding with
+the head) are flattened into one buffer padded to a multiple of dp; dp rank r owns its
+r-th contiguous slice. Stage 1 keeps the optimizer states of that slice only; stage 2 also
+only its gradient; stage 3 also only its parameters between uses. Tensor-parallel shards
+and replicated parameters go to separate buffers, so the global norm can count each once.
+
+Collectives over the dp group, per stage:
+- 1: after the step's last backward, a reduce-scatter of each unit's full gradient buffer
+  (the owner gets the dp mean of its slice); the sharded optimizer step; an all-gather of
+  the updated slices into the parameters.
+- 2: the reduce-scatter runs per unit as soon as that unit's gradients of a micro-batch are
+  complete (post-accumulate-grad hooks fire once per parameter per backward), adding into
+  the owned slice, and the unit's full gradients are freed there; all-gather after the step.
+- 3: also an all-gather of a unit's parameters before its forward and again before its
+  backward (a hook on the unit's output gradient), freed after each. The embedding + head
+  unit stays gathered from the embedding's forward until its backward is done (the tied
+  head is used last in forward and first in backward).
+
+Why not PyTorch's own: `ZeroRedundancyOptimizer` partitions whole parameters greedily, so
+per-rank optimizer bytes only approximate 1/N and it shards neither gradients nor
+parameters; FSDP2's `fully_shard` steps the optimizer on sharded parameters, so between
+steps it holds stage 3's layout, never stage 2's "full parameters, sharded gradients"
+(`set_reshard_after_backward(False)` only defers the reshard within accumulation). Flat
+per-unit buffers give the paper's partition exactly, for all three stages, and fit the
+pipeline runner's own gradient flow (ZeRO-1 with pp).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..metrics.memory import tensor_bytes
+from .tensor_parallel import is_tp_sharded
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class FlatUnit:
+    """Some parameters as views into one flat buffer; this dp rank's slice as `shard`."""
+
+    def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None):
+        self.params, self.group, self.size, self.rank, self.stage = params, group, size, rank, stage
+        self.tracker = tracker
+        p0 = params[0]
+        numel = sum(p.numel() for p in params)
+        self.slice = -(-numel // size)  # elements per rank; the last rank's slice ends in padding
+        self.full = torch.zeros(self.slice * size, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in params:
+            view = self.full[offset:offset + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view  # the module keeps its parameter objects; their memory is the buffer
+            offset += p.numel()
+        own = self.full[rank * self.slice:(rank + 1) * self.slice]
+        # Stages 1-2 keep full parameters: the owned slice is a view (no second copy).
+        self.shard = nn.Parameter(own.clone() if stage == 3 else own)
+        self.shard.tp_sharded = all(is_tp_sharded(p) for p in params)
+        self.grad_full: Optional[torch.Tensor] = None
+        self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
+        self.gathered = stage < 3
+        if stage == 3:
+            self.free_params()
+
+    # --- parameters ---
+    def gather_params(self) -> None:
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        _all_gather_single(self.full, self.shard.detach(), group=self.group)
+        if self.tracker is not None:
+            self.tracker.exclude([self.full])  # weights, not activations, when saved for backward
+        self.gathered = True
+
+    def free_params(self) -> None:
+        if self.tracker is not None and self.gathered and self.stage == 3:
+            self.tracker.include_again([self.full])
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def all_gather_updated(self) -> None:
+        """Stages 1-2: every rank's updated slice into the full parameters."""
+        _all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
+
+    # --- gradients ---
+    def give_grad_views(self) -> None:
+        """Stage 1: parameters accumulate straight into one flat gradient buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros_like(self.full)
+        else:
+            self.grad_full.zero_()
+        offset = 0
+        for p in self.params:
+            p.grad = self.grad_full[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def reduce_scatter_grads(self, accumulate: bool) -> int:
+        """Owner's slice <- dp mean of the unit's gradient. Returns transient bytes used."""
+        if self.grad_full is not None:
+            flat = self.grad_full
+        else:
+            flat = torch.zeros(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
+            offset = 0
+            for p in self.params:
+                if p.grad is not None:
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+        out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
+        _reduce_scatter_single(out, flat, group=self.group)
+        out /= self.size
+        if self.stage == 1:  # the reduced slice lives in the full buffer (no extra memory)
+            own = self.grad_full[self.rank * self.slice:(self.rank + 1) * self.slice]
+            own.copy_(out)
+            self.shard.grad = own
+        elif accumulate and self.shard.grad is not None:
+            self.shard.grad += out
+        else:
+            self.shard.grad = out
+        transient = flat.numel() * flat.element_size() if self.grad_full is None else 0
+        if self.stage >= 2:
+            for p in self.params:
+                p.grad = None
+        return transient
+
+
+class Zero:
+    """The ZeRO state of one rank: its units, the shards the optimizer steps, the hooks."""
+
+    def __init__(self, stage: int, units: list[list[nn.Module]], ctx, tracker=None,
+                 separate: Optional[nn.Parameter] = None):
+        """`units`: groups of modules whose parameters share a buffer (and, at stage 3, are
+        gathered together). `separate`: a parameter kept in a buffer of its own (a tied
+        embedding's second copy on the last pipeline stage, left out of the grad norm)."""
+        self.stage = stage
+        size, rank, group = ctx.dims.dp, ctx.coords.dp, ctx.dp_group
+        self.flat: list[FlatUnit] = []
+        seen: set[int] = set()
+        self.separate = None
+        if separate is not None:
+            self.separate = FlatUnit([separate], group, size, rank, stage, tracker)
+            self.flat.append(self.separate)
+            seen.add(id(separate))
+        self.transient_peak_bytes = 0
+        for modules in units:
+            params = []
+            for p in (p for m in modules for p in m.parameters()):
+                if id(p) not in seen and p.requires_grad:  # a tied weight: one place in one buffer
+                    seen.add(id(p))
+                    params.append(p)
+            groups = [[p for p in params if is_tp_sharded(p)], [p for p in params if not is_tp_sharded(p)]]
+            flats = [FlatUnit(g, group, size, rank, stage, tracker) for g in groups if g]
+            self.flat.extend(flats)
+            if stage >= 2:
+                for f in flats:
+                    self._hook_grads(f)
+            if stage == 3:
+                self._hook_params(modules, flats)
+        self.shards = [f.shard for f in self.flat]
+        self._live = 0  # bytes of parameters gathered right now (stage 3)
+        if tracker is not None and stage < 3:  # the flattened weights are new storages
+            tracker.exclude([f.full for f in self.flat])
+
+    # --- hooks (stages 2, 3) ---
+    def _hook_grads(self, f: FlatUnit) -> None:
+        def on_grad(_p):
+            f.pending -= 1
+            if f.pending == 0:
+                self._unit_backward_done(f)
+
+        for p in f.params:
+            p.register_post_accumulate_grad_hook(on_grad)
+
+    def _unit_backward_done(self, f: FlatUnit) -> None:
+        self._note_peak(f.reduce_scatter_grads(accumulate=True))
+        if self.stage == 3:
+            self._free(f)
+
+    def _hook_params(self, modules: list[nn.Module], flats: list[FlatUnit]) -> None:
+        io_unit = len(modules) > 1  # embedding + head: gathered from first use to backward's end
+
+        def before_forward(_m, _args):
+            for f in flats:
+                self._gather(f)
+
+        def after_forward(_m, _args, out):
+            tensor = out if isinstance(out, torch.Tensor) else out[0]
+            if tensor.requires_grad:
+                tensor.register_hook(lambda g: [self._gather(f) for f in flats] and None)
+            if not io_unit:
+                for f in flats:
+                    self._free(f)
+
+        for m in modules:
+            m.register_forward_pre_hook(before_forward)
+            m.register_forward_hook(after_forward)
+
+    def _gather(self, f: FlatUnit) -> None:
+        if not f.gathered:
+            f.gather_params()
+            self._live += f.full.numel() * f.full.element_size()
+            self._note_peak(0)
+
+    def _free(self, f: FlatUnit) -> None:
+        if f.gathered:
+            f.free_params()
+            self._live -= f.full.numel() * f.full.element_size()
+
+    def _note_peak(self, extra: int) -> None:
+        """Transient peak: gathered parameters plus the flat gradient copy being reduced.
+        (Autograd's own per-parameter gradients before their unit is reduced are not counted.)"""
+        self.transient_peak_bytes = max(self.transient_peak_bytes, self._live + extra)
+
+    # --- the step ---
+    def start_microbatch(self) -> None:
+        for f in self.flat:
+            f.pending = len(f.params)
+
+    def start_step(self) -> None:
+        if self.stage == 1:
+            for f in self.flat:
+                f.give_grad_views()
+        for f in self.flat:
+            f.shard.grad = None
+
+    def finish_backward(self) -> None:
+        """After each micro-batch's backward: units whose hooks did not all fire (a parameter
+        unused in this forward) are reduced now, so no gradient is lost."""
+        if self.stage >= 2:
+            for f in self.flat:
+                if 0 < f.pending < len(f.params):
+                    f.pending = 0
+                    self._unit_backward_done(f)
+
+    def reduce_gradients(self) -> None:
+        """After the step's last backward (stage 1: the one reduce-scatter per unit)."""
+        if self.stage == 1:
+            for f in self.flat:
+                f.reduce_scatter_grads(accumulate=False)
+
+    def after_step(self) -> None:
+        if self.stage < 3:
+            for f in self.flat:
+                f.all_gather_updated()
+
+    def gather_all(self) -> None:
+        """Stage 3: full parameters everywhere (for the checkpoint at the end)."""
+        for f in self.flat:
+            self._gather(f)
+
+    def build_optimizer(self, spec: dict, offload: bool):
+        from ..optim import build_optimizer
+
+        return HostOptimizer(spec, self.shards) if offload else build_optimizer(spec, self.shards)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Model states this rank holds between steps (storage-deduplicated exact bytes)."""
+        params = [f.full for f in self.flat if f.gathered] + [f.shard for f in self.flat]
+        grads = [f.grad_full for f in self.flat] if self.stage == 1 else [f.shard.grad for f in self.flat]
+        opt = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params_bytes": tensor_bytes(params), "grads_bytes": tensor_bytes(grads),
+                "optimizer_bytes": tensor_bytes(opt), "zero_transient_peak_bytes": self.transient_peak_bytes}
+
+
+class HostOptimizer:
+    """ZeRO-Offload (Ren et al., 2021): the optimizer states and the update of this rank's
+    shards live in host memory. Each step copies the shard gradients to the host, steps
+    there, and copies the updated shards back. On a CPU device the copies are host-to-host:
+    the same code path, so it is tested here, without the memory it saves on a GPU."""
+
+    def __init__(self, spec: dict, shards: list[nn.Parameter]):
+        from ..optim import build_optimizer
+
+        self.shards = shards
+        pin = shards[0].device.type == "cuda"
+        self.host = [nn.Parameter(s.detach().to("cpu", copy=True)) for s in shards]
+        if pin:
+            self.host = [nn.Parameter(h.data.pin_memory()) for h in self.host]
+        self.inner = build_optimizer(spec, self.host)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    def step(self) -> None:
+        for s, h in zip(self.shards, self.host, strict=True):
+            h.grad = None if s.grad is None else s.grad.detach().to("cpu", copy=True)
+        self.inner.step()
+        for s, h in zip(self.shards, self.host, strict=True):
+            s.data.copy_(h.data, non_blocking=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for s in self.shards:
+            s.grad = None
