@@ -24,17 +24,16 @@ LAYOUTS = {
     "tp2": ["parallelism=tp2", "schedule.microbatches=4"],
     "tp4": ["parallelism=tp4", "schedule.microbatches=4"],
     "tp2_sp": ["parallelism=tp2", "schedule.microbatches=4", SP],
-    "tp4_sp": ["parallelism=tp4", "schedule.microbatches=4", SP],
     "tp2_pp2_flush_sp": ["parallelism=tp2_pp2", "schedule=flush", "schedule.microbatches=4", SP],
     "3d_flush": ["parallelism=3d_2x2x2", "schedule=flush", "schedule.microbatches=2"],
     "3d_interleaved": ["parallelism=3d_2x2x2", "schedule=interleaved", "schedule.microbatches=2"],
 }
-CASES = [("gpt2", k) for k in LAYOUTS if k != "single"] + [("llama", k) for k in ("tp2", "tp4", "tp2_sp", "3d_flush")]
+CASES = [("gpt2", k) for k in LAYOUTS if k != "single"] + [("llama", k) for k in ("tp2", "tp4", "tp2_sp")]
 
 
 def _common(data_cache):
     return [*[a for a in TINY if not a.startswith("model.")], "data=pycode", "data.max_files=20",
-            f"data.cache_dir={data_cache}", "trainer.steps=4", "trainer.warmup_steps=1",
+            f"data.cache_dir={data_cache}", "trainer.steps=3", "trainer.warmup_steps=1",
             "trainer.save_checkpoint=true", "optimizer.lr=3e-3"]
 
 
@@ -89,15 +88,14 @@ def _gpt2_tp_bytes(tp: int, sp: bool, m: int = 4, b: int = 2, t: int = 32, h: in
     return int(total)
 
 
-@pytest.mark.parametrize("layout,tp,sp", [("tp2", 2, False), ("tp4", 4, False), ("tp2_sp", 2, True),
-                                          ("tp4_sp", 4, True)])
+@pytest.mark.parametrize("layout,tp,sp", [("tp2", 2, False), ("tp4", 4, False), ("tp2_sp", 2, True)])
 def test_tp_bytes_per_step_are_counted_exactly(runs, layout, tp, sp):
     metrics = runs["gpt2", layout][1]
     assert {m["tp_comm_bytes"] for m in metrics} == {_gpt2_tp_bytes(tp, sp)}
     assert runs["gpt2", "single"][1][0]["tp_comm_bytes"] == 0
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2])
 def test_sequence_parallelism_cuts_activation_memory(runs, tp):
     full = runs["gpt2", f"tp{tp}"][0]["activation_peak_bytes_max"]
     sp = runs["gpt2", f"tp{tp}_sp"][0]["activation_peak_bytes_max"]
