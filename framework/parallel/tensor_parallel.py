@@ -55,6 +55,13 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
+def vocab_rows(vocab: int, comm: TPComm) -> tuple[int, int, torch.Tensor]:
+    """This rank's rows of the padded vocabulary: (width, start, their indices)."""
+    width = padded_vocab(vocab, comm.size) // comm.size
+    start = comm.rank * width
+    return width, start, torch.arange(start, start + width)
+
+
 def _shard(full: torch.Tensor, spec: TPShard) -> nn.Parameter:
     t = full.detach()
     pad = int(spec.index.max()) + 1 - t.size(spec.dim)
@@ -144,9 +151,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
         vocab = module.weight.size(0)
-        self.width = padded_vocab(vocab, comm.size) // comm.size
-        self.start = comm.rank * self.width
-        index = torch.arange(self.start, self.start + self.width)
+        self.width, self.start, index = vocab_rows(vocab, comm)
         self.weight = _shard(module.weight, TPShard(0, index, vocab))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -164,9 +169,7 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.vocab = module.weight.size(0)
-        self.width = padded_vocab(self.vocab, comm.size) // comm.size
-        self.start = comm.rank * self.width
-        index = torch.arange(self.start, self.start + self.width)
+        self.width, self.start, index = vocab_rows(self.vocab, comm)
         self.weight = tied if tied is not None else _shard(module.weight, TPShard(0, index, self.vocab))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 
 # torch 2.13 renamed the tensor-in / tensor-out collectives; 2.6-2.12 have the older names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# (zero.py uses them over the dp group too.)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TPComm:
@@ -51,7 +52,7 @@ class TPComm:
         x = x.contiguous()
         out = torch.empty((self.size * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
         self._tally(out, 1)
-        _all_gather_single(out, x, group=self.group)
+        all_gather_single(out, x, group=self.group)
         return out if dim == 0 else torch.cat(out.chunk(self.size, 0), dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ class TPComm:
         stacked = torch.cat(chunks, 0).contiguous() if dim != 0 else x.contiguous()
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         self._tally(stacked, 1)
-        _reduce_scatter_single(out, stacked, group=self.group)
+        reduce_scatter_single(out, stacked, group=self.group)
         return out
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -32,14 +32,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..metrics.memory import tensor_bytes
 from .tensor_parallel import is_tp_sharded
+from .tp_comm import all_gather_single as _all_gather_single
+from .tp_comm import reduce_scatter_single as _reduce_scatter_single
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class FlatUnit:
