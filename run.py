@@ -37,8 +37,8 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(f"config error: {e}") from None
     except RankFailure:
         raise SystemExit(1) from None  # the rank's traceback is already printed
-    if not result or run.dry_run:
-        return math.nan
+    if not result or run.dry_run or result.get(run.objective) is None:
+        return math.nan  # e.g. objective=mfu under precision=fp64, which reports no MFU
     return float(result[run.objective])
 
 

@@ -82,7 +82,7 @@ class TrainerConfig:
     warmup_steps: int = 3  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
-    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 parameters and optimizer states)
+    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 parameters and optimizer states) | fp64 (verification)
     activation_checkpointing: bool = False
     seed: int = 1234
     log_interval: int = 5
@@ -102,13 +102,16 @@ class LoggerConfig:
 @dataclass
 class MetricsConfig:
     skip_first: int = 3  # warm-up steps left out of the summary medians
-    peak_tflops: Optional[float] = None  # per rank; null = measured by a matmul probe
+    peak_tflops: Optional[float] = None  # per rank; null = datasheet table (CUDA) or cached matmul probe (CPU)
 
 
 @dataclass
 class DebugConfig:
     fail_rank: Optional[int] = None  # inject a fault: this rank raises ...
     fail_step: int = 0  # ... at the start of this step
+    stage_delay_ms: float = 0.0  # sleep this long inside every forward and backward compute ...
+    delay_pp_rank: int = 0  # ... of this pipeline rank (tests the measured bubble)
+    coalesced_p2p: bool = False  # emulate NCCL: batch_isend_irecv returns ONE Work per batch
 
 
 @dataclass

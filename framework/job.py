@@ -21,7 +21,8 @@ from .data import prepare
 from .launch import RankFailure, launch_local, resolve_device, threads_per_rank
 from .logging import RunInfo
 from .metrics.bubble import analytic_bubble
-from .metrics.flops import flops_per_token, matmul_params, probe_peak_flops
+from .metrics.flops import flops_per_token, matmul_params
+from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, num_positions
 from .plan import make_plan, render_plan
 from .validate import validate
@@ -37,15 +38,18 @@ def meta_model(run: RunConfig, vocab_size: int):
     return build_hf_model(run.model, vocab_size, run.trainer.seed, device="meta")
 
 
-def _peak(run: RunConfig, device_type: str) -> tuple[float, str]:
-    if run.metrics.peak_tflops:
-        return run.metrics.peak_tflops * 1e12, "config"
-    dtype = torch.bfloat16 if run.trainer.precision == "bf16" else torch.float32
+def _peak(run: RunConfig, device_type: str) -> tuple[Optional[float], str]:
+    """fp64 / config / the cached CPU probe here; a CUDA peak is left pending for the ranks
+    (framework/metrics/peak.py), since looking up the GPU here would create a CUDA context."""
+    fixed = fixed_peak(run)
+    if fixed is not None:
+        return fixed
+    if device_type == "cuda":
+        return None, PENDING
     threads = torch.get_num_threads()
-    if device_type == "cpu":
-        torch.set_num_threads(threads_per_rank(run.world_size))  # what one rank will have
+    torch.set_num_threads(threads_per_rank(run.world_size))  # what one rank will have
     try:
-        return probe_peak_flops(torch.device(device_type), dtype), "probe"
+        return device_peak(run.trainer.precision, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
 
@@ -96,8 +100,15 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
             f"model {run.model.name} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
             f"global batch {run.global_batch} seqs = micro_batch_size {t.micro_batch_size} x microbatches "
             f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
-            f"{info.flops_per_token / 1e6:.2f} MFLOP/token | peak {info.peak_flops_per_rank / 1e12:.3f} "
-            f"TFLOP/s per rank ({info.peak_source})")
+            f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}")
+
+
+def _peak_text(info: RunInfo) -> str:
+    if info.peak_source == PENDING:
+        return "peak: each rank looks up its GPU's datasheet peak"
+    if info.peak_flops_per_rank is None:
+        return "no MFU (fp64 has no peak to compare with)"
+    return f"peak {info.peak_flops_per_rank / 1e12:.3f} TFLOP/s per rank ({info.peak_source})"
 
 
 def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
@@ -128,13 +139,17 @@ def _vocab_without_data(run: RunConfig) -> int:
 
 def summary_lines(summary: dict) -> str:
     lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
-             f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {summary['mfu']:.2%} "
+             f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
              f"(medians over {summary['measured_steps']} steps after {summary['steps'] - summary['measured_steps']} warm-up)"]
     for r in summary["ranks"]:
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
                      f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
                      f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
     return "\n".join(lines)
+
+
+def _percent(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.2%}"
 
 
 def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:

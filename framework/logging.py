@@ -5,7 +5,10 @@ log interval and rank 0 merges them into one record per step:
   loss        the global mean over the step's tokens (identical on every rank)
   step_time_s the slowest rank's wall time for the step (data + fwd/bwd + optimizer)
   tokens_per_s global tokens per step / step_time_s
-  tflops, mfu model FLOP/s per rank (6N + 12·L·h·s per token, framework.metrics.flops)
+  tflops, mfu model FLOP/s per rank (6N + 12·L·h·s per token, framework.metrics.flops) and
+              its share of the per-rank peak (framework.metrics.peak); null for fp64. An
+              mfu above 1 is a bug in the FLOPs or the peak: the logging rank warns on
+              stderr and summary.json says mfu_above_one: true
   bubble_fraction  pipeline idle share, mean over ranks (each: 1 - compute / window,
               framework/parallel/pipeline/runner.py); _max and per rank beside it
   tp_comm_bytes bytes one rank sent in tp collectives during the step (forward, backward,
@@ -25,6 +28,7 @@ import json
 import netrc
 import os
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -47,8 +51,10 @@ class RunInfo:
     vocab_size: int
     num_samples: int
     flops_per_token: float
-    peak_flops_per_rank: float
-    peak_source: str  # "config" | "probe"
+    # None for fp64 (no MFU), and for CUDA until each rank looks its GPU up at start-up
+    # (framework.metrics.peak.resolve_rank_peak replaces the pending value).
+    peak_flops_per_rank: Optional[float]
+    peak_source: str  # "config" | "table" | "probe" | "none" (fp64) | "pending" (CUDA, before the ranks)
     bubble_fraction_analytic: float
 
 
@@ -107,12 +113,12 @@ class RunLogger:
         losses = [r["loss"] for r in per_rank if r["loss"] is not None]
         step_time = max(r["step_time_s"] for r in per_rank)
         tps = self.run.tokens_per_step / step_time
-        achieved_mfu = mfu(tps, self.info.flops_per_token, self.run.world_size, self.info.peak_flops_per_rank)
+        tflops, achieved_mfu = self._mfu(r0["step"], tps)
         return {
             "step": r0["step"], "loss": sum(losses) / len(losses), "lr": r0["lr"],
             "grad_norm": max(r["grad_norm"] for r in per_rank),
             "step_time_s": step_time, "tokens_per_s": tps,
-            "tflops": tps * self.info.flops_per_token / self.run.world_size / 1e12, "mfu": achieved_mfu,
+            "tflops": tflops, "mfu": achieved_mfu,
             "data_s": max(r["data_s"] for r in per_rank), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),
             "optimizer_s": max(r["optimizer_s"] for r in per_rank),
             # pp = 1: no stage waits on another, so no bubble by definition (runners report 0).
@@ -125,11 +131,26 @@ class RunLogger:
             "rank_tp_comm_bytes": [r["tp_comm_bytes"] for r in per_rank],
             "rank_step_time_s": [r["step_time_s"] for r in per_rank],
             "rank_bubble_fraction": [r["bubble"] for r in per_rank],
+            # the two terms of each rank's measured bubble (1 - busy / window), in seconds
+            "rank_busy_s": [r["busy_s"] for r in per_rank],
+            "rank_window_s": [r["window_s"] for r in per_rank],
         }
+
+    def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
+        """(TFLOP/s per rank, MFU) with this rank's resolved peak; (None, None) without one."""
+        info = self.info
+        if info.peak_flops_per_rank is None:
+            return None, None
+        achieved = mfu(tokens_per_s, info.flops_per_token, self.run.world_size, info.peak_flops_per_rank)
+        if achieved > 1:
+            print(f"WARNING: step {step}: mfu {achieved:.3f} > 1 against a peak of "
+                  f"{info.peak_flops_per_rank / 1e12:.3f} TFLOP/s per rank ({info.peak_source}): the FLOPs "
+                  "per token or the peak is wrong", file=sys.stderr, flush=True)
+        return tokens_per_s * info.flops_per_token / self.run.world_size / 1e12, achieved
 
     def gather_and_log(self, pending: list[dict]) -> None:
         gathered = [None] * self.run.world_size if self.is_logger else None
-        dist.gather_object(pending, gathered, dst=0)
+        dist.gather_object(pending, gathered, dst=0, group=self.ctx.log_group)
         if not self.is_logger:
             return
         for i in range(len(pending)):
@@ -148,13 +169,13 @@ class RunLogger:
     def _print(self, r: dict) -> None:
         print(f"step {r['step'] + 1:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} "
               f"| grad {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | {r['step_time_s'] * 1e3:.0f} ms/step "
-              f"| mfu {r['mfu']:.1%}", flush=True)
+              f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}", flush=True)
 
     def finish(self, rank_memory: dict) -> Optional[dict]:
         """Gather each rank's memory, write summary.json and finalise metrics.jsonl."""
         gathered = [None] * self.run.world_size if self.is_logger else None
         mem = {"rank": self.ctx.rank, **asdict(self.ctx.coords), **rank_memory}
-        dist.gather_object(mem, gathered, dst=0)
+        dist.gather_object(mem, gathered, dst=0, group=self.ctx.log_group)
         if not self.is_logger:
             return None
         summary = self._summary(gathered)
@@ -170,7 +191,7 @@ class RunLogger:
 
     def _summary(self, ranks: list[dict]) -> dict:
         measured = self.records[self.run.metrics.skip_first:]
-        med = {k: statistics.median(r[k] for r in measured) for k in MEDIAN_KEYS}
+        med = {k: _median([r[k] for r in measured]) for k in MEDIAN_KEYS}
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
         if self.run.schedule.name in ("1f1b", "2bw") and self.busy_window:
@@ -187,6 +208,7 @@ class RunLogger:
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
             "virtual_stages": run.schedule.virtual_stages,
             "weight_version_bytes_max": max(r["weight_version_bytes"] for r in ranks),
+            "p2p_buffer_peak_bytes_max": max(r["p2p_buffer_peak_bytes"] for r in ranks),
             "memory_peak_bytes": max(r["memory_peak_bytes"] for r in ranks),
             "model_state_bytes_max": max(r["model_state_bytes"] for r in ranks),
             "model_state_formula_bytes_max": max(r["model_state_formula_bytes"] for r in ranks),
@@ -199,7 +221,9 @@ class RunLogger:
             "sequence_parallel": run.parallelism.sequence_parallel and run.parallelism.tp > 1,
             "global_batch": run.global_batch,
             "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,
-            "peak_tflops_per_rank": info.peak_flops_per_rank / 1e12, "peak_source": info.peak_source,
+            "peak_tflops_per_rank": None if info.peak_flops_per_rank is None else info.peak_flops_per_rank / 1e12,
+            "peak_source": info.peak_source,
+            "mfu_above_one": any(r["mfu"] is not None and r["mfu"] > 1 for r in self.records),
             "device": self.ctx.device.type, "ranks": ranks,
         }
 
@@ -232,7 +256,12 @@ class RunLogger:
             self.wandb.finish(exit_code=0 if self.completed else 1)
 
 
+def _median(values: list) -> Optional[float]:
+    """None when the metric is undefined for the run (tflops / mfu under fp64)."""
+    return None if None in values else statistics.median(values)
+
+
 def _wandb_row(rec: dict) -> dict:
-    row = {k: v for k, v in rec.items() if not k.startswith("rank_")}
+    row = {k: v for k, v in rec.items() if not k.startswith("rank_") and v is not None}  # fp64: no mfu
     row.update({f"bubble_fraction/rank{i}": b for i, b in enumerate(rec["rank_bubble_fraction"])})
     return row

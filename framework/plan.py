@@ -78,8 +78,9 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     memory = []
     for rank in range(p.pp):  # a rank holds its v chunks
         n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
-        # fp32 parameters (bf16 runs autocast and keep fp32 weights); ZeRO shards over dp
-        est = {k: int(v) for k, v in zero_model_states(p.zero, n, p.dp, ratio).items()}
+        # fp32 parameters (bf16 runs autocast and keep fp32 weights; fp64 8 bytes); ZeRO shards over dp
+        word = 8 if run.trainer.precision == "fp64" else 4
+        est = {k: int(v) for k, v in zero_model_states(p.zero, n, p.dp, ratio, word=word).items()}
         bf16 = sum(zero_model_states(p.zero, n, p.dp, ratio, bf16=True).values())
         memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})

@@ -92,6 +92,14 @@ class ParallelContext:
     def pp_group(self):
         return self.groups["pp"]
 
+    @property
+    def log_group(self):
+        """The logging rank's gathers: gloo over the world (None = the default group when
+        that is gloo already). Under NCCL a gather on the default communicator would queue
+        behind point-to-point ops still pending in an asynchronous pipeline (their receives
+        are only posted after the peer's gather), and it would sync the host with the GPU."""
+        return self.groups.get("log")
+
     @classmethod
     def create(cls, dims: ParallelDims, rank: int, device) -> ParallelContext:
         import torch.distributed as dist
@@ -104,4 +112,6 @@ class ParallelContext:
                 g = dist.new_group(ranks)
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks
+        if dist.get_backend() != "gloo":
+            groups["log"] = dist.new_group(backend="gloo")
         return cls(dims, rank, dims.coords(rank), device, groups, members)

@@ -24,6 +24,7 @@ from .data import ShardedSampler, TokenData
 from .logging import RunInfo, RunLogger
 from .metrics.memory import (ActivationTracker, device_memory, model_state_bytes, optimizer_state_ratio, peak_rss_bytes,
                              zero_model_states)
+from .metrics.peak import resolve_rank_peak
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import data_parallel
@@ -47,6 +48,7 @@ def _now(device: torch.device) -> float:
 
 
 def autocast_context(run: RunConfig, device: torch.device):
+    """bf16 only; fp32 and fp64 (verification) compute in the parameters' dtype."""
     if run.trainer.precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -72,6 +74,7 @@ class AccumulationRunner:
             self.zero = None
             self.wrapped, self.params = data_parallel.wrap(model, ctx), list(model.parameters())
             self.optimizer = build_optimizer(run.optimizer, self.params)
+        tracker.set_params(model.parameters())  # final storages: ZeRO's flat buffers, if any
 
     def step(self, step: int, batch_of) -> dict:
         dev, m = self.ctx.device, self.run.schedule.microbatches
@@ -91,7 +94,7 @@ class AccumulationRunner:
             if self.zero:
                 self.zero.finish_backward()
             self.tracker.backward_done(j)
-            loss_sum += loss.detach()
+            loss_sum = loss_sum + loss.detach()  # not +=: in place would round fp64 losses to fp32
         t2 = _now(dev)
         if self.zero:
             self.zero.reduce_gradients()
@@ -109,15 +112,16 @@ class AccumulationRunner:
         self.optimizer.zero_grad(set_to_none=True)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "pipeline_s": t2 - t1,
-                "optimizer_s": t3 - t2, "bubble": 0.0, "records": [], "weight_version_bytes": 0}
+                "optimizer_s": t3 - t2, "bubble": 0.0, "records": [], "weight_version_bytes": 0,
+                "p2p_buffer_peak_bytes": 0}
 
 
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
     vocab = run.model.vocab_size or info.vocab_size
     tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp)
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
-                        tp_comm, run.parallelism.sequence_parallel)
-    tracker = ActivationTracker(model)
+                        tp_comm, run.parallelism.sequence_parallel, run.trainer.precision)
+    tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):
         stack = contextlib.ExitStack()
@@ -163,7 +167,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
             "step_time_s": t2 - t0, "data_s": t1 - t0, "fwd_bwd_s": out["pipeline_s"], "optimizer_s": out["optimizer_s"],
             "bubble": out["bubble"], "busy_s": out.get("busy_s", 0.0), "window_s": out.get("window_s", 0.0),
             "activation_peak_bytes": runner.tracker.peak_bytes,
-            "weight_version_bytes": out["weight_version_bytes"],
+            "weight_version_bytes": out["weight_version_bytes"], "p2p_buffer_peak_bytes": out["p2p_buffer_peak_bytes"],
             "tp_comm_bytes": runner.tp_comm.take_bytes(),
             "actions": [(r.action, r.start, r.compute_start, r.end) for r in out["records"]], **runner.states}
 
@@ -173,11 +177,13 @@ def rank_memory(runner, last: dict, run: RunConfig, device: torch.device) -> dic
     mem = {k: last[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     mem["weight_version_bytes"] = last["weight_version_bytes"]
     mem["model_state_bytes"] = sum(mem.values())
+    mem["p2p_buffer_peak_bytes"] = last["p2p_buffer_peak_bytes"]
     # The ZeRO paper's accounting for this rank's psi parameters (its tp / pp part), N = dp.
     p = run.parallelism
     psi = sum(q.numel() for q in runner.module.parameters())
     ratio = optimizer_state_ratio(run.optimizer)
-    mem.update(psi=psi, model_state_formula_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio).values()),
+    word = 8 if run.trainer.precision == "fp64" else 4
+    mem.update(psi=psi, model_state_formula_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, word=word).values()),
                model_state_formula_bf16_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()),
                zero_transient_peak_bytes=last.get("zero_transient_peak_bytes", 0))
     mem.update(activation_peak_bytes=runner.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
@@ -203,6 +209,7 @@ def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
 
 def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> Optional[dict]:
     """Run every step on this rank; the logging rank returns the summary, others None."""
+    info = resolve_rank_peak(run, info, ctx.device, announce=ctx.rank == 0)  # CUDA: the table, looked up here
     runner, full = build_runner(run, info, ctx)
     batches = Batches(run, info, ctx)
     logger = RunLogger(run, job_dir, ctx, info)

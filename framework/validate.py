@@ -18,7 +18,7 @@ from .parallel.pipeline.schedules import ASYNC_SCHEDULES, SCHEDULES, interleaved
 
 ARCHS = ("gpt2", "llama")
 DATASETS = ("pycode", "synthetic", "hf")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp64")
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
 DEVICES = ("auto", "cpu", "cuda")

@@ -10,7 +10,7 @@ from framework.config import ModelConfig
 from framework.metrics.bubble import analytic_bubble
 from framework.metrics.flops import flops_per_token, matmul_params, mfu, probe_peak_flops
 from framework.metrics.memory import ActivationTracker, model_state_bytes
-from framework.models import build_model
+from framework.models import build_hf_model, build_model
 from framework.optim import build_optimizer, lr_at
 from framework.metrics.memory import optimizer_state_ratio
 
@@ -60,6 +60,41 @@ def test_activation_tracker_excludes_weights_and_sums_live_microbatches():
     assert tracker.peak_bytes == 2 * 8 * 64 * 4  # the peak is kept
 
 
+def test_activation_tracker_set_params_replaces_and_include_again_forgets():
+    """Weight keys are addresses, so the tracker must only remember live weights: set_params
+    replaces the parameters (taken once they are final), exclude / include_again add and
+    drop the weights that come and go, and a dropped key is gone from both."""
+    lin = nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    act, weight = 8 * 64 * 4, 64 * 64 * 4
+
+    def saved(tracker):
+        with tracker.forward(0):
+            lin(x).sum()
+        got = tracker.live_bytes()
+        tracker.backward_done(0)
+        return got
+
+    tracker = ActivationTracker()  # no parameters yet: the saved weight counts
+    assert saved(tracker) == act + weight
+    tracker.set_params(lin.parameters())
+    assert saved(tracker) == act
+    tracker.set_params([])  # replaced, not added to
+    assert saved(tracker) == act + weight
+    tracker.exclude([lin.weight])
+    tracker.set_params([])  # exclude's weights outlive set_params
+    assert saved(tracker) == act
+    tracker.include_again([lin.weight])
+    assert saved(tracker) == act + weight
+    tracker.set_params(lin.parameters())
+    tracker.include_again([lin.weight])  # about to be freed: forgotten even as a parameter
+    assert saved(tracker) == act + weight
+    freed = nn.Parameter(torch.zeros(16))
+    freed.data = torch.empty(0)  # as a pipeline stage drops a parameter it does not own
+    tracker.set_params([freed])
+    assert saved(tracker) == act + weight and not tracker._param_keys  # no address kept for it
+
+
 def test_activation_tracker_sees_less_with_checkpointing():
     peaks = []
     for ckpt in (False, True):
@@ -74,10 +109,33 @@ def test_activation_tracker_sees_less_with_checkpointing():
 
 
 def test_flops_per_token_follows_6n_plus_12lhs():
-    model = _gpt2()
+    model = _gpt2()  # tied: wte is the LM head's weight, counted once; wpe is a lookup
     n = sum(p.numel() for p in model.parameters()) - model.embedding.wpe.weight.numel()
     assert matmul_params(model) == n
     assert flops_per_token(n, 2, 32, 16) == 6 * n + 12 * 2 * 32 * 16
+
+
+def test_gpt2_124m_flops_per_token_match_nanogpt():
+    # conf/model/gpt2.yaml with the GPT-2 tokenizer: nanoGPT's estimate_mfu, 6N + 12·L·H·Q·T.
+    model = build_hf_model(ModelConfig(arch="gpt2", n_layer=12, n_embd=768, n_head=12, max_positions=1024),
+                           50257, seed=0, device="meta")
+    assert flops_per_token(matmul_params(model), 12, 768, 1024) == 855_166_464
+
+
+def test_llama_flops_per_token_leave_out_the_untied_embedding():
+    # conf/model/llama-tiny.yaml, byte vocabulary, seq 128.
+    L, h, heads, kv_heads, inner, vocab, s = 4, 128, 4, 2, 344, 257, 128
+    model = build_hf_model(ModelConfig(arch="llama", n_layer=L, n_embd=h, n_head=heads, n_kv_head=kv_heads,
+                                       n_inner=inner, max_positions=256, tie_embeddings=False),
+                           vocab, seed=0, device="meta")
+    head_dim = h // heads
+    attention = h * h + 2 * h * kv_heads * head_dim + h * h  # q, k and v (GQA: 2 kv heads), o; no biases
+    mlp = 3 * h * inner  # gate, up, down
+    block = attention + mlp + 2 * h  # + input and post-attention RMSNorm
+    n = L * block + h + vocab * h  # + final norm + lm_head; embed_tokens is a lookup, not counted
+    assert n == 759_040
+    assert matmul_params(model) == n
+    assert flops_per_token(matmul_params(model), L, h, s) == 6 * n + 12 * L * h * s == 5_340_672
 
 
 def test_mfu_and_the_probe():

@@ -1,5 +1,6 @@
-"""Schedules as data: every generator's lists are proved valid over the whole grid, the
-checker catches broken lists, and the grid and bubble agree with the papers' formulas."""
+"""Schedules as data: every generator's lists are proved valid over the whole grid (under
+gloo's rules, and the executor's batches under NCCL's: `check` runs both), the checker
+catches broken lists, and the grid and bubble agree with the papers' formulas."""
 
 import pytest
 

@@ -4,9 +4,14 @@ Training FLOPs per token = 6N + 12·L·h·s: 6N for the forward and backward mat
 parameters (2 forward + 4 backward per parameter per token) and 12·L·h·s for attention
 scores and values over context s (Kaplan et al., 2020, "Scaling Laws for Neural Language
 Models", sec. 2.1; Chowdhery et al., 2022, PaLM, appendix B; nanoGPT's estimate_mfu).
-N counts every parameter except position embeddings (a lookup, no matmul); a tied
-embedding counts once, through the LM head matmul it also serves. Activation
-recomputation is not counted: this is *model* FLOPs, so checkpointed runs show lower MFU.
+N counts every parameter except those of embedding tables (nn.Embedding: token and
+position embeddings are lookups, no matmul), as torchtitan's
+get_dense_model_nparams_and_flops does: Llama's untied embed_tokens is left out, its
+lm_head counted; GPT-2's tied wte counts once, through the LM head matmul it also serves.
+Norm weights and biases are counted (as nanoGPT does; they are <1% of N). For GPT-2 124M
+at s = 1024 this gives nanoGPT's 855,166,464 FLOPs per token. Activation recomputation is
+not counted: this is *model* FLOPs, so checkpointed runs show lower MFU. The peak it is
+divided by: framework/metrics/peak.py.
 """
 
 from __future__ import annotations
@@ -16,18 +21,16 @@ import time
 import torch
 from torch import nn
 
-POSITION_EMBEDDING_NAMES = ("wpe",)
-
 
 def matmul_params(model: nn.Module) -> int:
-    """N: unique parameters, without position-embedding tables."""
-    seen, n = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen or any(part in POSITION_EMBEDDING_NAMES for part in name.split(".")):
-            continue
-        seen.add(id(p))
-        n += p.numel()
-    return n
+    """N: unique parameters of every module but the embedding tables.
+
+    A tied LM head (an nn.Linear holding the token embedding's weight) counts that weight
+    once, as the matmul it is; the lookup alone counts nothing.
+    """
+    used = {id(p): p for m in model.modules() if not isinstance(m, nn.Embedding)
+            for p in m.parameters(recurse=False)}
+    return sum(p.numel() for p in used.values())
 
 
 def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
@@ -38,8 +41,9 @@ def probe_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n
                      seconds: float = 0.5) -> float:
     """Best sustained matmul FLOP/s of one (n x n) @ (n x n) on this device and thread count.
 
-    Used as the MFU denominator when metrics.peak_tflops is not given: an attainable peak,
-    not the datasheet one, so CPU MFU reads as "share of what this core's GEMM reaches".
+    The MFU denominator on CPU and on GPUs without a datasheet entry (framework/metrics/
+    peak.py caches it per machine): an attainable peak, not the datasheet one, so CPU MFU
+    reads as "share of what this core's GEMM reaches".
     """
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)

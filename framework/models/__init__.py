@@ -13,14 +13,29 @@ ARCHS = {"gpt2": gpt2, "llama": llama}
 HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
 
 
-def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu"):
-    """The transformers model. Seeded so every rank (and the reference) starts identical."""
+def param_dtype(precision: str) -> torch.dtype:
+    """The one place the parameter dtype is decided: fp64 in verification mode, else fp32
+    (bf16 autocasts the matmuls; its parameters and optimizer states stay fp32)."""
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
+def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", precision: str = "fp32"):
+    """The transformers model. Seeded so every rank (and the reference) starts identical.
+
+    fp64 initialises (or loads) exactly as fp32 does and only then casts, so an fp64 run
+    starts from the fp32 run's weights and the two can be compared."""
     arch = ARCHS[m.arch]
     if m.pretrained:
-        return _load_pretrained(m, device)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return arch.MODEL_CLASS(arch.hf_config(m, vocab_size))
+        model = _load_pretrained(m, device)
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = arch.MODEL_CLASS(arch.hf_config(m, vocab_size))
+    dtype = param_dtype(precision)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        arch.keep_dtype(model)
+    return model
 
 
 def _load_pretrained(m: ModelConfig, device):
@@ -36,12 +51,12 @@ def _load_pretrained(m: ModelConfig, device):
 
 
 def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkpoint_blocks: bool = False,
-                tp_comm=None, sequence_parallel: bool = False) -> SplitLM:
+                tp_comm=None, sequence_parallel: bool = False, precision: str = "fp32") -> SplitLM:
     """The seeded model split into embedding | blocks | head; with `tp_comm` (a TPComm of
     size > 1) the architecture's TP plan is applied first, so every rank shards the very
     weights the single-process run starts from."""
     arch = ARCHS[m.arch]
-    hf = build_hf_model(m, vocab_size, seed, device)
+    hf = build_hf_model(m, vocab_size, seed, device, precision)
     # Train mode only matters for dropout; from_pretrained returns eval mode, random init train.
     hf.train(m.dropout > 0)
     if tp_comm is None or tp_comm.size == 1:
@@ -76,4 +91,4 @@ def num_positions(hf_model) -> int:
     return getattr(c, "n_positions", None) or c.max_position_embeddings
 
 
-__all__ = ["build_model", "build_hf_model", "SplitLM", "lm_loss", "num_positions", "ARCHS"]
+__all__ = ["build_model", "build_hf_model", "param_dtype", "SplitLM", "lm_loss", "num_positions", "ARCHS"]

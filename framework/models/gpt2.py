@@ -31,11 +31,19 @@ class GPT2Head(nn.Module):
         return self.lm_head(self.ln_f(h))  # (B, T, V)
 
 
+def keep_dtype(model: GPT2LMHeadModel) -> None:
+    """fp64 verification mode: nothing to adjust; GPT-2's LayerNorm and SDPA attention compute
+    in the parameters' dtype (checked in tests/test_equivalence.py)."""
+
+
 def hf_config(m: ModelConfig, vocab_size: int) -> GPT2Config:
     return GPT2Config(
         vocab_size=vocab_size, n_positions=m.max_positions, n_embd=m.n_embd, n_layer=m.n_layer,
         n_head=m.n_head, n_inner=m.n_inner, resid_pdrop=m.dropout, embd_pdrop=m.dropout,
         attn_pdrop=m.dropout, tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa",
+        # GPT-2's defaults (50256) lie outside smaller vocabularies (the byte tokenizer's 257),
+        # which transformers 5 warns about on every build: the last id ends a document there.
+        bos_token_id=min(50256, vocab_size - 1), eos_token_id=min(50256, vocab_size - 1),
     )
 
 

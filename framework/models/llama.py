@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..config import ModelConfig
 from .split import HFBlock, SplitLM
@@ -35,6 +38,25 @@ def hf_config(m: ModelConfig, vocab_size: int) -> LlamaConfig:
         num_key_value_heads=m.n_kv_head or m.n_head, max_position_embeddings=m.max_positions,
         attention_dropout=m.dropout, tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa",
     )
+
+
+def _rms_norm(self: LlamaRMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm.forward, upcasting to at least fp32 where transformers casts to fp32."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def keep_dtype(model: LlamaForCausalLM) -> None:
+    """fp64 verification mode: transformers' RMSNorm computes in fp32, which would round every
+    norm's input and incoming gradient to fp32 and put fp32 noise back into an fp64 run.
+    Its own formula, upcast instead. (The rotary tables stay computed in fp32 then cast: a
+    constant of the positions, identical in every layout, with no gradient.)"""
+    for module in model.modules():
+        if isinstance(module, LlamaRMSNorm):
+            module.forward = types.MethodType(_rms_norm, module)
 
 
 def split(model: LlamaForCausalLM, checkpoint_blocks: bool = False) -> SplitLM:

@@ -20,9 +20,11 @@ from torch.utils.checkpoint import checkpoint
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; labels are already shifted (labels[t] = input[t+1]).
 
-    Upcast to fp32 as transformers' ForCausalLMLoss does, so bf16 runs score alike.
+    Upcast to fp32 as transformers' ForCausalLMLoss does, so bf16 runs score alike; to at
+    least fp32, so fp64 verification runs stay fp64.
     """
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
 class SplitLM(nn.Module):

@@ -40,7 +40,11 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, t
     `skip`: a weight this rank holds a second copy of (a tied embedding on the last stage).
     `dp_group`: ZeRO, where each dp rank holds a different slice of the gradient."""
     grads = [p.grad for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
-    local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    # At least fp32 (bf16 gradients), fp64 in verification mode; decided from `params`, not
+    # the counted grads, so a rank with none still joins the all-reduces in the same dtype.
+    dtype = torch.promote_types(params[0].dtype if params else torch.float32, torch.float32)
+    squares = [g.detach().to(dtype).pow(2).sum() for g in grads]
+    local = torch.stack(squares).sum() if grads else torch.zeros((), dtype=dtype)
     if grads:
         local = local.to(grads[0].device)
     if tp_comm is not None and tp_comm.size > 1:

@@ -186,7 +186,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, comm, start, valid):
-        x = logits.float().reshape(-1, logits.size(-1))  # (N, Vp/tp)
+        # At least fp32 (bf16 logits), fp64 in verification mode. `.to` may return the logits
+        # themselves: below, x is cloned before masking and replaced before the in-place exp.
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.size(-1))  # (N, Vp/tp)
         if valid < x.size(1):
             x = x.clone()
             x[:, valid:] = float("-inf")  # vocab padding: no probability mass

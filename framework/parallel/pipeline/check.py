@@ -1,45 +1,32 @@
 """Prove a schedule valid, and draw it as a rank x time grid.
 
-`check` runs all ranks' lists together in a simulation where a send never blocks and a
-receive waits for its message (what the executor does). It raises ScheduleError when:
-an action repeats or is missing; a backward precedes its forward on a rank; the ranks
-deadlock (no rank can take its next action); a channel's messages are received in a
-different order than sent (NCCL matches point-to-point messages by order, not tag); or an
-asynchronous schedule runs a forward before the weight version it needs exists.
+`check` proves a schedule twice:
+1. Its action lists, in a simulation where a send never blocks and a receive waits for
+   its message (gloo's behaviour). ScheduleError when an action repeats or is missing, a
+   backward precedes its forward, the ranks deadlock, a channel's messages are consumed
+   in another order than sent, or an asynchronous schedule runs a forward before the
+   weight version it needs exists.
+2. The batches the executor really issues (`p2p.comm_plan`, the one shared description)
+   under NCCL's rules (`nccl_simulate`): each rank's p2p ops run in issue order on one
+   stream (a batch starts when the previous one completed and the compute issued before
+   it is done); a send completes only together with its matching receive, i.e. once both
+   sides' batches have started; a pair's messages match in issue order, tags ignored, so
+   the n-th send r -> q must carry the message q's n-th receive from r expects; a batch
+   completes as a unit, and a compute that needs a received tensor waits for its whole
+   batch. ScheduleError on a deadlock (for any timing: the model has no clock) or on a
+   message that would land in another message's buffer.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .schedules import ASYNC_SCHEDULES, Action, build_schedule, stage_of, version_of
+from .p2p import RankPlan, comm_plan, needs, produces, rank_of_stage, sender_of
+from .schedules import ASYNC_SCHEDULES, Action, build_schedule, version_of
 
 
 class ScheduleError(ValueError):
     pass
-
-
-def _needs(a: Action, rank: int, pp: int, stages: int):
-    """The message this action must receive first: (kind, microbatch, receiving stage), or None."""
-    g = stage_of(rank, a.chunk, pp)
-    if a.op == "F" and g > 0:
-        return ("act", a.microbatch, g)
-    if a.op == "B" and g < stages - 1:
-        return ("grad", a.microbatch, g)
-    return None
-
-
-def _sends(a: Action, rank: int, pp: int, stages: int):
-    g = stage_of(rank, a.chunk, pp)
-    if a.op == "F" and g < stages - 1:
-        return ("act", a.microbatch, g + 1)
-    if a.op == "B" and g > 0:
-        return ("grad", a.microbatch, g - 1)
-    return None
-
-
-def _rank_of_stage(g: int, pp: int) -> int:
-    return g % pp
 
 
 def _check_lists(lists: dict[int, list[Action]], pp: int, v: int, n: int, async_: bool) -> None:
@@ -74,18 +61,18 @@ def simulate(lists: dict[int, list[Action]], pp: int, v: int, durations=None):
         for r, acts in lists.items():
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                need = _needs(a, r, pp, stages)
+                need = needs(a, r, pp, stages)
                 if need is not None and need not in arrived:
                     break
                 start = max(clock[r], arrived.get(need, 0))
                 if need is not None:
-                    recv_order[(_rank_of_stage(need[2] + (-1 if need[0] == "act" else 1), pp), r)].append(need)
+                    recv_order[(sender_of(need, pp), r)].append(need)
                 clock[r] = start + durations[a.op]
                 timeline[r].append((start, clock[r], a))
-                out = _sends(a, r, pp, stages)
+                out = produces(a, r, pp, stages)
                 if out is not None:
                     arrived[out] = clock[r]
-                    sent_order[(r, _rank_of_stage(out[2], pp))].append(out)
+                    sent_order[(r, rank_of_stage(out.stage, pp))].append(out)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -109,8 +96,84 @@ def _check_versions(name: str, lists: dict[int, list[Action]], pp: int, m: int) 
                                     f"{version_of(name, a.microbatch, r, pp, m)} before it exists")
 
 
+def _match_pairs(plans: dict[int, RankPlan]) -> dict[tuple, tuple]:
+    """NCCL's matching: the n-th send r -> q meets q's n-th receive from r. Returns
+    {(rank, batch, op index): (peer, peer's batch)} for every op."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r, plan in plans.items():
+        for k, batch in enumerate(plan.batches):
+            for i, op in enumerate(batch):
+                (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, k, i, op.msg))
+    match = {}
+    for pair in set(sends) | set(recvs):
+        s, rv = sends.get(pair, []), recvs.get(pair, [])
+        if len(s) != len(rv):
+            raise ScheduleError(f"channel {pair[0]}->{pair[1]}: {len(s)} sends but {len(rv)} receives")
+        for (r, k, i, msg), (q, kq, iq, want) in zip(s, rv):
+            if msg != want:
+                raise ScheduleError(f"channel {pair[0]}->{pair[1]}: NCCL matches in issue order, so {msg} "
+                                    f"would land in the buffer of {want}")
+            match[(r, k, i)], match[(q, kq, iq)] = (q, kq), (r, k)
+    return match
+
+
+def _recv_batch(plan: RankPlan, rank: int, pp: int, stages: int) -> list:
+    """For each action, the index of the batch holding the receive it waits for, or None."""
+    where = {op.msg: k for k, batch in enumerate(plan.batches) for op in batch if op.op == "recv"}
+    out = []
+    for k, a in enumerate(plan.actions):
+        msg = needs(a, rank, pp, stages)
+        if msg is not None and (msg not in where or where[msg] > k):
+            raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives")
+        out.append(None if msg is None else where[msg])
+    return out
+
+
+def nccl_simulate(plans: dict[int, RankPlan], pp: int, v: int) -> None:
+    """Run every rank's batches and computes under NCCL's rules (module docstring) until
+    nothing can move; anything left is a deadlock."""
+    stages = pp * v
+    match = _match_pairs(plans)
+    wait_on = {r: _recv_batch(plan, r, pp, stages) for r, plan in plans.items()}
+    started = {r: 0 for r in plans}  # batches started (a prefix: the stream is ordered)
+    done = {r: 0 for r in plans}  # batches completed (a prefix)
+    computed = {r: 0 for r in plans}  # actions whose compute is done (a prefix)
+
+    def batch_complete(r: int, k: int) -> bool:
+        return all(started[peer] > kb for peer, kb in (match[(r, k, i)] for i in range(len(plans[r].batches[k]))))
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, plan in plans.items():
+            while True:
+                k, c = started[r], computed[r]
+                if k < len(plan.batches) and done[r] == k and c >= k:  # issued after action k-1
+                    started[r] += 1
+                elif done[r] < started[r] and batch_complete(r, done[r]):
+                    done[r] += 1
+                elif c < len(plan.actions) and (wait_on[r][c] is None or done[r] > wait_on[r][c]):
+                    computed[r] += 1
+                else:
+                    break
+                progressed = True
+    stuck = {r: _stuck(plans[r], started[r], done[r], computed[r]) for r in plans
+             if done[r] < len(plans[r].batches) or computed[r] < len(plans[r].actions)}
+    if stuck:
+        raise ScheduleError(f"deadlock under NCCL's rules: {stuck}")
+
+
+def _stuck(plan: RankPlan, started: int, done: int, computed: int) -> str:
+    if done < started:
+        ops = ", ".join(f"{op.op} {op.msg} {'to' if op.op == 'send' else 'from'} rank {op.peer}"
+                        for op in plan.batches[done])
+        return f"batch [{ops}] never completes"
+    return f"{plan.actions[computed]} waits" if computed < len(plan.actions) else "batch never starts"
+
+
 def check(name: str, pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
-    """Build and prove a schedule; returns the lists."""
+    """Build and prove a schedule (its lists, and the executor's batches under NCCL's
+    rules); returns the lists."""
     lists = build_schedule(name, pp, m, v, steps)
     async_ = name in ASYNC_SCHEDULES
     n = m * steps if async_ else m
@@ -118,6 +181,7 @@ def check(name: str, pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, l
         raise ScheduleError(f"lists for ranks {sorted(lists)}, expected 0..{pp - 1}")
     _check_lists(lists, pp, v, n, async_)
     simulate(lists, pp, v)
+    nccl_simulate(comm_plan(lists, pp, v), pp, v)
     if async_:
         _check_versions(name, lists, pp, m)
     return lists

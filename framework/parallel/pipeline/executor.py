@@ -5,17 +5,20 @@ Forward of F(j, c): receive the activation of micro-batch j from the previous st
 on stage 0, which embeds the tokens), run the chunk, send the output to the next stage.
 Backward of B(j, c): receive the gradient of that output from the next stage (the last
 stage starts from its loss), backpropagate, send the input's gradient to the previous
-stage. After each action, its send and the next action's receive go out together in one
-`batch_isend_irecv` (Megatron's send_forward_recv_backward pattern; see `_exchange`);
-sends are waited for at the end of the step, a receive right before the compute that
-needs it, so no order of sends can deadlock;
-`check.py` proves every schedule's receives also match its sends' order, which NCCL
-needs (it ignores tags; gloo matches by tag). A message between two chunks of the same
-rank (interleaved with pp = 1, or stage p-1 -> p) goes through a local buffer.
+stage.
 
-Each action's record keeps the receive wait apart from the compute, so the measured bubble
-is step time minus compute, never time spent inside a receive (which mixes transfer and
-waiting). On CUDA every action is synchronised before its end timestamp.
+Point-to-point: exactly the batches of `p2p.comm_plan` (the description `check.py` proves
+under gloo's and NCCL's rules): batch k goes out in one `batch_isend_irecv` after action
+k-1. A batch is one handle whatever the backend returns (NCCL: ONE coalesced Work per
+batch; gloo: one per op), and an action that needs a received tensor waits for its whole
+batch, as NCCL makes it. `debug.coalesced_p2p` makes gloo behave so too: one merged Work
+per batch, and every tag 0, so gloo also matches a pair's messages in issue order.
+Sends are waited for at the end of a flushing step (every receive has run by then).
+
+Timing (framework/metrics/clock.py): per action a mark before the receive wait, one after
+it (compute starts) and one after the compute; host time on CPU, CUDA events on GPUs,
+read after the step, so the measured bubble is step time minus compute, never time spent
+inside a receive (which mixes transfer and waiting).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...metrics.memory import tensor_bytes
+from .p2p import Message, RankPlan, needs, produces
 from .schedules import Action, stage_of
 
 
@@ -67,91 +72,123 @@ class PipelinePeers:
         return self.pp_ranks[g % self.pp]
 
 
-def _tag(kind: str, microbatch: int, stage: int, num_stages: int) -> int:
-    return ((microbatch * num_stages + stage) * 2 + (kind == "grad")) % (2 ** 31 - 1)
+def _tag(msg: Message, num_stages: int) -> int:
+    return ((msg.microbatch * num_stages + msg.stage) * 2 + (msg.kind == "grad")) % (2 ** 31 - 1)
+
+
+class BatchWork:
+    """One handle for a batch's Works: NCCL returns one coalesced Work, gloo one per op."""
+
+    def __init__(self, works, tensors):
+        self.works = list(works or [])
+        self.tensors = tensors  # keep sent tensors and receive buffers alive until done
+        self.waited = False
+
+    def wait(self) -> None:
+        """Once: a gloo receive Work waited a second time blocks forever."""
+        if not self.waited:
+            for w in self.works:
+                w.wait()
+            self.waited = True
+
+    def is_completed(self) -> bool:
+        # gloo reports a send complete only once it is waited for; waited means done.
+        return self.waited or all(w.is_completed() for w in self.works)
+
+
+class _MergedWork:
+    """debug.coalesced_p2p: gloo's per-op Works behind one, as NCCL returns them."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _batch_isend_irecv(ops: list, coalesced: bool) -> list:
+    works = dist.batch_isend_irecv(ops)
+    return [_MergedWork(works)] if coalesced and works else works
+
+
+def stage_delay(device: torch.device, seconds: float) -> None:
+    """debug.stage_delay_ms: make this stage's compute slower by a known amount (on CUDA
+    the stream sleeps, so the GPU time grows, not only the host's)."""
+    if seconds <= 0:
+        return
+    if device.type == "cuda":
+        khz = torch.cuda.get_device_properties(device).clock_rate
+        torch.cuda._sleep(int(seconds * khz * 1e3))
+    else:
+        time.sleep(seconds)
 
 
 class PipelineExecutor:
     def __init__(self, chunks: list[nn.Module], peers: PipelinePeers, device: torch.device,
-                 act_shape: tuple[int, ...], forward_context: Callable, on_backward_done: Callable):
+                 act_shape: tuple[int, ...], forward_context: Callable, on_backward_done: Callable,
+                 act_dtype: torch.dtype, plan: RankPlan, clock, coalesced_p2p: bool = False,
+                 delay_s: float = 0.0):
         self.chunks, self.peers, self.device = chunks, peers, device
         self.act_shape = act_shape  # (micro_batch_size, seq_len, hidden)
+        self.act_dtype = act_dtype  # fp32 (also under bf16 autocast), fp64 in verification mode
         self.forward_context = forward_context  # (microbatch, chunk) -> context (activation tracking, autocast)
         self.on_backward_done = on_backward_done
+        self.plan, self.clock, self.coalesced, self.delay_s = plan, clock, coalesced_p2p, delay_s
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.local: dict[int, torch.Tensor] = {}  # messages between chunks of this rank
-        self.posted: dict[int, tuple] = {}  # tag -> (irecv work, buffer), posted ahead of need
-        self.outbox: list = []  # sends waiting for the next exchange
-        self.sends: list = []
+        self.produced: dict[Message, torch.Tensor] = {}  # computed, not yet handed to a batch
+        self.posted: dict[Message, tuple[BatchWork, torch.Tensor]] = {}  # receives issued, not consumed
+        self.inflight: list[BatchWork] = []
         self.losses: dict[int, torch.Tensor] = {}
+        self.p2p_peak_bytes = 0
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            # The compute stream only: a device-wide sync would also wait for sends still
-            # pending on the communication stream, i.e. for a peer's later receive.
-            torch.cuda.current_stream(self.device).synchronize()
+    def _issue(self, k: int) -> None:
+        """Batch k of the plan: sends of what earlier actions produced, receives posted."""
+        ops, recvs, tensors = [], [], []
+        for op in self.plan.batches[k]:
+            peer = self.peers.pp_ranks[op.peer]
+            tag = 0 if self.coalesced else _tag(op.msg, self.peers.num_stages)
+            if op.op == "send":
+                t = self.produced.pop(op.msg).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, peer, tag=tag))
+            else:
+                t = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
+                ops.append(dist.P2POp(dist.irecv, t, peer, tag=tag))
+                recvs.append((op.msg, t))
+            tensors.append(t)
+        if not ops:
+            return
+        work = BatchWork(_batch_isend_irecv(ops, self.coalesced), tensors)
+        self.inflight = [w for w in self.inflight if not w.is_completed()] + [work]
+        for msg, t in recvs:
+            self.posted[msg] = (work, t)
+        held = [t for w in self.inflight for t in w.tensors] + [t for _, t in self.posted.values()]
+        self.p2p_peak_bytes = max(self.p2p_peak_bytes, tensor_bytes(held))
 
-    def _send(self, t: torch.Tensor, kind: str, mb: int, to_stage: int) -> None:
-        """Queue a send; it goes out in the next `_exchange`, together with a receive."""
-        dst = self.peers.rank_of_stage(to_stage)
-        tag = _tag(kind, mb, to_stage, self.peers.num_stages)
-        if dst == dist.get_rank():
-            self.local[tag] = t
-        else:
-            self.outbox.append(dist.P2POp(dist.isend, t.contiguous(), dst, tag=tag))
-
-    def _needed_recv(self, a: Action):
-        """The (source rank, tag) of the message action `a` must receive, or None."""
-        g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
-        if a.op == "F" and g > 0:
-            kind, src_stage = "act", g - 1
-        elif a.op == "B" and g < self.peers.num_stages - 1:
-            kind, src_stage = "grad", g + 1
-        else:
+    def _received(self, a: Action) -> Optional[torch.Tensor]:
+        msg = needs(a, self.peers.pp_rank, self.peers.pp, self.peers.num_stages)
+        if msg is None:
             return None
-        src = self.peers.rank_of_stage(src_stage)
-        return None if src == dist.get_rank() else (src, _tag(kind, a.microbatch, g, self.peers.num_stages))
-
-    def _exchange(self, next_action: Optional[Action]) -> None:
-        """Send what the last action produced and post the next action's receive in one
-        batch_isend_irecv, as Megatron's send_forward_recv_backward: NCCL runs a pair's
-        point-to-point ops in issue order, so a send and a receive issued apart could each
-        wait for the other's peer op; in one group they progress together. The receive is
-        posted before the next action starts, so its transfer overlaps this rank's work."""
-        ops, recv = self.outbox, None
-        need = self._needed_recv(next_action) if next_action is not None else None
-        if need is not None and need[1] not in self.posted:
-            buf = torch.empty(self.act_shape, device=self.device, dtype=torch.float32)
-            ops.append(dist.P2POp(dist.irecv, buf, need[0], tag=need[1]))
-            recv = (need[1], buf)
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            for op, work in zip(ops, works, strict=True):
-                if op.op is dist.isend:
-                    self.sends.append((work, op.tensor))  # keep the tensor alive until sent
-            if recv is not None:
-                self.posted[recv[0]] = (works[-1], recv[1])
-        self.outbox = []
-
-    def _recv(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        src = self.peers.rank_of_stage(stage - 1 if kind == "act" else stage + 1)
-        tag = _tag(kind, mb, stage, self.peers.num_stages)
-        if src == dist.get_rank():
-            return self.local.pop(tag)
-        work, buf = self.posted.pop(tag)  # posted by the _exchange before this action
-        work.wait()
+        work, buf = self.posted.pop(msg)
+        work.wait()  # CPU: the host waits; CUDA: the compute stream waits for the batch
         return buf
 
-    def forward(self, a: Action, batch, loss_scale: float, params: Optional[dict] = None) -> None:
+    def _produce(self, a: Action, t: torch.Tensor) -> None:
+        msg = produces(a, self.peers.pp_rank, self.peers.pp, self.peers.num_stages)
+        if msg is not None:
+            self.produced[msg] = t
+
+    def forward(self, a: Action, x, y, loss_scale: float, params: Optional[dict] = None) -> None:
         g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
         chunk = self.chunks[a.chunk]
-        x, y = batch
-        if g > 0:
-            x = self._recv("act", a.microbatch, g).requires_grad_(True)
-            self.inputs[a.microbatch, a.chunk] = x
         last = g == self.peers.num_stages - 1
-        compute_start = time.time()
+        if g > 0:
+            self.inputs[a.microbatch, a.chunk] = x
         with self.forward_context(a.microbatch, a.chunk):
             args = (x, y) if last else (x,)
             out = torch.func.functional_call(chunk, params, args) if params is not None else chunk(*args)
@@ -159,55 +196,56 @@ class PipelineExecutor:
             self.losses[a.microbatch] = out.detach()
             out = out * loss_scale
         else:
-            out = out.float()  # activations travel in fp32, whatever autocast produced
-            self._send(out.detach(), "act", a.microbatch, g + 1)
+            out = out.to(self.act_dtype)  # activations travel in fp32 (fp64), whatever autocast produced
+            self._produce(a, out.detach())
         self.outputs[a.microbatch, a.chunk] = out
-        return compute_start
 
-    def backward(self, a: Action) -> float:
-        g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
+    def backward(self, a: Action, grad: Optional[torch.Tensor]) -> None:
         out = self.outputs.pop((a.microbatch, a.chunk))
-        grad = None if g == self.peers.num_stages - 1 else self._recv("grad", a.microbatch, g)
-        compute_start = time.time()
         torch.autograd.backward(out, grad)
-        if g > 0:
-            self._send(self.inputs.pop((a.microbatch, a.chunk)).grad, "grad", a.microbatch, g - 1)
+        if (a.microbatch, a.chunk) in self.inputs:
+            self._produce(a, self.inputs.pop((a.microbatch, a.chunk)).grad)
         self.on_backward_done(a.microbatch, a.chunk)
-        return compute_start
 
-    def run(self, actions: list[Action], batch_of, loss_scale: float, params_of=None,
-            update: Optional[Callable[[int], None]] = None) -> list[ActionRecord]:
-        """Run the actions in order; `batch_of(j)` gives micro-batch j's (tokens, labels)."""
-        records = []
-        if actions:
-            self._exchange(actions[0])  # the first action's receive
-        for i, a in enumerate(actions):
-            start = time.time()
+    def run(self, first: int, last: int, batch_of, loss_scale: float, params_of=None,
+            update: Optional[Callable[[int], None]] = None) -> list:
+        """Actions first..last-1 of the plan, each followed by its batch; `batch_of(j)` gives
+        micro-batch j's (tokens, labels). Returns raw marks (action, start, compute start,
+        end): `clock.seconds` reads them once the step is over."""
+        marks = []
+        if first == 0:
+            self._issue(0)
+        for k in range(first, last):
+            a = self.plan.actions[k]
+            start = self.clock.mark()
+            received = self._received(a)
+            compute_start = self.clock.mark()
             if a.op == "F":
-                cs = self.forward(a, batch_of(a.microbatch), loss_scale,
-                                  params_of(a.microbatch, a.chunk) if params_of else None)
+                x, y = batch_of(a.microbatch)
+                x = received.requires_grad_(True) if received is not None else x
+                self.forward(a, x, y, loss_scale, params_of(a.microbatch, a.chunk) if params_of else None)
             elif a.op == "B":
-                cs = self.backward(a)
+                self.backward(a, received)
             else:
-                cs = start
                 update(a.microbatch)
-            self._sync()
-            records.append(ActionRecord(str(a), start, cs, time.time()))
-            self._exchange(actions[i + 1] if i + 1 < len(actions) else None)
-        return records
+            if a.op in "FB":
+                stage_delay(self.device, self.delay_s)
+            marks.append((str(a), start, compute_start, self.clock.mark()))
+            self._issue(k + 1)
+        return marks
 
     def wait_sends(self) -> None:
         """End of a flushing step: every message of the step has been received by now."""
-        for work, _ in self.sends:
+        assert not self.posted and not self.produced, "a flushing step ended with messages in flight"
+        for work in self.inflight:
             work.wait()
-        self.sends.clear()
+        self.inflight.clear()
 
     def prune_sends(self) -> None:
         """Asynchronous steps: a send may be matched only in the next step (the warm-up runs
         ahead), so waiting here could deadlock against a peer already in a collective."""
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        self.inflight = [w for w in self.inflight if not w.is_completed()]
 
     def take_losses(self) -> dict[int, torch.Tensor]:
         out, self.losses = self.losses, {}
         return out
-

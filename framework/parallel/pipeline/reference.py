@@ -36,7 +36,7 @@ def _snapshot(stage: SplitLM) -> dict[str, torch.Tensor]:
 def run_async_reference(run: RunConfig, vocab_size: int, tokens_path) -> tuple[list[float], dict]:
     """Per-step losses and the final parameters (transformers names) of the update rule."""
     name, p, m, steps = run.schedule.name, run.parallelism.pp, run.schedule.microbatches, run.trainer.steps
-    full = build_model(run.model, vocab_size, run.trainer.seed)
+    full = build_model(run.model, vocab_size, run.trainer.seed, precision=run.trainer.precision)
     stages = _stages(full, stage_ranges(run.parallelism.partition, full, p))
     opts = [build_optimizer(run.optimizer, s.parameters()) for s in stages]
     versions = [{0: _snapshot(s)} for s in stages]

@@ -28,7 +28,9 @@ from torch import nn
 from ...config import RunConfig
 from ...optim import build_optimizer, lr_at, set_lr
 from ...topology import ParallelContext
-from .executor import PipelineExecutor, PipelinePeers
+from ...metrics.clock import clock_for
+from .executor import ActionRecord, PipelineExecutor, PipelinePeers
+from .p2p import comm_plan
 from .schedules import ASYNC_SCHEDULES, build_schedule, stage_of, version_of
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
@@ -37,18 +39,18 @@ from ..zero import Zero
 from .weights import WeightVersions
 
 
-def _segments(actions, m: int, steps: int) -> list[list]:
-    """Cut a whole-run async list after the update of each step's last micro-batch."""
-    out, cur = [], []
-    for a in actions:
-        cur.append(a)
-        if a.op == "U" and (a.microbatch + 1) % m == 0:
-            out.append(cur)
-            cur = []
-    if cur:
-        out[-1].extend(cur)
-    assert len(out) == steps
-    return out
+def _segments(actions, m: int, steps: int) -> list[range]:
+    """Cut a whole-run async list after the update of each step's last micro-batch: the
+    index range of each step's actions."""
+    cuts = [k + 1 for k, a in enumerate(actions) if a.op == "U" and (a.microbatch + 1) % m == 0]
+    assert len(cuts) == steps
+    cuts[-1] = len(actions)
+    return [range(a, b) for a, b in zip([0] + cuts[:-1], cuts)]
+
+
+def _delay_s(run: RunConfig, pp_rank: int) -> float:
+    d = run.debug
+    return d.stage_delay_ms / 1e3 if d.stage_delay_ms and d.delay_pp_rank == pp_rank else 0.0
 
 
 class PipelineRunner:
@@ -71,16 +73,23 @@ class PipelineRunner:
             self.optimizer = build_optimizer(run.optimizer, self.params)
         self.is_last = any(ch.head is not None for ch in self.chunks)
         self.tracker = tracker
+        tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened
         self.stage = stage_of(ctx.coords.pp, 0, p)
         peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, v)
         # Sequence parallelism: stages exchange their sequence shard (B, T/tp, H).
         seq = run.data.seq_len // (tp_comm.size if run.parallelism.sequence_parallel else 1)
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
+        act_dtype = torch.float64 if run.trainer.precision == "fp64" else torch.float32
+        # Every rank derives every rank's batches from the same lists: the plan check.py proves.
+        plan = comm_plan(build_schedule(self.name, p, m, v, steps=run.trainer.steps), p, v)[ctx.coords.pp]
+        self.clock = clock_for(ctx.device)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
-                                         self._backward_done)
-        lists = build_schedule(self.name, p, m, v, steps=run.trainer.steps)[ctx.coords.pp]
+                                         self._backward_done, act_dtype, plan, self.clock, run.debug.coalesced_p2p,
+                                         _delay_s(run, ctx.coords.pp))
+        lists = plan.actions
         if self.is_async:
-            self.segments = _segments(lists, m, run.trainer.steps)
+            self.bounds = _segments(lists, m, run.trainer.steps)
+            self.segments = [[lists[k] for k in r] for r in self.bounds]  # each step's actions
             uses = Counter(self._version(j) for j in range(m * run.trainer.steps))
             self.versions = WeightVersions(self.chunks[0], uses, tracker)
         else:
@@ -95,15 +104,19 @@ class PipelineRunner:
             self.versions.backward_done(self._version(mb))
 
     def step(self, step: int, batch_of: Callable) -> dict:
+        self.clock.begin_step()
         start = time.time()
         if self.is_async:
-            records = self.executor.run(self.segments[step], batch_of, 1.0 if self.name == "1f1b" else 1.0 / self.m,
-                                        params_of=lambda j, c: self.versions.params(self._version(j)),
-                                        update=self._async_update)
-            if step == len(self.segments) - 1:
+            span = self.bounds[step]
+            marks = self.executor.run(span.start, span.stop, batch_of, 1.0 if self.name == "1f1b" else 1.0 / self.m,
+                                      params_of=lambda j, c: self.versions.params(self._version(j)),
+                                      update=self._async_update)
+            if step == len(self.bounds) - 1:
                 self.executor.wait_sends()
             else:
                 self.executor.prune_sends()
+            self.clock.sync()
+            records = self._records(marks)
             pipe_end = time.time()
             norm = self._last_norm
             window_end = max(r.end for r in records)
@@ -111,23 +124,31 @@ class PipelineRunner:
             set_lr(self.optimizer, lr_at(step, self.run))
             if self.zero:
                 self.zero.start_step()
-            records = self.executor.run(self.actions, batch_of, 1.0 / self.m)
+            marks = self.executor.run(0, len(self.actions), batch_of, 1.0 / self.m)
             self.executor.wait_sends()
             window_end = pipe_end = self._flush()
+            records = self._records(marks)
             norm = self._sync_update()
         done = time.time()
         busy = sum(r.compute_s for r in records)
         window = window_end - start
         return {"records": records, "busy_s": busy, "window_s": window, "bubble": 1.0 - busy / window,
                 "pipeline_s": pipe_end - start, "optimizer_s": done - pipe_end, "grad_norm": float(norm),
-                "loss": self._local_loss(), "weight_version_bytes": self.versions.peak_bytes if self.is_async else 0}
+                "loss": self._local_loss(), "weight_version_bytes": self.versions.peak_bytes if self.is_async else 0,
+                "p2p_buffer_peak_bytes": self.executor.p2p_peak_bytes}
 
     def _flush(self) -> float:
         """The flush: returns when every stage has finished the step's compute. Ends each
         rank's bubble window at the same moment, so a stage that finishes early counts its
         wait for the others as idle (a later collective would otherwise hide it)."""
         dist.all_reduce(torch.zeros(1, device=self.ctx.device), group=self.ctx.pp_group)
+        self.clock.sync()  # CUDA: the all-reduce only enqueued; the host waits for it here
         return time.time()
+
+    def _records(self, marks) -> list[ActionRecord]:
+        """Marks -> unix seconds, read once the step's work is done (CUDA events then)."""
+        sec = self.clock.seconds
+        return [ActionRecord(a, sec(s), sec(c), sec(e)) for a, s, c, e in marks]
 
     def _sync_update(self) -> torch.Tensor:
         ctx = self.ctx

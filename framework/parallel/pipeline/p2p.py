@@ -1,0 +1,137 @@
+"""Which point-to-point ops go into which batch: ONE description, run by the executor and
+proved by the checker.
+
+A pipeline rank issues one `batch_isend_irecv` after each action (and one before its
+first): the `P2POp`s in `RankPlan.batches[k]`, issued after action k-1 (k = 0: before the
+first action). Every op names a `Message` (activation or gradient of one micro-batch for
+one stage), so the executor sends exactly the tensor the plan names, and `check.py`
+simulates exactly the batches the executor issues, under gloo's rules and under NCCL's.
+
+Why the placement matters: under NCCL a rank's p2p ops run in issue order on one stream, a
+send completes only when the peer's matching receive runs, and a pair's messages match in
+issue order (tags are ignored). Posting each receive with the *receiver's* next action (the
+executor's first design, Megatron's send_forward_recv_backward pairing) deadlocks
+interleaved 1F1B: the sender's stream stalls on a send whose receive the peer posts only
+much later, behind receives that need that very sender's later sends.
+
+Placement rule ("lockstep"): run all ranks' lists in the unit-time simulation (F = B = 1,
+U = 0). A message is sent in the batch after the action that produced it, at that
+action's end time t. The receiver posts it in its latest batch issued at a time <= t,
+i.e. about when the sender sends it, in the sender's send order. Each batch then holds
+receives of messages sent in [its time, the rank's next batch time), and sends whose
+receives are already posted, so in the simulated timeline every batch completes before
+the rank's next one starts: no stream ever waits on a later op. That argument assumes the
+simulated timing; `check.nccl_simulate` proves deadlock-freedom for any timing.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from .schedules import Action, stage_of
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # "act" (forward output) | "grad" (gradient of a stage's input)
+    microbatch: int
+    stage: int  # the receiving stage
+
+    def __str__(self) -> str:
+        return f"{self.kind}(mb {self.microbatch} -> stage {self.stage})"
+
+
+@dataclass(frozen=True)
+class P2POp:
+    op: str  # "send" | "recv"
+    peer: int  # pipeline rank on the other side
+    msg: Message
+
+
+@dataclass
+class RankPlan:
+    """`batches[k]` is issued after action k-1 (k = 0: before the first action); one more
+    than there are actions (the last goes out after the last action)."""
+
+    actions: list[Action]
+    batches: list[list[P2POp]] = field(default_factory=list)
+
+
+def needs(a: Action, rank: int, pp: int, num_stages: int) -> Message | None:
+    """The message action `a` must receive before it computes, or None."""
+    g = stage_of(rank, a.chunk, pp)
+    if a.op == "F" and g > 0:
+        return Message("act", a.microbatch, g)
+    if a.op == "B" and g < num_stages - 1:
+        return Message("grad", a.microbatch, g)
+    return None
+
+
+def produces(a: Action, rank: int, pp: int, num_stages: int) -> Message | None:
+    """The message action `a` sends when it is done, or None."""
+    g = stage_of(rank, a.chunk, pp)
+    if a.op == "F" and g < num_stages - 1:
+        return Message("act", a.microbatch, g + 1)
+    if a.op == "B" and g > 0:
+        return Message("grad", a.microbatch, g - 1)
+    return None
+
+
+def rank_of_stage(g: int, pp: int) -> int:
+    return g % pp
+
+
+def sender_of(msg: Message, pp: int) -> int:
+    return rank_of_stage(msg.stage - 1 if msg.kind == "act" else msg.stage + 1, pp)
+
+
+def comm_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, RankPlan]:
+    """Every rank's batches under the lockstep rule (module docstring)."""
+    from .check import simulate  # the unit-time simulation the grid printer also uses
+
+    stages = pp * v
+    timeline = simulate(lists, pp, v, {"F": 1, "B": 1, "U": 0})
+    plans = {r: RankPlan(list(acts), [[] for _ in range(len(acts) + 1)]) for r, acts in lists.items()}
+    sent_at: dict[Message, float] = {}
+    for r, acts in lists.items():
+        for k, a in enumerate(acts):
+            msg = produces(a, r, pp, stages)
+            if msg is not None:
+                plans[r].batches[k + 1].append(P2POp("send", rank_of_stage(msg.stage, pp), msg))
+                sent_at[msg] = timeline[r][k][1]
+    for r, acts in lists.items():
+        # batch k's issue time: the end of action k-1 (batch 0 at the start)
+        issue = [0] + [end for _, end, _ in timeline[r]]
+        recvs = []
+        for k, a in enumerate(acts):
+            msg = needs(a, r, pp, stages)
+            if msg is not None:
+                latest = bisect_right(issue, sent_at[msg]) - 1
+                recvs.append((min(latest, k), sent_at[msg], msg))
+        # within a batch, receives follow the senders' order (a pair matches in issue order)
+        for k, _, msg in sorted(recvs, key=lambda x: (x[0], x[1], _order(x[2]))):
+            plans[r].batches[k].append(P2POp("recv", sender_of(msg, pp), msg))
+    return plans
+
+
+def _order(msg: Message) -> tuple:
+    return (msg.microbatch, msg.stage, msg.kind)
+
+
+def next_action_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, RankPlan]:
+    """The first executor's batching, kept to show what the NCCL model rejects: each
+    action's send goes out with the receive of the rank's next action."""
+    stages = pp * v
+    plans = {}
+    for r, acts in lists.items():
+        plan = RankPlan(list(acts), [[] for _ in range(len(acts) + 1)])
+        for k, a in enumerate(acts):
+            need = needs(a, r, pp, stages)
+            if need is not None:
+                plan.batches[k].append(P2POp("recv", sender_of(need, pp), need))
+            out = produces(a, r, pp, stages)
+            if out is not None:
+                plan.batches[k + 1].insert(0, P2POp("send", rank_of_stage(out.stage, pp), out))
+        plans[r] = plan
+    return plans

@@ -1,0 +1,185 @@
+"""NCCL-safe point-to-point: the checker's NCCL model, the one batching description the
+executor runs, and the measured bubble reacting to a stage made slower on purpose.
+
+gloo cannot show NCCL's rules (stream-ordered p2p, a send completing only with its
+receive, in-order matching without tags), so they are modelled (check.nccl_simulate) and
+the executor is run on gloo with `batch_isend_irecv` returning one merged Work per batch
+and every tag 0 (debug.coalesced_p2p), as NCCL returns and matches them. The pipeline
+equivalence tests run some layouts in that mode too (tests/test_pipeline.py).
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulate, simulate
+from framework.parallel.pipeline.p2p import Message, P2POp, RankPlan, comm_plan, next_action_plan
+from framework.parallel.pipeline.schedules import Action, build_schedule
+
+from .conftest import TINY, read_metrics, run_local
+from .distributed import run_ranks
+
+
+def test_the_first_executors_pairing_deadlocks_interleaved_under_nccl_and_the_plan_does_not():
+    lists = build_schedule("interleaved", 2, 4, 2)
+    simulate(lists, 2, 2)  # valid lists: gloo's rules never see the problem
+    with pytest.raises(ScheduleError, match="deadlock under NCCL's rules"):
+        nccl_simulate(next_action_plan(lists, 2, 2), 2, 2)
+    nccl_simulate(comm_plan(lists, 2, 2), 2, 2)
+    # flush survives even the old pairing: the model is not rejecting everything
+    nccl_simulate(next_action_plan(build_schedule("flush", 4, 8), 4, 1), 4, 1)
+
+
+def _plan(actions, batches):
+    return RankPlan(actions, batches)
+
+
+def test_nccl_mode_rejects_a_hand_made_deadlock():
+    """Each rank sends first, then receives, in separate batches. gloo would buffer both
+    sends; under NCCL each send waits for a receive stuck behind it on the peer's stream."""
+    a, b = Message("act", 0, 1), Message("grad", 0, 0)
+    plans = {0: _plan([Action("F", 0), Action("B", 0)], [[P2POp("send", 1, a)], [P2POp("recv", 1, b)], []]),
+             1: _plan([Action("F", 0), Action("B", 0)], [[P2POp("send", 0, b)], [P2POp("recv", 0, a)], []])}
+    # actions that need no message: the deadlock is in the batches alone
+    with pytest.raises(ScheduleError, match="never completes"):
+        nccl_simulate(_without_needs(plans), 2, 1)
+
+
+def _without_needs(plans):
+    return {r: RankPlan([Action("U", k) for k in range(len(p.actions))], p.batches) for r, p in plans.items()}
+
+
+def test_nccl_mode_rejects_messages_matched_out_of_order():
+    m0, m1 = Message("act", 0, 1), Message("act", 1, 1)
+    plans = {0: _plan([Action("U", 0)], [[P2POp("send", 1, m0), P2POp("send", 1, m1)], []]),
+             1: _plan([Action("U", 0)], [[P2POp("recv", 0, m1), P2POp("recv", 0, m0)], []])}
+    with pytest.raises(ScheduleError, match="would land in the buffer of"):
+        nccl_simulate(plans, 2, 1)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("interleaved", 4, 8, 3), ("2bw", 8, 16, 1), ("flush", 8, 3, 1)])
+def test_check_runs_the_nccl_model_on_the_executors_plan(name, p, m, v, monkeypatch):
+    import framework.parallel.pipeline.check as chk
+
+    seen = []
+    real = chk.nccl_simulate
+    monkeypatch.setattr(chk, "nccl_simulate", lambda plans, pp, vv: seen.append(plans) or real(plans, pp, vv))
+    check(name, p, m, v, steps=2)
+    assert seen and seen[0].keys() == comm_plan(build_schedule(name, p, m, v, 2), p, v).keys()
+
+
+class _Stage(nn.Module):
+    def __init__(self, last: bool):
+        super().__init__()
+        self.lin, self.last = nn.Linear(4, 4), last
+
+    def forward(self, x, y=None):
+        h = self.lin(x)
+        return h.pow(2).mean() if self.last else h
+
+
+def _run_executor(rank, world, name, m, v, coalesced):
+    """One rank of a real executor over gloo; returns every batch_isend_irecv it made."""
+    import torch.distributed as dist
+
+    import framework.parallel.pipeline.executor as ex
+    from framework.metrics.clock import HostClock
+
+    calls = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        calls.append([("send" if op.op is dist.isend else "recv", op.peer, op.tag) for op in ops])
+        return real(ops)
+
+    ex.dist.batch_isend_irecv = recording
+    torch.manual_seed(0)
+    plan = comm_plan(build_schedule(name, world, m, v), world, v)[rank]
+    chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
+    executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, v), torch.device("cpu"),
+                                   (2, 3, 4), lambda j, c: contextlib.nullcontext(), lambda j, c: None,
+                                   torch.float32, plan, HostClock(), coalesced_p2p=coalesced)
+    batch = (torch.randn(2, 3, 4), None)
+    marks = executor.run(0, len(plan.actions), lambda j: batch, 1.0 / m)
+    executor.wait_sends()
+    return calls, [mk[0] for mk in marks]
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_the_executor_issues_exactly_the_checked_batches(coalesced):
+    name, p, m, v = "interleaved", 2, 4, 2
+    results = run_ranks(_run_executor, p, name, m, v, coalesced)
+    plans = comm_plan(build_schedule(name, p, m, v), p, v)
+    for rank, (calls, actions) in enumerate(results):
+        want = [[(op.op, op.peer) for op in b] for b in plans[rank].batches if b]
+        assert [[(o, peer) for o, peer, _ in c] for c in calls] == want
+        assert actions == [str(a) for a in plans[rank].actions]
+        # coalesced mode: tags all 0, so gloo too matches a pair's messages in issue order
+        tags = {t for c in calls for _, _, t in c}
+        assert tags == {0} if coalesced else len(tags) > 1
+
+
+DELAY_MS = 60
+
+
+def test_a_slower_stage_raises_the_other_stages_measured_bubble_by_its_extra_time(tmp_path):
+    """Stage 1 sleeps DELAY_MS inside each of its 2m forward and backward computes. Stage
+    0's compute is unchanged, and under flush its window (first action to the flush)
+    stretches by the 2m delays the slow stage adds on the critical path, so its measured
+    bubble must become 1 - busy / (window without delay + 2m * delay)."""
+    m = 4
+    args = [*TINY, "data=synthetic", "data.num_samples=64", "trainer.steps=4", "metrics.skip_first=1",
+            "parallelism=pp2", "schedule=flush", f"schedule.microbatches={m}"]
+    run_local(tmp_path / "base", *args)
+    run_local(tmp_path / "slow", *args, f"debug.stage_delay_ms={DELAY_MS}", "debug.delay_pp_rank=1")
+    base, slow = (read_metrics(tmp_path / k)[1:] for k in ("base", "slow"))
+    added = 2 * m * DELAY_MS / 1e3
+
+    def med(rows, key, rank):
+        return sorted(r[key][rank] for r in rows)[len(rows) // 2]
+
+    # the delay is compute on stage 1, and only there
+    assert med(slow, "rank_busy_s", 1) - med(base, "rank_busy_s", 1) == pytest.approx(added, rel=0.15)
+    assert med(slow, "rank_busy_s", 0) < med(base, "rank_busy_s", 0) + 0.1 * added
+    expected = 1 - med(slow, "rank_busy_s", 0) / (med(base, "rank_window_s", 0) + added)
+    assert med(slow, "rank_bubble_fraction", 0) == pytest.approx(expected, abs=0.05)
+    # stage 0's idle time (window - busy) grew by the slow stage's added compute
+    idle = {k: med(rows, "rank_window_s", 0) - med(rows, "rank_busy_s", 0) for k, rows in (("base", base), ("slow", slow))}
+    assert idle["slow"] - idle["base"] == pytest.approx(added, rel=0.15)
+
+
+def test_cuda_event_clock_reads_marks_against_the_anchor(monkeypatch):
+    """No GPU here: fake events that fire at chosen device times. A mark's time is the
+    anchor's host time plus the device time elapsed since the anchor, whatever the host
+    was doing when it recorded the mark (on CUDA it only enqueues)."""
+    from framework.metrics import clock as clk
+
+    device_now = iter([100.0, 100.5, 103.0])  # ms on the device: anchor, then two marks
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self, stream):
+            self.t = next(device_now)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    class FakeStream:
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(clk.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(clk.torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(clk.time, "time", lambda: 5000.0)
+    clock = clk.CudaEventClock(torch.device("cuda", 0))
+    clock.begin_step()
+    a, b = clock.mark(), clock.mark()
+    assert clock.seconds(a) == pytest.approx(5000.0005) and clock.seconds(b) == pytest.approx(5000.003)
+    assert isinstance(clk.clock_for(torch.device("cpu")), clk.HostClock)
