@@ -43,7 +43,10 @@ class InjectedFault(RuntimeError):
 
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)  # time the work, not the kernel launches
+        # Time the work, not the kernel launches. The compute stream only: a device-wide
+        # sync would also wait for an asynchronous pipeline's sends still pending on NCCL's
+        # stream, whose receives the peer posts only in its next step (a deadlock).
+        torch.cuda.current_stream(device).synchronize()
     return time.time()
 
 
