@@ -262,3 +262,15 @@ def _misc(run: RunConfig) -> None:
     if fr is not None and not 0 <= fr < run.world_size:
         raise ConfigError("debug.fail_rank", fr, f"no such rank in world size {run.world_size}",
                           f"use 0..{run.world_size - 1} or null")
+    _debug_delay(run)
+
+
+def _debug_delay(run: RunConfig) -> None:
+    d, pp = run.debug, run.parallelism.pp
+    if not d.stage_delay_ms >= 0:  # also rejects nan
+        raise ConfigError("debug.stage_delay_ms", d.stage_delay_ms, "must be a duration >= 0",
+                          "set it to 0 (off) or to the milliseconds one stage should be slower")
+    if d.stage_delay_ms > 0 and not (pp > 1 and 0 <= d.delay_pp_rank < pp):
+        raise ConfigError("debug.delay_pp_rank", d.delay_pp_rank,
+                          f"the delay slows one pipeline rank, and parallelism.pp={pp} has ranks 0..{pp - 1}",
+                          "use a pipeline layout (pp > 1) and a pipeline rank below pp")

@@ -91,6 +91,9 @@ BAD = [
     (["model.dropout=1.0"], "model.dropout=1.0", "[0, 1)"),
     (["metrics.skip_first=40"], "metrics.skip_first=40", "at least one"),
     (["debug.fail_rank=2"], "debug.fail_rank=2", "no such rank"),
+    (["debug.stage_delay_ms=-5"], "debug.stage_delay_ms=-5.0", ">= 0"),
+    (["parallelism=pp2", "debug.stage_delay_ms=5", "debug.delay_pp_rank=2"], "debug.delay_pp_rank=2",
+     "one pipeline rank"),
     (["data=hf", "data.path=null"], "data.path=None", "needs a dataset"),
 ]
 
