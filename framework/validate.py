@@ -122,6 +122,23 @@ def _schedule(run: RunConfig) -> None:
                           f"{run.model.n_layer} blocks: a stage would hold no block",
                           f"use pp * virtual_stages <= {run.model.n_layer}")
     _partition(run, stages)
+    if pp > 1:
+        _prove_schedule(run)
+
+
+def _prove_schedule(run: RunConfig) -> None:
+    """The exact (pp, m, v) the ranks will run, proved under gloo's and NCCL's rules before
+    launch (tests cover pp <= 8, m <= 16; this covers whatever a user asks for). Two steps
+    show an asynchronous schedule's steady state across a step boundary."""
+    from .parallel.pipeline.check import ScheduleError, check
+
+    s = run.schedule
+    try:
+        check(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, steps=min(2, run.trainer.steps))
+    except ScheduleError as e:
+        raise ConfigError("schedule.name", s.name, f"fails the schedule checker at pp={run.parallelism.pp}, "
+                          f"microbatches={s.microbatches}, virtual_stages={s.virtual_stages}: {e}",
+                          "choose another schedule or micro-batch count, and report this as a bug") from None
 
 
 def _async_schedule(run: RunConfig) -> None:

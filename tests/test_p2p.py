@@ -183,3 +183,23 @@ def test_cuda_event_clock_reads_marks_against_the_anchor(monkeypatch):
     a, b = clock.mark(), clock.mark()
     assert clock.seconds(a) == pytest.approx(5000.0005) and clock.seconds(b) == pytest.approx(5000.003)
     assert isinstance(clk.clock_for(torch.device("cpu")), clk.HostClock)
+
+
+def test_the_configured_schedule_is_proved_before_launch(monkeypatch):
+    """validate() runs the checker (gloo and NCCL rules) on the exact pp, m, v requested."""
+    import framework.parallel.pipeline.check as chk
+    from framework.config import ConfigError
+    from framework.validate import validate
+
+    from .conftest import compose
+
+    asked = []
+
+    def failing(name, pp, m, v=1, steps=1):
+        asked.append((name, pp, m, v))
+        raise ScheduleError("deadlock under NCCL's rules: {0: 'batch [...] never completes'}")
+
+    monkeypatch.setattr(chk, "check", failing)
+    with pytest.raises(ConfigError, match="schedule.name='interleaved': fails the schedule checker at pp=2"):
+        validate(compose("parallelism=pp2", "schedule=interleaved", "schedule.microbatches=6"))
+    assert asked == [("interleaved", 2, 6, 2)]
