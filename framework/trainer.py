@@ -202,7 +202,7 @@ def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
     part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
     part = part if ctx.coords.tp == 0 else {}
     parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
-    dist.gather_object(part, parts, dst=0)
+    dist.gather_object(part, parts, dst=0, group=ctx.log_group)  # CPU objects: gloo under NCCL too
     if ctx.rank == 0:
         merged = {k: v for p in parts for k, v in p.items()}
         path = os.path.join(job_dir, "final_model.pt")

@@ -15,11 +15,29 @@ import torch
 from torch import nn
 
 from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulate, simulate
-from framework.parallel.pipeline.p2p import Message, P2POp, RankPlan, comm_plan, next_action_plan
+from framework.parallel.pipeline.p2p import Message, P2POp, RankPlan, comm_plan, needs, produces, rank_of_stage, sender_of
 from framework.parallel.pipeline.schedules import Action, build_schedule
 
 from .conftest import TINY, read_metrics, run_local
 from .distributed import run_ranks
+
+
+def next_action_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, RankPlan]:
+    """The first executor's batching (until 2026-11-22), to show what the NCCL model
+    rejects: each action's send goes out with the receive of the rank's next action."""
+    stages = pp * v
+    plans = {}
+    for r, acts in lists.items():
+        plan = RankPlan(list(acts), [[] for _ in range(len(acts) + 1)])
+        for k, a in enumerate(acts):
+            need = needs(a, r, pp, stages)
+            if need is not None:
+                plan.batches[k].append(P2POp("recv", sender_of(need, pp), need))
+            out = produces(a, r, pp, stages)
+            if out is not None:
+                plan.batches[k + 1].insert(0, P2POp("send", rank_of_stage(out.stage, pp), out))
+        plans[r] = plan
+    return plans
 
 
 def test_the_first_executors_pairing_deadlocks_interleaved_under_nccl_and_the_plan_does_not():
@@ -203,3 +221,13 @@ def test_the_configured_schedule_is_proved_before_launch(monkeypatch):
     with pytest.raises(ConfigError, match="schedule.name='interleaved': fails the schedule checker at pp=2"):
         validate(compose("parallelism=pp2", "schedule=interleaved", "schedule.microbatches=6"))
     assert asked == [("interleaved", 2, 6, 2)]
+
+
+def test_async_runs_hold_a_bounded_number_of_p2p_buffers(tmp_path):
+    """1f1b never flushes: earlier steps' sends are waited for at each step's end (gloo
+    reports a send complete only once waited), so the bytes held for p2p do not grow with
+    the run's length."""
+    args = [*TINY, "data=synthetic", "data.num_samples=128", "parallelism=pp2", "schedule=1f1b",
+            "schedule.microbatches=2", "model.tie_embeddings=false"]
+    held = [run_local(tmp_path / str(n), *args, f"trainer.steps={n}")["p2p_buffer_peak_bytes_max"] for n in (3, 9)]
+    assert held[0] == held[1] > 0

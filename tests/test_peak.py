@@ -27,7 +27,7 @@ SHORT = ["data=synthetic", "data.num_samples=64", "trainer.steps=2", "trainer.wa
     ("NVIDIA A100-SXM4-80GB", "A100 SXM", 312.0, 156.0),
     ("NVIDIA A100-PCIE-40GB", "A100 PCIe", 312.0, 156.0),
     ("NVIDIA H200", "H200 SXM", 989.5, 494.5),
-    ("NVIDIA B200", "B200 SXM", 2250.0, 1100.0),
+    ("NVIDIA B200", "B200 SXM", 2250.0, 1125.0),
     ("NVIDIA L4", "L4", 121.0, 60.0),  # not L40S: whole tokens, not substrings
     ("NVIDIA L40S", "L40S", 362.05, 183.0),
     ("NVIDIA A10", "A10", 125.0, 62.5),  # not A100

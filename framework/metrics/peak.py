@@ -55,7 +55,7 @@ DENSE_TFLOPS: dict[str, tuple[float, float, float]] = {
     "H100 NVL": (835.5, 417.5, 60.0),
     "H200 SXM": (989.5, 494.5, 67.0),
     "H200 NVL": (835.5, 417.5, 60.0),
-    "B200 SXM": (2250.0, 1100.0, 75.0),
+    "B200 SXM": (2250.0, 1125.0, 75.0),  # HGX B200: 36 / 18 PFLOPS with sparsity over 8 GPUs
     "L40S": (362.05, 183.0, 91.6),
     "L4": (121.0, 60.0, 30.3),
     "A10": (125.0, 62.5, 31.2),
@@ -159,10 +159,12 @@ def cached_probe(device: torch.device, dtype: torch.dtype) -> float:
     cache = _read_cache(path)
     if key not in cache:
         value = probe_peak_flops(device, dtype)
-        cache = _read_cache(path)  # another job may have probed meanwhile: the first written wins
+        cache = _read_cache(path)  # another job may have probed meanwhile: keep its value
         if key not in cache:
             cache[key] = value
             _write_atomic(path, cache)
+        cache = _read_cache(path)  # two jobs that probed at once: both use what the file kept
+        return cache.get(key, value)
     return cache[key]
 
 

@@ -44,10 +44,6 @@ class ActionRecord:
     end: float
 
     @property
-    def wait_s(self) -> float:
-        return self.compute_start - self.start
-
-    @property
     def compute_s(self) -> float:
         return self.end - self.compute_start
 
@@ -68,9 +64,6 @@ class PipelinePeers:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
-    def rank_of_stage(self, g: int) -> int:
-        return self.pp_ranks[g % self.pp]
-
 
 def _tag(msg: Message, num_stages: int) -> int:
     return ((msg.microbatch * num_stages + msg.stage) * 2 + (msg.kind == "grad")) % (2 ** 31 - 1)
@@ -79,9 +72,10 @@ def _tag(msg: Message, num_stages: int) -> int:
 class BatchWork:
     """One handle for a batch's Works: NCCL returns one coalesced Work, gloo one per op."""
 
-    def __init__(self, works, tensors):
+    def __init__(self, works, tensors, segment: int):
         self.works = list(works or [])
         self.tensors = tensors  # keep sent tensors and receive buffers alive until done
+        self.segment = segment  # which run() call issued it (a step, for async schedules)
         self.waited = False
 
     def wait(self) -> None:
@@ -144,6 +138,7 @@ class PipelineExecutor:
         self.produced: dict[Message, torch.Tensor] = {}  # computed, not yet handed to a batch
         self.posted: dict[Message, tuple[BatchWork, torch.Tensor]] = {}  # receives issued, not consumed
         self.inflight: list[BatchWork] = []
+        self.segment = 0  # run() calls so far
         self.losses: dict[int, torch.Tensor] = {}
         self.p2p_peak_bytes = 0
 
@@ -163,7 +158,7 @@ class PipelineExecutor:
             tensors.append(t)
         if not ops:
             return
-        work = BatchWork(_batch_isend_irecv(ops, self.coalesced), tensors)
+        work = BatchWork(_batch_isend_irecv(ops, self.coalesced), tensors, self.segment)
         self.inflight = [w for w in self.inflight if not w.is_completed()] + [work]
         for msg, t in recvs:
             self.posted[msg] = (work, t)
@@ -213,6 +208,7 @@ class PipelineExecutor:
         micro-batch j's (tokens, labels). Returns raw marks (action, start, compute start,
         end): `clock.seconds` reads them once the step is over."""
         marks = []
+        self.segment += 1
         if first == 0:
             self._issue(0)
         for k in range(first, last):
@@ -242,8 +238,14 @@ class PipelineExecutor:
         self.inflight.clear()
 
     def prune_sends(self) -> None:
-        """Asynchronous steps: a send may be matched only in the next step (the warm-up runs
-        ahead), so waiting here could deadlock against a peer already in a collective."""
+        """Asynchronous steps: this step's sends may be matched only in the peer's next
+        step (the warm-up runs ahead), so they are not waited for here. Earlier steps' are:
+        their receives were posted in the peer's same or next step, which has begun (and on
+        gloo a send never reports completion until waited, so without this the run's
+        send-only batches would pile up)."""
+        for w in self.inflight:
+            if w.segment < self.segment:
+                w.wait()
         self.inflight = [w for w in self.inflight if not w.is_completed()]
 
     def take_losses(self) -> dict[int, torch.Tensor]:

@@ -117,21 +117,3 @@ def comm_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, Rank
 
 def _order(msg: Message) -> tuple:
     return (msg.microbatch, msg.stage, msg.kind)
-
-
-def next_action_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, RankPlan]:
-    """The first executor's batching, kept to show what the NCCL model rejects: each
-    action's send goes out with the receive of the rank's next action."""
-    stages = pp * v
-    plans = {}
-    for r, acts in lists.items():
-        plan = RankPlan(list(acts), [[] for _ in range(len(acts) + 1)])
-        for k, a in enumerate(acts):
-            need = needs(a, r, pp, stages)
-            if need is not None:
-                plan.batches[k].append(P2POp("recv", sender_of(need, pp), need))
-            out = produces(a, r, pp, stages)
-            if out is not None:
-                plan.batches[k + 1].insert(0, P2POp("send", rank_of_stage(out.stage, pp), out))
-        plans[r] = plan
-    return plans

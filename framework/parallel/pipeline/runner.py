@@ -30,6 +30,7 @@ from ...optim import build_optimizer, lr_at, set_lr
 from ...topology import ParallelContext
 from ...metrics.clock import clock_for
 from .executor import ActionRecord, PipelineExecutor, PipelinePeers
+from .check import nccl_simulate
 from .p2p import comm_plan
 from .schedules import ASYNC_SCHEDULES, build_schedule, stage_of, version_of
 from ..grads import all_reduce_grads, clip_grad_norm
@@ -81,7 +82,10 @@ class PipelineRunner:
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
         act_dtype = torch.float64 if run.trainer.precision == "fp64" else torch.float32
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.
-        plan = comm_plan(build_schedule(self.name, p, m, v, steps=run.trainer.steps), p, v)[ctx.coords.pp]
+        plans = comm_plan(build_schedule(self.name, p, m, v, steps=run.trainer.steps), p, v)
+        if self.is_async:  # validate proved two steps; this whole never-flushed run is proved here
+            nccl_simulate(plans, p, v)
+        plan = plans[ctx.coords.pp]
         self.clock = clock_for(ctx.device)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
                                          self._backward_done, act_dtype, plan, self.clock, run.debug.coalesced_p2p,
