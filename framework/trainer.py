@@ -154,7 +154,7 @@ class Batches:
 def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
     """Which micro-batches a step needs, and how the runner names them."""
     if runner.is_async:  # global micro-batch ids, possibly of the next step (warm-up runs ahead)
-        ids = sorted({a.microbatch for a in runner.segments[step] if a.op == "F"})
+        ids = sorted({a.microbatch for a in runner.step_actions(step) if a.op == "F"})
         return [(j // m, j % m) for j in ids], lambda j: (j // m, j % m)
     return [(step, j) for j in range(m)], lambda j: (step, j)
 

@@ -93,11 +93,14 @@ class PipelineRunner:
         lists = plan.actions
         if self.is_async:
             self.bounds = _segments(lists, m, run.trainer.steps)
-            self.segments = [[lists[k] for k in r] for r in self.bounds]  # each step's actions
             uses = Counter(self._version(j) for j in range(m * run.trainer.steps))
             self.versions = WeightVersions(self.chunks[0], uses, tracker)
         else:
             self.actions = lists
+
+    def step_actions(self, step: int) -> list:
+        """Async: the actions of one step's share of the never-flushed list."""
+        return [self.executor.plan.actions[k] for k in self.bounds[step]]
 
     def _version(self, j: int) -> int:
         return version_of(self.name, j, self.stage, self.p, self.m)
