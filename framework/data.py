@@ -5,6 +5,20 @@ through `datasets`, tokenizes it, packs it into one token array and caches it as
 by the data config. Ranks memory-map that file (`TokenData.load`), so N ranks do not
 tokenize N times or race on the datasets cache.
 
+The cache is checked, not trusted: beside `<name>-<key>.npy` a `<name>-<key>.json` records
+what it was built from (sources, tokenizer and vocabulary size, dtype) and what it holds
+(token count, file size, sha256 of the .npy). Every `prepare` verifies an existing cache
+against it: metadata readable, same build inputs, same size (a truncated file), loadable
+with the recorded length, same checksum (bytes overwritten in place). Any failure prints
+one warning naming the file and the reason, deletes the cache and rebuilds it; so does a
+cache without metadata (an older version's, or a build cut off before its metadata).
+Jobs preparing the same cache at once serialize on a flock'ed `<name>-<key>.lock`: they
+verify under a shared lock, and rebuild under an exclusive one after checking again (another
+job may have rebuilt it meanwhile); files are written to per-pid temporaries and renamed, the
+.npy first, so no job reads a half-written cache. The packing does not depend on
+`data.seq_len` (one token stream, cut into sequences at load time), so seq_len is neither in
+the key nor a build input: the metadata records the building run's seq_len as information only.
+
 Sampling (`ShardedSampler`) treats training as one stream of epochs, each a seeded
 permutation of the samples. Step k takes stream positions [k*G, (k+1)*G) for the global
 batch G; dp rank r takes the r-th contiguous slice of it, cut into micro-batches. So every
@@ -16,10 +30,13 @@ once from each epoch).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import sys
 import sysconfig
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -68,11 +85,19 @@ def get_tokenizer(name: str):
 def stdlib_files(max_files: Optional[int]) -> list[str]:
     """The running Python's standard-library sources, sorted, without site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    files = sorted(_py_files(root))
     if not files:
         raise ConfigError("data.name", "pycode", f"no .py sources under {root}",
                           "use data=synthetic, or data=hf with a local file")
     return files[:max_files] if max_files else files
+
+
+def _py_files(root: Path) -> Iterator[str]:
+    """*.py under root, pruning site-packages as it walks: `prepare` lists the stdlib on every run
+    (the cache records its files), and walking installed packages only to drop them took ~1 s."""
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        yield from (os.path.join(parent, n) for n in names if n.endswith(".py"))
 
 
 def _load_texts(d: DataConfig, cache: Path) -> list[str]:
@@ -120,20 +145,152 @@ class PreparedData:
 
 
 def prepare(run: RunConfig) -> PreparedData:
+    """Once per job, before any rank starts: the verified (or freshly built) token cache."""
     d = run.data
     if d.name == "synthetic":
         return _checked(run, PreparedData(None, d.vocab_size, d.num_samples))
     tok = get_tokenizer(d.tokenizer)
     cache = cache_dir(d)
+    cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{d.name}-{_cache_key(d)}.npy"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tokens = _pack(_load_texts(d, cache), tok)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, tokens.astype(np.uint16 if tok.vocab_size <= 65536 else np.int32))
-        os.replace(tmp, path)  # atomic: a half-written cache never looks complete
-    n = (len(np.load(path, mmap_mode="r")) - 1) // d.seq_len
+    meta = _verified_or_built(run, tok, path, _build_inputs(d, tok))
+    n = (meta["num_tokens"] - 1) // d.seq_len
     return _checked(run, PreparedData(str(path), tok.vocab_size, n))
+
+
+# ---- the checked token cache (see the module docstring) ----
+
+CACHE_FORMAT = 1  # bump when the metadata or the packing changes: old caches then rebuild
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65536 else np.int32)
+
+
+def _sources(d: DataConfig) -> dict:
+    """What the corpus is read from. pycode lists every file with its size, so a Python
+    upgraded in place (same stdlib path, changed files) rebuilds the cache."""
+    if d.name == "pycode":
+        return {"stdlib": [[f, os.path.getsize(f)] for f in stdlib_files(d.max_files)]}
+    return {"path": d.path, "data_files": d.data_files, "split": d.split, "text_field": d.text_field}
+
+
+def _build_inputs(d: DataConfig, tok) -> dict:
+    """Everything the packed tokens depend on. Not seq_len: packing is one stream for any seq_len."""
+    return {"format": CACHE_FORMAT, "name": d.name, "sources": _sources(d), "tokenizer": d.tokenizer,
+            "vocab_size": tok.vocab_size, "dtype": _token_dtype(tok.vocab_size).name}
+
+
+def meta_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def lock_path(path: Path) -> Path:
+    return path.with_suffix(".lock")
+
+
+@contextmanager
+def _locked(path: Path, mode: int):
+    """flock the cache's lock file. The lock file itself is never deleted: removing it while
+    another job waits on it would let a third job lock a fresh file and build concurrently."""
+    with open(lock_path(path), "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _verified_or_built(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
+    """The cache's metadata, after verifying the cache or (re)building it."""
+    with _locked(path, fcntl.LOCK_SH):  # many jobs may verify at once; none builds meanwhile
+        meta, problem = _verify(path, inputs)
+    if problem is None:
+        return meta
+    with _locked(path, fcntl.LOCK_EX):
+        meta, problem = _verify(path, inputs)  # again: a job may have rebuilt it while we waited
+        if problem is None:
+            return meta
+        if path.exists():  # a missing cache is simply built; an existing bad one is reported
+            print(f"warning: token cache {path} {problem}; rebuilding", file=sys.stderr, flush=True)
+        # With the exclusive lock no other job is writing, so per-pid temporaries left here are
+        # from builds that died: remove them with the bad cache.
+        for p in [path, meta_path(path), *path.parent.glob(f"{path.stem}.tmp*")]:
+            p.unlink(missing_ok=True)
+        return _build(run, tok, path, inputs)
+
+
+def _verify(path: Path, inputs: dict) -> tuple[Optional[dict], Optional[str]]:
+    """(metadata, None) for a sound cache, else (None, why not) as a phrase for the warning."""
+    if not path.exists():
+        return None, "does not exist"
+    meta, problem = _read_meta(path)
+    if problem is None:
+        problem = _mismatch(meta, inputs) or _size_problem(path, meta) or _load_problem(path, meta)
+    if problem is None and _sha256(path) != meta["sha256"]:
+        problem = "does not match its sha256 checksum (its bytes changed after it was built)"
+    return (meta, None) if problem is None else (None, problem)
+
+
+_META_FIELDS = {"inputs": dict, "num_tokens": int, "bytes": int, "sha256": str}
+
+
+def _read_meta(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    m = meta_path(path)
+    if not m.exists():
+        return None, f"has no metadata file {m.name} (an older version's cache, or an interrupted build)"
+    try:
+        meta = json.loads(m.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"has an unreadable metadata file {m.name} ({e})"
+    bad = [k for k, t in _META_FIELDS.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
+    if bad:
+        return None, f"has an invalid metadata file {m.name} (missing or mistyped: {', '.join(bad)})"
+    return meta, None
+
+
+def _mismatch(meta: dict, inputs: dict) -> Optional[str]:
+    built = meta["inputs"]
+    changed = sorted(k for k in set(built) | set(inputs) if built.get(k) != inputs.get(k))
+    return f"was built from other inputs (changed: {', '.join(changed)})" if changed else None
+
+
+def _size_problem(path: Path, meta: dict) -> Optional[str]:
+    size, want = path.stat().st_size, meta["bytes"]
+    if size < want:
+        return f"is truncated ({size} of {want} bytes)"
+    return f"has {size} bytes, {want} expected" if size != want else None
+
+
+def _load_problem(path: Path, meta: dict) -> Optional[str]:
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        return f"cannot be loaded ({e})"
+    if tokens.ndim != 1 or len(tokens) != meta["num_tokens"] or tokens.dtype.name != meta["inputs"]["dtype"]:
+        return (f"holds {tokens.shape} {tokens.dtype} tokens, metadata says "
+                f"({meta['num_tokens']},) {meta['inputs']['dtype']}")
+    return None
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _build(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
+    """Pack the corpus into `path`, then write its metadata. Both go through per-pid temporaries
+    and an atomic rename, the metadata last: a cache whose metadata exists is complete."""
+    tokens = _pack(_load_texts(run.data, path.parent), tok).astype(inputs["dtype"])
+    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+    np.save(tmp, tokens)
+    meta = {"inputs": inputs, "num_tokens": len(tokens), "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
+            "info": {"built_with_seq_len": run.data.seq_len}}  # information only, never checked
+    os.replace(tmp, path)
+    tmp_meta = meta_path(path).with_suffix(f".tmp{os.getpid()}.json")
+    tmp_meta.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp_meta, meta_path(path))
+    return meta
 
 
 def _checked(run: RunConfig, p: PreparedData) -> PreparedData:
@@ -147,6 +304,15 @@ def _checked(run: RunConfig, p: PreparedData) -> PreparedData:
                           f"the corpus gives {p.num_samples} sequences, fewer than the global batch {run.global_batch}",
                           "use more data (data.max_files / data.num_samples), a shorter seq_len or a smaller batch")
     return p
+
+
+def _mmap_tokens(tokens_path: str) -> np.ndarray:
+    """Memory-map the cache `prepare` verified; a failure names the file (numpy's does not)."""
+    try:
+        return np.load(tokens_path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        raise RuntimeError(f"token cache {tokens_path} cannot be loaded ({e}); "
+                           "it changed after prepare verified it: rerun to rebuild it") from e
 
 
 class TokenData:
@@ -163,7 +329,7 @@ class TokenData:
             rng = np.random.default_rng(run.trainer.seed)
             tokens = rng.integers(0, d.vocab_size, size=d.num_samples * d.seq_len + 1, dtype=np.int64)
         else:
-            tokens = np.load(tokens_path, mmap_mode="r")
+            tokens = _mmap_tokens(tokens_path)
         return cls(tokens, d.seq_len)
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,20 @@
 """Corpora, tokenizers and the dp-sharded sampler."""
 
+import fcntl
+import hashlib
 import json
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from framework.data import BYTES_EOS, ShardedSampler, TokenData, prepare, stdlib_files
+import framework.data as data_mod
+from framework.data import BYTES_EOS, ShardedSampler, TokenData, lock_path, meta_path, prepare, stdlib_files
 
 from .conftest import compose
 
@@ -111,3 +120,188 @@ def test_hf_loader_reads_a_local_file_with_a_local_tokenizer(tmp_path):
     with pytest.raises(Exception, match="data.text_field='body'"):
         prepare(compose("data=hf", "data.path=json", f"data.data_files={path}", "data.text_field=body",
                         f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path / 'cache2'}"))
+
+
+# ---- the checked token cache ----
+
+def _pycode(cache, *more):
+    return compose("data=pycode", "data.max_files=3", f"data.cache_dir={cache}", "trainer.micro_batch_size=1",
+                   "schedule.microbatches=1", *more)
+
+
+def _sha(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def built(tmp_path, capsys):
+    """A fresh pycode cache in tmp_path: (run, .npy path, its tokens, its bytes)."""
+    run = _pycode(tmp_path)
+    path = Path(prepare(run).tokens_path)
+    capsys.readouterr()
+    return run, path, np.load(path).copy(), path.read_bytes()
+
+
+def _rebuilt(run, path, tokens, raw, capsys) -> str:
+    """prepare() rebuilt the cache to the same bytes; returns the one warning line it printed."""
+    p = prepare(run)
+    err = [line for line in capsys.readouterr().err.splitlines() if "token cache" in line]  # not datasets' bars
+    assert p.tokens_path == str(path) and len(err) == 1, err
+    assert path.read_bytes() == raw and np.array_equal(np.load(path), tokens)
+    meta = json.loads(meta_path(path).read_text())
+    assert meta["sha256"] == _sha(path) and meta["bytes"] == len(raw) and meta["num_tokens"] == len(tokens)
+    return err[0]
+
+
+def test_cache_metadata_records_what_the_pycode_cache_was_built_from(built):
+    run, path, tokens, raw = built
+    meta = json.loads(meta_path(path).read_text())
+    files = stdlib_files(3)
+    assert meta["inputs"] == {"format": data_mod.CACHE_FORMAT, "name": "pycode", "tokenizer": "bytes",
+                              "vocab_size": 257, "dtype": "uint16",
+                              "sources": {"stdlib": [[f, os.path.getsize(f)] for f in files]}}
+    assert meta["num_tokens"] == len(tokens) and tokens.dtype == np.uint16
+    assert meta["bytes"] == len(raw) == path.stat().st_size
+    assert meta["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert meta["info"] == {"built_with_seq_len": run.data.seq_len}
+    assert lock_path(path).exists() and sorted(q.name for q in path.parent.glob("pycode-*")) == \
+        sorted([path.name, meta_path(path).name, lock_path(path).name])  # no temporaries left
+
+
+def test_cache_metadata_records_the_hf_sources(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(40)))
+    run = compose("data=hf", "data.path=json", f"data.data_files={path}", "data.text_field=body",
+                  "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=8",
+                  "trainer.micro_batch_size=1", "schedule.microbatches=1")
+    tokens_path = Path(prepare(run).tokens_path)
+    meta = json.loads(meta_path(tokens_path).read_text())
+    assert meta["inputs"]["sources"] == {"path": "json", "data_files": str(path), "split": "train",
+                                         "text_field": "body"}
+    assert meta["num_tokens"] == sum(len(f"document {i}") + 1 for i in range(40))
+
+
+def test_a_truncated_cache_is_named_and_rebuilt(built, capsys):
+    run, path, tokens, raw = built
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(ValueError, match="mmap length is greater than file size"):
+        np.load(path, mmap_mode="r")  # what every run met before the check
+    assert _rebuilt(run, path, tokens, raw, capsys) == \
+        f"warning: token cache {path} is truncated ({len(raw) // 2} of {len(raw)} bytes); rebuilding"
+
+
+def test_bytes_overwritten_in_range_fail_the_checksum_and_rebuild(built, capsys):
+    run, path, tokens, raw = built
+    bad = tokens.copy()
+    bad[100:110] = (bad[100:110] + 1) % 256  # still valid byte tokens: would train silently
+    header = len(raw) - tokens.nbytes
+    with open(path, "r+b") as f:  # in place: same inode, same size
+        f.seek(header)
+        f.write(bad.tobytes())
+    assert path.stat().st_size == len(raw) and np.array_equal(np.load(path), bad)
+    assert _rebuilt(run, path, tokens, raw, capsys) == (
+        f"warning: token cache {path} does not match its sha256 checksum "
+        "(its bytes changed after it was built); rebuilding")
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (None, "has no metadata file {meta} (an older version's cache, or an interrupted build)"),
+    ("{not json", "has an unreadable metadata file {meta} ("),
+    ('{"inputs": 1, "bytes": 3}', "has an invalid metadata file {meta} (missing or mistyped: inputs, num_tokens, sha256)"),
+    ("vocab_size", "was built from other inputs (changed: vocab_size)"),
+], ids=["missing", "not-json", "mistyped", "other-inputs"])
+def test_missing_garbage_or_stale_metadata_rebuilds(built, capsys, damage, reason):
+    run, path, tokens, raw = built
+    m = meta_path(path)
+    if damage is None:
+        m.unlink()
+    elif damage == "vocab_size":  # a well-formed record of other build inputs
+        meta = json.loads(m.read_text())
+        meta["inputs"]["vocab_size"] = 50257
+        m.write_text(json.dumps(meta))
+    else:
+        m.write_text(damage)
+    warning = _rebuilt(run, path, tokens, raw, capsys)
+    assert warning.startswith(f"warning: token cache {path} " + reason.format(meta=m.name)), warning
+    assert warning.endswith("; rebuilding")
+
+
+def test_a_valid_cache_is_not_rebuilt_for_any_seq_len(built, capsys):
+    run, path, tokens, raw = built
+    before = [(q.stat().st_ino, q.stat().st_mtime_ns) for q in (path, meta_path(path))]
+    for seq_len in (run.data.seq_len, 16):  # seq_len cuts the stream at load time: not a build input
+        p = prepare(_pycode(path.parent, f"data.seq_len={seq_len}"))
+        assert p.tokens_path == str(path) and p.num_samples == (len(tokens) - 1) // seq_len
+    assert "token cache" not in capsys.readouterr().err
+    assert [(q.stat().st_ino, q.stat().st_mtime_ns) for q in (path, meta_path(path))] == before
+
+
+def test_a_missing_cache_is_built_without_a_warning(tmp_path, capsys):
+    p = prepare(_pycode(tmp_path))
+    assert Path(p.tokens_path).exists() and "token cache" not in capsys.readouterr().err
+
+
+def test_token_data_names_a_cache_damaged_after_prepare(built):
+    run, path, tokens, raw = built
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(RuntimeError, match=f"token cache {path} cannot be loaded .*rerun to rebuild it"):
+        TokenData.load(run, str(path))
+
+
+def _prepare_in_child(run, barrier, results):
+    barrier.wait()  # both builders start on the empty cache dir together
+    p = prepare(run)
+    results.put((p.tokens_path, p.num_samples, _sha(p.tokens_path)))
+
+
+def test_two_concurrent_builders_end_with_one_valid_cache(tmp_path, capfd):
+    ctx = multiprocessing.get_context("fork")  # children inherit the imports: fast
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    run = _pycode(tmp_path)
+    procs = [ctx.Process(target=_prepare_in_child, args=(run, barrier, results)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    got = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert got[0] == got[1]
+    path = Path(got[0][0])
+    meta = json.loads(meta_path(path).read_text())
+    assert meta["sha256"] == got[0][2] == _sha(path) and meta["num_tokens"] == len(np.load(path, mmap_mode="r"))
+    assert "token cache" not in capfd.readouterr().err  # the second found the first's cache complete
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_waiting_builder_rechecks_under_the_lock_and_uses_the_other_jobs_cache(built, tmp_path, monkeypatch):
+    """Job B finds no cache while job A holds the lock (A is building); once A is done, B
+    must take A's cache instead of building again."""
+    run, built_path, tokens, raw = built
+    other = tmp_path / "other"
+    other.mkdir()
+    path = other / built_path.name  # the key does not depend on cache_dir
+    seen, first_check = [], threading.Event()
+
+    def verify(*a):
+        result = real_verify(*a)
+        seen.append(result[1])
+        first_check.set()
+        return result
+
+    real_verify = data_mod._verify
+    monkeypatch.setattr(data_mod, "_verify", verify)
+    monkeypatch.setattr(data_mod, "_build", lambda *a: pytest.fail("built again"))
+    out = {}
+    with open(lock_path(path), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # job A (readers may share, B's exclusive lock must wait)
+        job_b = threading.Thread(target=lambda: out.update(p=prepare(_pycode(other))))
+        job_b.start()
+        assert first_check.wait(60)
+        time.sleep(0.3)
+        assert job_b.is_alive() and seen == ["does not exist"]  # B waits for the exclusive lock
+        shutil.copy(built_path, path)  # A finishes: tokens, then metadata
+        shutil.copy(meta_path(built_path), meta_path(path))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    job_b.join(60)
+    assert seen == ["does not exist", None] and out["p"].tokens_path == str(path)
+    assert path.read_bytes() == raw
