@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+import torch
 from hydra.errors import MissingConfigException
 
 from framework.config import ConfigError
 from framework.data import prepare
-from framework.launch import resolve_device
-from framework.validate import validate
+from framework.validate import check_job_dir, validate
 
 from .conftest import ROOT, assert_config_error, compose, run_cli
 
@@ -33,7 +36,10 @@ def test_conf_folder_matches_the_groups_under_test():
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_option_composes_and_validates(group, option):
+def test_every_option_composes_and_validates(group, option, monkeypatch):
+    # data=hf names hub files (the gpt2 tokenizer): resolving them needs the network or the
+    # HF cache, which this test of composition must not; test_unresolvable_hub_name_* covers it.
+    monkeypatch.setattr("framework.validate._hub_name", lambda *args: None)
     run = compose(f"{group}={option}")
     validate(run)
     if group == "parallelism":
@@ -95,6 +101,47 @@ BAD = [
     (["parallelism=pp2", "debug.stage_delay_ms=5", "debug.delay_pp_rank=2"], "debug.delay_pp_rank=2",
      "one pipeline rank"),
     (["data=hf", "data.path=null"], "data.path=None", "needs a dataset"),
+    (["trainer.seed=-1"], "trainer.seed=-1", "[0, 2**32)"),
+    (["trainer.seed=4294967296"], "trainer.seed=4294967296", "[0, 2**32)"),
+    # nan fails every comparison, so each float key is checked for being finite first
+    (["optimizer.lr=nan"], "optimizer.lr=nan", "finite positive"),
+    (["optimizer.lr=inf"], "optimizer.lr=inf", "finite positive"),
+    (["trainer.grad_clip=nan"], "trainer.grad_clip=nan", "finite number >= 0"),
+    (["trainer.grad_clip=inf"], "trainer.grad_clip=inf", "finite number >= 0"),
+    (["trainer.min_lr_ratio=nan"], "trainer.min_lr_ratio=nan", "[0, 1]"),
+    (["model.dropout=nan"], "model.dropout=nan", "[0, 1)"),
+    (["debug.stage_delay_ms=nan"], "debug.stage_delay_ms=nan", ">= 0"),
+    (["debug.stage_delay_ms=inf"], "debug.stage_delay_ms=inf", ">= 0"),
+    (["trainer.hang_timeout_s=nan"], "trainer.hang_timeout_s=nan", "> 0"),
+    (["trainer.hang_timeout_s=inf"], "trainer.hang_timeout_s=inf", "> 0"),
+    (["trainer.hang_timeout_s=0"], "trainer.hang_timeout_s=0.0", "> 0"),
+    (["metrics.peak_tflops=nan"], "metrics.peak_tflops=nan", "finite positive"),
+    (["metrics.peak_tflops=inf"], "metrics.peak_tflops=inf", "finite positive"),
+    (["metrics.peak_tflops=0"], "metrics.peak_tflops=0.0", "finite positive"),
+    # optimizer arguments: unknown names, and values torch rejects (or that make nan)
+    (["+optimizer.betaz=[0.9,0.99]"], "optimizer.betaz=[0.9, 0.99]",
+     "not an argument of torch.optim.AdamW. Fix: use one of lr, betas, eps, weight_decay"),
+    (["optimizer=sgd", "+optimizer.betas=[0.9,0.99]"], "optimizer.betas=[0.9, 0.99]",
+     "not an argument of torch.optim.SGD"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas=[0.9, 1.5]", "Invalid beta parameter at index 1: 1.5"),
+    (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9]",
+     "torch.optim.AdamW rejects it (IndexError: tuple index out of range)"),
+    (["optimizer.weight_decay=nan"], "optimizer.weight_decay=nan", "Invalid weight_decay value: nan"),
+    (["optimizer.eps=nan"], "optimizer.eps=nan", "Invalid epsilon value: nan"),
+    (["optimizer.eps=0"], "optimizer.eps=0", "leaves a parameter non-finite"),
+    (["optimizer=sgd", "optimizer.momentum=nan"], "optimizer.momentum=nan", "leaves a parameter non-finite"),
+    (["optimizer=sgd", "optimizer.momentum=-1"], "optimizer.momentum=-1", "Invalid momentum value: -1"),
+    (["optimizer=sgd", "optimizer.weight_decay=nan"], "optimizer.weight_decay=nan", "leaves a parameter non-finite"),
+    (["optimizer=sgd", "optimizer.weight_decay=inf"], "optimizer.weight_decay=inf", "leaves a parameter non-finite"),
+    # one node: 4 CPU ranks per core (at least 8); one CUDA rank per GPU
+    (["device=cpu", "parallelism.dp=5000"], "launcher='local'", "10000 CPU ranks (dp 5000 x tp 1 x pp 2)"),
+    (["device=cuda", f"parallelism.dp={torch.cuda.device_count() + 1}"], "launcher='local'",
+     "CUDA device(s) (device=cuda)"),
+    # paths: missing files fail here, not in the ranks
+    (["data=hf", "data.path=json", "data.data_files=/no/such/dir/*.jsonl", "data.tokenizer=bytes"],
+     "data.data_files='/no/such/dir/*.jsonl'", "matches no file"),
+    (["model.pretrained=/no/such/checkpoint"], "model.pretrained='/no/such/checkpoint'", "no such directory"),
+    (["data.tokenizer=./no/such/tokenizer"], "data.tokenizer='./no/such/tokenizer'", "no such directory"),
 ]
 
 
@@ -117,10 +164,9 @@ def test_unknown_group_option_names_the_choices():
 
 
 def test_cuda_ranks_beyond_gpus_is_an_error():
-    import torch
-
-    with pytest.raises(ConfigError, match=r"^device='cuda': .* CUDA device"):
-        resolve_device("cuda", torch.cuda.device_count() + 1)
+    """Checked by validate (framework.validate._node_capacity) before anything is prepared."""
+    with pytest.raises(ConfigError, match=r"^launcher='local': \d+ CUDA ranks .* CUDA device.*Fix: use launcher=ext"):
+        validate(compose("device=cuda", "parallelism=single", f"parallelism.dp={torch.cuda.device_count() + 1}"))
 
 
 def test_data_checks_vocab_and_sample_count(data_cache):
@@ -158,3 +204,132 @@ def test_cli_rejects_bad_input_before_any_rank_starts(tmp_path):
     r = run_cli([f"hydra.run.dir={tmp_path}", "parallelism=tp4", "model.n_head=2", "data=synthetic"])
     assert r.returncode != 0 and "config error: parallelism.tp=4: model.n_head=2 does not divide" in r.stderr
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_node_capacity_leaves_external_launches_and_dry_runs_alone():
+    validate(compose("device=cpu", "parallelism.dp=5000", "dry_run=true"))
+    validate(compose("device=cpu", "parallelism.dp=5000", "launcher=external"))
+    validate(compose("device=cpu", "parallelism=3d_2x2x2"))  # 8 ranks on any machine (the suite does this)
+
+
+# ---- model.pretrained / data.tokenizer / data.data_files / the job directory ----
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny GPT-2 as save_pretrained writes it (config.json + model.safetensors)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("ckpt")
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=128, n_embd=16, n_layer=2, n_head=2)).save_pretrained(path)
+    return path
+
+
+def _copy_checkpoint(src, dst, skip=()):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _pretrained_error(path) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(compose(f"model.pretrained={path}"))
+    msg = str(e.value)
+    assert msg.startswith(f"model.pretrained='{path}': ") and ". Fix: use " in msg
+    return msg
+
+
+def test_a_complete_local_checkpoint_validates(checkpoint):
+    validate(compose(f"model.pretrained={checkpoint}"))
+
+
+def test_a_missing_or_empty_checkpoint_directory_is_named(tmp_path):
+    assert "no such directory" in _pretrained_error(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    assert "is an empty directory" in _pretrained_error(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    assert "is a file, not a directory" in _pretrained_error(tmp_path / "file")
+
+
+def test_checkpoint_config_must_be_json_with_a_model_type(checkpoint, tmp_path):
+    bad = _copy_checkpoint(checkpoint, tmp_path / "bad")
+    (bad / "config.json").write_text("{not json")
+    assert "config.json is not valid JSON" in _pretrained_error(bad)
+    (bad / "config.json").write_text(json.dumps({"n_embd": 16}))
+    assert "config.json has no model_type" in _pretrained_error(bad)
+    (bad / "config.json").write_text(json.dumps({"model_type": "mpt"}))
+    assert "is a mpt model (config.json), not model.arch=gpt2. Fix: use a gpt2 or llama checkpoint" in \
+        _pretrained_error(bad)
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "is a llama model (config.json), not model.arch=gpt2. Fix: use model.arch=llama" in _pretrained_error(bad)
+    no_config = _copy_checkpoint(checkpoint, tmp_path / "no_config", skip=("config.json",))
+    assert "has no config.json" in _pretrained_error(no_config)
+
+
+def test_checkpoint_without_weights_is_named(checkpoint, tmp_path):
+    bare = _copy_checkpoint(checkpoint, tmp_path / "bare", skip=("model.safetensors",))
+    assert "has config.json but no weights" in _pretrained_error(bare)
+
+
+def test_truncated_safetensors_is_caught_from_its_header(checkpoint, tmp_path):
+    cut = _copy_checkpoint(checkpoint, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size - 100)
+    msg = _pretrained_error(cut)
+    assert f"model.safetensors is {size - 100} bytes but its header describes {size}: truncated" in msg
+    os.truncate(weights, 5)
+    assert "model.safetensors is truncated" in _pretrained_error(cut)
+
+
+def test_sharded_and_bin_checkpoints(checkpoint, tmp_path):
+    sharded = _copy_checkpoint(checkpoint, tmp_path / "sharded")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert "model.safetensors.index.json lists missing shards: model-00002-of-00002.safetensors" in \
+        _pretrained_error(sharded)
+    legacy = _copy_checkpoint(checkpoint, tmp_path / "legacy", skip=("model.safetensors",))
+    (legacy / "pytorch_model.bin").write_bytes(b"not a zip")
+    assert "pytorch_model.bin is unreadable or not a zip archive" in _pretrained_error(legacy)
+    torch.save({"w": torch.zeros(1)}, legacy / "pytorch_model.bin")
+    validate(compose(f"model.pretrained={legacy}"))
+
+
+def test_unresolvable_hub_name_is_a_config_error():
+    """Offline: the hub probe fails in seconds; online: transformers says the repo is missing."""
+    name = "no-such-org-7f3a/no-such-model-7f3a"
+    assert_config_error([f"model.pretrained={name}"], f"model.pretrained='{name}'",
+                        "is not a local directory and could not be loaded from the hub or the local HF cache")
+    assert_config_error(["data=hf", f"data.tokenizer={name}"], f"data.tokenizer='{name}'",
+                        "is not a local directory and could not be loaded from the hub or the local HF cache")
+
+
+def test_tokenizer_directory_needs_tokenizer_files(tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "README").write_text("x")
+    assert_config_error(["data=hf", f"data.tokenizer={tmp_path / 'tok'}"], f"data.tokenizer='{tmp_path / 'tok'}'",
+                        "has no tokenizer files")
+    (tmp_path / "tok" / "tokenizer.json").write_text("{truncated")
+    assert_config_error(["data=hf", f"data.tokenizer={tmp_path / 'tok'}"], f"data.tokenizer='{tmp_path / 'tok'}'",
+                        "tokenizer.json is not valid JSON")
+
+
+def test_data_files_may_be_globs_and_urls(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    base = ["data=hf", "data.path=json", "data.tokenizer=bytes"]
+    validate(compose(*base, f"data.data_files={tmp_path}/*.jsonl"))
+    validate(compose(*base, "data.data_files=https://example.com/train.jsonl"))
+    assert_config_error([*base, f"data.data_files={tmp_path}/*.csv"], f"data.data_files='{tmp_path}/*.csv'",
+                        "matches no file")
+
+
+def test_job_dir_must_be_creatable_and_writable(tmp_path):
+    check_job_dir(str(tmp_path / "new" / "job"))
+    assert (tmp_path / "new" / "job").is_dir() and not list((tmp_path / "new" / "job").iterdir())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"^hydra\.run\.dir='.*/file/job': cannot be created .*Fix: choose a"):
+        check_job_dir(str(tmp_path / "file" / "job"))
+    if os.path.isdir("/proc/self"):  # not writable, even for root
+        with pytest.raises(ConfigError, match=r"^hydra\.run\.dir='/proc/self': is not writable"):
+            check_job_dir("/proc/self")

@@ -1,0 +1,140 @@
+"""W&B for one run, on the terms that it never costs the run.
+
+The training job must not wait on, or die of, the W&B server: an online run first probes
+the server (bounded, `probe`), then starts with a bounded `init_timeout`; when either
+fails, the run logs offline into the job directory (upload later with `wandb sync`) and
+says so once on stderr. Offline and disabled runs never touch the network.
+
+Which mode a run gets (wandb 0.31): `wandb.init(mode=...)` beats the WANDB_MODE
+environment variable (wandb's settings precedence: init arguments > settings= > env >
+config files; checked: WANDB_MODE=disabled with mode="offline" gives an offline run). We
+always pass a mode, so WANDB_MODE alone never decides; `logger.mode=auto` consults it
+(see `wandb_mode`). wandb still parses WANDB_MODE at init and raises on a value outside
+WANDB_MODES (case-sensitive, "" included), so framework.validate rejects a bad one before
+any rank starts. `api_key_found` mirrors where wandb looks for a key, so the validator
+can reject `logger.mode=online` without one instead of letting the logging rank fail.
+No `import wandb` at module level: the validator imports this module.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+# wandb 0.31's Settings.mode literal; "dryrun" is an alias of offline, "run" of online.
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+# WANDB_MODE values that make `logger.mode=auto` stay off the network.
+_ENV_OFFLINE = {"offline": "offline", "dryrun": "offline", "disabled": "disabled"}
+
+PROBE_TIMEOUT_S = 5.0  # api.wandb.ai answers in well under a second
+INIT_TIMEOUT_S = 30.0  # wandb's default is 90 s, a full minute and a half of a stalled job
+# At the end of an online run, stop waiting for uploads after this long (wandb's default
+# waits forever, e.g. when the network dropped mid-run); what is left stays on disk.
+FINISH_TIMEOUT_S = 120.0
+
+
+def base_url() -> str:
+    return (os.environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+
+
+def _netrc_path() -> Path:
+    """wandb's lookup order (wandb/sdk/lib/wbauth/wbnetrc.py): $NETRC, ~/.netrc, ~/_netrc."""
+    if os.environ.get("NETRC"):
+        return Path(os.environ["NETRC"]).expanduser()
+    home = Path("~").expanduser()
+    return next((p for p in (home / ".netrc", home / "_netrc") if p.exists()), home / ".netrc")
+
+
+def api_key_found(url: Optional[str] = None) -> bool:
+    """An API key for the server: WANDB_API_KEY (or an identity token file), or a netrc
+    entry for the server's host[:port], where `wandb login` writes it."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(url or base_url()).netloc
+    try:
+        creds = netrc.netrc(str(_netrc_path())).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(creds and creds[2])
+
+
+def wandb_mode(requested: str) -> str:
+    """auto -> offline / disabled when WANDB_MODE asks for that, else online when an API
+    key is configured, else offline. An explicit logger.mode is used as is."""
+    if requested != "auto":
+        return requested
+    env = os.environ.get("WANDB_MODE", "")
+    if env in _ENV_OFFLINE:
+        return _ENV_OFFLINE[env]
+    return "online" if api_key_found() else "offline"
+
+
+def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> Optional[str]:
+    """None when an HTTP server answers at `url` within `timeout_s` (any status: a 401 or
+    404 still proves the server is there), else why not. Never raises. The request runs in
+    a daemon thread because the socket timeout does not bound DNS resolution."""
+    outcome: list[Optional[str]] = []
+
+    def request() -> None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout_s):
+                outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)
+        except Exception as e:  # noqa: BLE001 - any failure means "not reachable"
+            reason = getattr(e, "reason", None) or e
+            outcome.append(f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason)
+
+    worker = threading.Thread(target=request, name="wandb-probe", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return outcome[0] if outcome else "no HTTP answer"
+
+
+def reachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    return probe(url, timeout_s) is None
+
+
+def _warn_offline(url: str, reason: str, timeout_s: float, run_dir: str) -> None:
+    print(f"WARNING: W&B server {url} unreachable ({reason}) within {timeout_s:g} s: logging offline to "
+          f"{os.path.join(run_dir, 'wandb')}; upload later with wandb sync", file=sys.stderr, flush=True)
+
+
+def init_run(mode: str, run_dir: str, *, probe_timeout_s: float = PROBE_TIMEOUT_S,
+             init_timeout_s: float = INIT_TIMEOUT_S, **init_kwargs: Any):
+    """wandb.init in `mode` (already resolved by `wandb_mode`); None when disabled or when
+    even an offline run cannot start. `init_kwargs` go to wandb.init (project, config, ...)."""
+    if mode == "disabled":
+        return None
+    import wandb
+
+    settings = dict(console="off", quiet=True)
+    if mode == "online":
+        url = base_url()
+        reason = probe(url, probe_timeout_s)
+        if reason is None:
+            try:
+                return wandb.init(mode=mode, dir=run_dir, **init_kwargs, settings=wandb.Settings(
+                    **settings, init_timeout=init_timeout_s, finish_timeout=FINISH_TIMEOUT_S))
+            except Exception as e:  # noqa: BLE001 - CommError, auth errors, ...: never the run's end
+                reason, probe_timeout_s = _first_line(e), init_timeout_s
+        _warn_offline(url, reason, probe_timeout_s, run_dir)
+    try:
+        return wandb.init(mode="offline", dir=run_dir, **init_kwargs, settings=wandb.Settings(**settings))
+    except Exception as e:  # noqa: BLE001
+        print(f"WARNING: W&B offline run could not start ({_first_line(e)}): no W&B for this run; "
+              "metrics.jsonl and summary.json are written as usual", file=sys.stderr, flush=True)
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
