@@ -87,6 +87,9 @@ class TrainerConfig:
     seed: int = 1234
     log_interval: int = 5
     save_checkpoint: bool = False  # write final_model.pt (full state dict) in the job dir
+    # A rank that makes no progress this long ends the job (launcher's watchdog, hang.txt);
+    # the process-group timeout is this plus framework.worker.PG_TIMEOUT_MARGIN_S.
+    hang_timeout_s: float = 300.0
 
 
 @dataclass

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import sys
+import time
 from dataclasses import asdict
 from typing import Optional
 
@@ -18,14 +20,17 @@ import torch
 
 from .config import ConfigError, RunConfig, to_yaml
 from .data import prepare
-from .launch import RankFailure, launch_local, resolve_device, threads_per_rank
+from .device import resolve_device, threads_per_rank
+from .files import write_report
+from .launch import RankFailure, launch_local
 from .logging import RunInfo
 from .metrics.bubble import analytic_bubble
 from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, num_positions
 from .plan import make_plan, render_plan
-from .validate import validate
+from .signals import Stopped
+from .validate import check_job_dir, validate
 
 
 def meta_model(run: RunConfig, vocab_size: int):
@@ -153,12 +158,20 @@ def _percent(x: Optional[float]) -> str:
 
 
 def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
-    """Validate, then dry-run, prepare for an external launcher, or launch locally."""
-    validate(run)
-    if run.dry_run:
-        return dry_run(run, job_dir)
-    device_type = resolve_device(run.device, 1 if run.launcher == "external" else run.world_size)
-    info = run_info(run, device_type)
+    """Validate, then dry-run, prepare for an external launcher, or launch locally.
+    However it ends, the job directory says so (`write_outcome`) and holds no earlier
+    run's results (`set_aside_previous`)."""
+    set_aside_previous(job_dir)
+    try:
+        check_job_dir(job_dir)
+        validate(run)
+        if run.dry_run:
+            return dry_run(run, job_dir)
+        device_type = resolve_device(run.device)
+        info = run_info(run, device_type)
+    except ConfigError as e:
+        write_outcome(job_dir, "rejected", str(e))
+        raise
     write_job_files(run, info, job_dir)
     print(startup_banner(run, info, device_type), flush=True)
     if run.launcher == "external":
@@ -168,9 +181,41 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     try:
         summary = launch_local(run, job_dir, info)
     except RankFailure as e:
-        with open(os.path.join(job_dir, "error.txt"), "w") as f:
-            f.write(str(e))
+        write_report(os.path.join(job_dir, "error.txt"), str(e))
         print(str(e), file=sys.stderr, flush=True)
+        write_outcome(job_dir, "failed", e.reason)
+        raise
+    except Stopped as e:
+        write_outcome(job_dir, "interrupted", f"stopped by {e.name}")
         raise
     print(summary_lines(summary), flush=True)
     return summary
+
+
+# What Hydra itself keeps in a job directory; everything else there is a run's output.
+HYDRA_FILES = (".hydra", "run.log")
+PREVIOUS_DIR = ".previous"
+
+
+def set_aside_previous(job_dir: str) -> Optional[str]:
+    """A job directory that holds an earlier run's files (hydra.run.dir reused) gets them
+    moved to `.previous/<time>/`, so old and new results never mix (a stale summary.json
+    beside a new error.txt would read as a completed run). Returns where they went."""
+    if not os.path.isdir(job_dir):
+        return None
+    old = [n for n in sorted(os.listdir(job_dir)) if n not in HYDRA_FILES and n != PREVIOUS_DIR]
+    if not old:
+        return None
+    dest = os.path.join(job_dir, PREVIOUS_DIR, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    os.makedirs(dest)
+    for name in old:
+        shutil.move(os.path.join(job_dir, name), os.path.join(dest, name))
+    print(f"{job_dir} held an earlier run's files ({', '.join(old)}): moved them to {dest}", flush=True)
+    return dest
+
+
+def write_outcome(job_dir: str, status: str, reason: str) -> None:
+    """summary.json of a job that did not complete: `status` failed | rejected |
+    interrupted, the one-line `reason`, and no metrics (a sweeper gets NaN, run.py)."""
+    write_report(os.path.join(job_dir, "summary.json"),
+                json.dumps({"status": status, "reason": reason, "time": time.time()}, indent=2))

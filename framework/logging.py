@@ -1,7 +1,7 @@
 """Sinks for one run: console, files in the job directory, and W&B. Rank 0 logs for all.
 
-Every rank keeps its own step records; `gather_and_log` gathers them to rank 0 once per
-log interval and rank 0 merges them into one record per step:
+Every rank keeps its own step records (`StepRecord`, framework/records.py); `gather_and_log`
+gathers them to rank 0 once per log interval and rank 0 merges them into one row per step:
   loss        the global mean over the step's tokens (identical on every rank)
   step_time_s the slowest rank's wall time for the step (data + fwd/bwd + optimizer)
   tokens_per_s global tokens per step / step_time_s
@@ -25,7 +25,6 @@ steps).
 from __future__ import annotations
 
 import json
-import netrc
 import os
 import statistics
 import sys
@@ -35,9 +34,12 @@ from typing import Optional
 import torch.distributed as dist
 
 from .config import RunConfig
+from .files import write_atomic
 from .metrics.flops import mfu
 from .metrics.timeline import render_timeline, write_trace
+from .records import StepRecord
 from .topology import ParallelContext
+from .wandb_sink import init_run, wandb_mode  # wandb_mode also stays importable from here
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
@@ -58,25 +60,6 @@ class RunInfo:
     bubble_fraction_analytic: float
 
 
-def wandb_mode(requested: str) -> str:
-    """auto -> online when an API key is configured (env or ~/.netrc), else offline."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        return "online" if netrc.netrc().authenticators("api.wandb.ai") else "offline"
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return "offline"
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 class RunLogger:
     def __init__(self, run: RunConfig, job_dir: str, ctx: ParallelContext, info: RunInfo):
         self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
@@ -93,47 +76,48 @@ class RunLogger:
 
     def _init_wandb(self):
         lg = self.run.logger
-        if lg.name != "wandb" or wandb_mode(lg.mode) == "disabled":
+        if lg.name != "wandb":
             return None
-        import wandb
-
-        run = wandb.init(project=lg.project, entity=lg.entity, group=lg.group, name=lg.run_name,
-                         config=asdict(self.run), dir=self.job_dir, mode=wandb_mode(lg.mode),
-                         reinit="finish_previous", settings=wandb.Settings(console="off", quiet=True))
+        # Probed and bounded: an unreachable server means an offline run, never a lost job.
+        run = init_run(wandb_mode(lg.mode), self.job_dir, project=lg.project, entity=lg.entity, group=lg.group,
+                       name=lg.run_name, config=asdict(self.run), reinit="finish_previous")
+        if run is None:
+            return None
         for key in MEDIAN_KEYS:
             # W&B's summary would default to each metric's last step; ours is the median
             # after warm-up, written by finish(), so keep W&B from overwriting it.
             run.define_metric(key, summary="none")
         return run
 
-    def _merge(self, per_rank: list[dict]) -> dict:
+    def _merge(self, per_rank: list[StepRecord]) -> dict:
+        """The ranks' records of one step -> its metrics.jsonl row (keys documented above)."""
         r0 = per_rank[0]
         # Ranks holding a loss: every rank when pp = 1, the last stages otherwise; each is the
         # mean over equally many tokens, so their mean is the global batch's loss.
-        losses = [r["loss"] for r in per_rank if r["loss"] is not None]
-        step_time = max(r["step_time_s"] for r in per_rank)
+        losses = [r.loss for r in per_rank if r.loss is not None]
+        step_time = max(r.step_time_s for r in per_rank)
         tps = self.run.tokens_per_step / step_time
-        tflops, achieved_mfu = self._mfu(r0["step"], tps)
+        tflops, achieved_mfu = self._mfu(r0.step, tps)
         return {
-            "step": r0["step"], "loss": sum(losses) / len(losses), "lr": r0["lr"],
-            "grad_norm": max(r["grad_norm"] for r in per_rank),
+            "step": r0.step, "loss": sum(losses) / len(losses), "lr": r0.lr,
+            "grad_norm": max(r.grad_norm for r in per_rank),
             "step_time_s": step_time, "tokens_per_s": tps,
             "tflops": tflops, "mfu": achieved_mfu,
-            "data_s": max(r["data_s"] for r in per_rank), "fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),
-            "optimizer_s": max(r["optimizer_s"] for r in per_rank),
+            "data_s": max(r.data_s for r in per_rank), "fwd_bwd_s": max(r.fwd_bwd_s for r in per_rank),
+            "optimizer_s": max(r.optimizer_s for r in per_rank),
             # pp = 1: no stage waits on another, so no bubble by definition (runners report 0).
-            "bubble_fraction": sum(r["bubble"] for r in per_rank) / len(per_rank),
-            "bubble_fraction_max": max(r["bubble"] for r in per_rank),
+            "bubble_fraction": sum(r.bubble for r in per_rank) / len(per_rank),
+            "bubble_fraction_max": max(r.bubble for r in per_rank),
             "bubble_fraction_analytic": self.info.bubble_fraction_analytic,
-            "activation_peak_bytes": max(r["activation_peak_bytes"] for r in per_rank),
-            "weight_version_bytes": max(r["weight_version_bytes"] for r in per_rank),
-            "tp_comm_bytes": max(r["tp_comm_bytes"] for r in per_rank),
-            "rank_tp_comm_bytes": [r["tp_comm_bytes"] for r in per_rank],
-            "rank_step_time_s": [r["step_time_s"] for r in per_rank],
-            "rank_bubble_fraction": [r["bubble"] for r in per_rank],
+            "activation_peak_bytes": max(r.activation_peak_bytes for r in per_rank),
+            "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
+            "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
+            "rank_tp_comm_bytes": [r.tp_comm_bytes for r in per_rank],
+            "rank_step_time_s": [r.step_time_s for r in per_rank],
+            "rank_bubble_fraction": [r.bubble for r in per_rank],
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds
-            "rank_busy_s": [r["busy_s"] for r in per_rank],
-            "rank_window_s": [r["window_s"] for r in per_rank],
+            "rank_busy_s": [r.busy_s for r in per_rank],
+            "rank_window_s": [r.window_s for r in per_rank],
         }
 
     def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
@@ -148,7 +132,7 @@ class RunLogger:
                   "per token or the peak is wrong", file=sys.stderr, flush=True)
         return tokens_per_s * info.flops_per_token / self.run.world_size / 1e12, achieved
 
-    def gather_and_log(self, pending: list[dict]) -> None:
+    def gather_and_log(self, pending: list[StepRecord]) -> None:
         gathered = [None] * self.run.world_size if self.is_logger else None
         dist.gather_object(pending, gathered, dst=0, group=self.ctx.log_group)
         if not self.is_logger:
@@ -158,8 +142,8 @@ class RunLogger:
             rec = self._merge(per_rank)
             self.records.append(rec)
             if self.run.parallelism.pp > 1:
-                self.actions[rec["step"]] = [r["actions"] for r in per_rank]
-                self.busy_window.append([(r["busy_s"], r["window_s"]) for r in per_rank])
+                self.actions[rec["step"]] = [r.actions for r in per_rank]
+                self.busy_window.append([(r.busy_s, r.window_s) for r in per_rank])
             self.jsonl.write(json.dumps(rec) + "\n")
             if self.wandb is not None:
                 self.wandb.log(_wandb_row(rec), step=rec["step"])
@@ -183,7 +167,7 @@ class RunLogger:
             self._write_timeline(summary)
         self.jsonl.close()
         os.replace(self.partial_path, os.path.join(self.job_dir, "metrics.jsonl"))
-        _atomic_write(os.path.join(self.job_dir, "summary.json"), json.dumps(summary, indent=2))
+        write_atomic(os.path.join(self.job_dir, "summary.json"), json.dumps(summary, indent=2))
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
         self.completed = True

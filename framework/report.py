@@ -1,9 +1,13 @@
 """Compare the runs of a sweep: `python -m framework.report <sweep dir>`.
 
-One row per job directory (a Hydra multirun subdirectory, or any folder holding a
-config.yaml): its command-line overrides, its status and its summary metrics. Prints the
-table and writes it as report.csv and report.md in the sweep directory. A job without
-summary.json did not complete: it shows as `failed` (error.txt present) or `incomplete`.
+One row per job of the sweep: its command-line overrides, its status, its summary metrics
+and, for a job that did not complete, the reason. Prints the table and writes it as
+report.csv and report.md in the sweep directory. Status comes from the job's summary.json:
+`completed`, `failed` (a rank failed or hung; error.txt / hang.txt hold the report),
+`rejected` (a config error, before any rank started) or `interrupted` (Ctrl-C, SIGTERM).
+A job directory without summary.json is `incomplete` (the job is running, or its process
+was killed). A job of a basic sweep (multirun.yaml) that has no directory is `not run`.
+Earlier runs set aside in `.previous/` (framework.job) are not jobs of this sweep.
 """
 
 from __future__ import annotations
@@ -18,12 +22,37 @@ import yaml
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction",
            "bubble_fraction_analytic", "world_size")
-COLUMNS = ("job", "overrides", "status") + METRICS
+COLUMNS = ("job", "overrides", "status") + METRICS + ("reason",)
+MARKERS = ("config.yaml", "summary.json", ".hydra/overrides.yaml")
 
 
 def _job_dirs(sweep: Path) -> list[Path]:
-    dirs = [p.parent for p in sweep.rglob("config.yaml") if p.parent.name != ".hydra"]
-    return sorted(set(dirs), key=lambda p: (len(p.parts), int(p.name) if p.name.isdigit() else 0, str(p)))
+    dirs = set()
+    for marker in MARKERS:
+        for p in sweep.rglob(marker):
+            job = p.parent.parent if marker.startswith(".hydra") else p.parent
+            rel = job.relative_to(sweep).parts
+            if not any(part.startswith(".") for part in rel):  # .hydra, .previous, .submitit
+                dirs.add(job)
+    return sorted(dirs, key=lambda p: (len(p.parts), int(p.name) if p.name.isdigit() else 0, str(p)))
+
+
+def planned_jobs(sweep: Path) -> list[str]:
+    """The overrides of every job a basic-sweeper multirun planned (from multirun.yaml), in
+    job-number order; [] for other sweepers (their trials are decided while they run)."""
+    f = sweep / "multirun.yaml"
+    if not f.exists():
+        return []
+    hydra = (yaml.safe_load(f.read_text()) or {}).get("hydra", {})
+    if not str(hydra.get("sweeper", {}).get("_target_", "")).endswith("BasicSweeper"):
+        return []
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    task = list(hydra.get("overrides", {}).get("task", []))
+    task += [f"{k}={v}" for k, v in (hydra.get("sweeper", {}).get("params") or {}).items()]
+    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
+    return [" ".join(o for o in job if not o.startswith("hydra")) for batch in batches for job in batch]
 
 
 def _overrides(job: Path) -> str:
@@ -33,18 +62,26 @@ def _overrides(job: Path) -> str:
     return " ".join(o for o in (yaml.safe_load(f.read_text()) or []) if not o.startswith("hydra"))
 
 
+def _row(sweep: Path, job: Path) -> dict:
+    row = {"job": str(job.relative_to(sweep)) or ".", "overrides": _overrides(job)}
+    try:
+        s = json.loads((job / "summary.json").read_text())
+    except FileNotFoundError:
+        return {**row, "status": "incomplete", "reason": "no summary.json: running, or its process was killed"}
+    except (OSError, ValueError) as e:
+        return {**row, "status": "incomplete", "reason": f"summary.json unreadable ({e})"}
+    row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS})
+    return row
+
+
 def collect(sweep: Path) -> list[dict]:
-    rows = []
-    for job in _job_dirs(sweep):
-        row = {"job": str(job.relative_to(sweep)) or ".", "overrides": _overrides(job)}
-        summary = job / "summary.json"
-        if summary.exists():
-            s = json.loads(summary.read_text())
-            row.update(status="completed", **{k: s.get(k) for k in METRICS})
-        else:
-            row["status"] = "failed" if (job / "error.txt").exists() else "incomplete"
-        rows.append(row)
-    return rows
+    rows = [_row(sweep, job) for job in _job_dirs(sweep)]
+    seen = {r["job"] for r in rows}
+    for num, overrides in enumerate(planned_jobs(sweep)):
+        if str(num) not in seen:
+            rows.append({"job": str(num), "overrides": overrides, "status": "not run",
+                         "reason": "no job directory: the sweep stopped before this job"})
+    return sorted(rows, key=lambda r: (int(r["job"]) if r["job"].isdigit() else -1, r["job"]))
 
 
 def _fmt(v) -> str:

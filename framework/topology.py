@@ -10,8 +10,10 @@ the context is passed explicitly to every wrapper (no module-level state).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .flight import NullRecorder
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class ParallelContext:
     device: Any  # torch.device
     groups: dict[str, Any]  # 'dp' | 'tp' | 'pp' -> torch.distributed ProcessGroup
     group_ranks: dict[str, list[int]]
+    # framework.flight: what this rank last started, for the launcher's hang watchdog
+    recorder: Any = field(default_factory=NullRecorder)
 
     @property
     def dp_group(self):
@@ -101,7 +105,7 @@ class ParallelContext:
         return self.groups.get("log")
 
     @classmethod
-    def create(cls, dims: ParallelDims, rank: int, device) -> ParallelContext:
+    def create(cls, dims: ParallelDims, rank: int, device, recorder=None) -> ParallelContext:
         import torch.distributed as dist
 
         groups, members = {}, {}
@@ -114,4 +118,4 @@ class ParallelContext:
                     groups[dim], members[dim] = g, ranks
         if dist.get_backend() != "gloo":
             groups["log"] = dist.new_group(backend="gloo")
-        return cls(dims, rank, dims.coords(rank), device, groups, members)
+        return cls(dims, rank, dims.coords(rank), device, groups, members, recorder or NullRecorder())

@@ -1,7 +1,9 @@
 """One rank's training run: build a runner for the layout, then loop over steps.
 
 A runner does one optimizer step (or, for asynchronous pipelines, one step's share of the
-never-flushed schedule) and reports loss, grad norm and timings:
+never-flushed schedule) and reports loss, grad norm, timings and model-state bytes as a
+`StepResult`; `train_step` adds the step's data time and this rank's counters into a
+`StepRecord` (both in framework/records.py):
 - `AccumulationRunner` (pp = 1): micro-batches accumulated under DDP's no_sync, one
   gradient all-reduce per step (framework/parallel/data_parallel.py).
 - `PipelineRunner` (pp > 1): the schedule's action list (framework/parallel/pipeline/).
@@ -34,6 +36,7 @@ from .parallel.tp_comm import TPComm
 from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.stage import stage_state_dict
+from .records import StateBytes, StepRecord, StepResult
 from .topology import ParallelContext
 
 
@@ -79,7 +82,7 @@ class AccumulationRunner:
             self.optimizer = build_optimizer(run.optimizer, self.params)
         tracker.set_params(model.parameters())  # final storages: ZeRO's flat buffers, if any
 
-    def step(self, step: int, batch_of) -> dict:
+    def step(self, step: int, batch_of) -> StepResult:
         dev, m = self.ctx.device, self.run.schedule.microbatches
         set_lr(self.optimizer, lr_at(step, self.run))
         t1 = _now(dev)
@@ -90,6 +93,7 @@ class AccumulationRunner:
             x, y = batch_of(j)
             if self.zero:
                 self.zero.start_microbatch()
+            self.ctx.recorder.note(f"F+B mb{j} (tp collectives inside; the last one all-reduces over dp)")
             with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
                 with self.tracker.forward(j), autocast_context(self.run, dev):
                     loss = self.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
@@ -99,6 +103,7 @@ class AccumulationRunner:
             self.tracker.backward_done(j)
             loss_sum = loss_sum + loss.detach()  # not +=: in place would round fp64 losses to fp32
         t2 = _now(dev)
+        self.ctx.recorder.note("gradient sync (ZeRO / sequence parallel), clip (all_reduce), optimizer step", wait=True)
         if self.zero:
             self.zero.reduce_gradients()
         if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
@@ -110,13 +115,12 @@ class AccumulationRunner:
             self.zero.after_step()
         t3 = _now(dev)
         # untimed; gradients still held
-        self.states = self.zero.state_bytes(self.optimizer) if self.zero else model_state_bytes(self.module,
-                                                                                               self.optimizer)
+        states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
+                               else model_state_bytes(self.module, self.optimizer)))
         self.optimizer.zero_grad(set_to_none=True)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
-        return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "pipeline_s": t2 - t1,
-                "optimizer_s": t3 - t2, "bubble": 0.0, "records": [], "weight_version_bytes": 0,
-                "p2p_buffer_peak_bytes": 0}
+        return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
+                          states=states)
 
 
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
@@ -159,28 +163,28 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
     return [(step, j) for j in range(m)], lambda j: (step, j)
 
 
-def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> dict:
+def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> StepRecord:
     t0 = _now(ctx.device)
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
     t1 = _now(ctx.device)
-    out = runner.step(step, lambda j: loaded[key_of(j)])
+    out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
     t2 = _now(ctx.device)
-    return {"step": step, "loss": out["loss"], "lr": lr_at(step, run), "grad_norm": out["grad_norm"],
-            "step_time_s": t2 - t0, "data_s": t1 - t0, "fwd_bwd_s": out["pipeline_s"], "optimizer_s": out["optimizer_s"],
-            "bubble": out["bubble"], "busy_s": out.get("busy_s", 0.0), "window_s": out.get("window_s", 0.0),
-            "activation_peak_bytes": runner.tracker.peak_bytes,
-            "weight_version_bytes": out["weight_version_bytes"], "p2p_buffer_peak_bytes": out["p2p_buffer_peak_bytes"],
-            "tp_comm_bytes": runner.tp_comm.take_bytes(),
-            "actions": [(r.action, r.start, r.compute_start, r.end) for r in out["records"]], **runner.states}
+    return StepRecord(step=step, loss=out.loss, lr=lr_at(step, run), grad_norm=out.grad_norm,
+                      step_time_s=t2 - t0, data_s=t1 - t0, fwd_bwd_s=out.pipeline_s, optimizer_s=out.optimizer_s,
+                      bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
+                      activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
+                      p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
+                      actions=[(r.action, r.start, r.compute_start, r.end) for r in out.records], states=out.states)
 
 
-def rank_memory(runner, last: dict, run: RunConfig, device: torch.device) -> dict:
+def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) -> dict:
     rss = peak_rss_bytes()
-    mem = {k: last[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
-    mem["weight_version_bytes"] = last["weight_version_bytes"]
+    st = last.states
+    mem = {"params_bytes": st.params_bytes, "grads_bytes": st.grads_bytes, "optimizer_bytes": st.optimizer_bytes}
+    mem["weight_version_bytes"] = last.weight_version_bytes
     mem["model_state_bytes"] = sum(mem.values())
-    mem["p2p_buffer_peak_bytes"] = last["p2p_buffer_peak_bytes"]
+    mem["p2p_buffer_peak_bytes"] = last.p2p_buffer_peak_bytes
     # The ZeRO paper's accounting for this rank's psi parameters (its tp / pp part), N = dp.
     p = run.parallelism
     psi = sum(q.numel() for q in runner.module.parameters())
@@ -188,7 +192,7 @@ def rank_memory(runner, last: dict, run: RunConfig, device: torch.device) -> dic
     word = 8 if run.trainer.precision == "fp64" else 4
     mem.update(psi=psi, model_state_formula_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, word=word).values()),
                model_state_formula_bf16_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()),
-               zero_transient_peak_bytes=last.get("zero_transient_peak_bytes", 0))
+               zero_transient_peak_bytes=st.zero_transient_peak_bytes)
     mem.update(activation_peak_bytes=runner.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
     mem["memory_peak_bytes"] = mem.get("cuda_max_reserved_bytes", rss)
     return mem
@@ -213,22 +217,28 @@ def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
 def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> Optional[dict]:
     """Run every step on this rank; the logging rank returns the summary, others None."""
     info = resolve_rank_peak(run, info, ctx.device, announce=ctx.rank == 0)  # CUDA: the table, looked up here
+    ctx.recorder.note("build model, runner and data")
     runner, full = build_runner(run, info, ctx)
     batches = Batches(run, info, ctx)
     logger = RunLogger(run, job_dir, ctx, info)
     try:
-        pending, rec = [], {}
+        pending: list[StepRecord] = []
+        rec: Optional[StepRecord] = None
         for step in range(run.trainer.steps):
             if run.debug.fail_rank == ctx.rank and step == run.debug.fail_step:
                 raise InjectedFault(f"injected fault on rank {ctx.rank} at step {step} "
                                     f"(debug.fail_rank; unix time {time.time():.3f})")
+            ctx.recorder.note(f"step {step}")
             rec = train_step(step, runner, batches, run, ctx)
             pending.append(rec)
             if (step + 1) % run.trainer.log_interval == 0 or step + 1 == run.trainer.steps:
+                ctx.recorder.note("gather records to rank 0 (log group)", wait=True)
                 logger.gather_and_log(pending)
                 pending = []
         if run.trainer.save_checkpoint:
+            ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
             save_checkpoint(runner, full, ctx, job_dir)
+        ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
         return logger.finish(rank_memory(runner, rec, run, ctx.device))  # summary.json last: marks completion
     finally:
         logger.close()

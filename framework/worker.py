@@ -1,8 +1,17 @@
-"""A rank's entry point: read the resolved config from the job directory, train, exit.
+"""The rank side: start-up, training, and telling the launcher how the rank ended.
 
 Ranks never run Hydra: the launching process composed, validated and wrote
 `<job_dir>/config.yaml` and `<job_dir>/run_info.json`. Locally `launch_local` calls
 `rank_main`; on a cluster run `torchrun ... -m framework.worker <job_dir>`.
+
+What a rank leaves for the launcher (which only reads it, framework/launch.py):
+- `.flight/rank<r>`: its flight recorder (framework/flight.py), created before anything
+  that can block, so the hang watchdog sees every rank that started.
+- `rank_failures/rank<r>.json`: written when the rank raises, BEFORE the process group is
+  destroyed. Destroying it (or exiting) closes the rank's connections, and its blocked
+  peers then fail with "connection closed by peer" within milliseconds; recording first
+  makes the true cause the earliest record every time, not in most runs.
+- A stop (SIGINT / SIGTERM, framework/signals.py) is no failure: no record, exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -10,14 +19,27 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+import traceback
+from datetime import timedelta
 from typing import Optional
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import read_config
+from .config import ConfigError, RunConfig, read_config
+from .device import backend_for, rank_device, threads_per_rank
+from .files import write_report
+from .flight import FlightRecorder, dead_ranks, path_of
 from .logging import RunInfo
+from .signals import Stopped, StopSignals
+from .topology import ParallelContext, ParallelDims
 
 FAILURES_DIR = "rank_failures"
+# A collective blocked this much longer than trainer.hang_timeout_s raises in the rank: the
+# launcher's watchdog (which names the stalled rank) acts first, and under launcher=external,
+# where no watchdog runs, torch's timeout still ends the job.
+PG_TIMEOUT_MARGIN_S = 30.0
 
 
 @record
@@ -26,37 +48,81 @@ def rank_main(job_dir: str, info: dict) -> Optional[dict]:
 
     import torch.distributed as dist
 
-    from .launch import init_rank
-
     # The launcher prints the failed rank's traceback once; elastic's in-rank error log
     # would print it a second time, prefixed on every line.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     from .trainer import train
 
+    rank = int(os.environ.get("RANK", "0"))
+    stop = StopSignals().install()
+    recorder = FlightRecorder(path_of(job_dir, rank))
     try:
         run = read_config(os.path.join(job_dir, "config.yaml"))
-        ctx = init_rank(run)
-        try:
-            return train(run, RunInfo(**info), ctx, job_dir)
-        finally:
-            dist.destroy_process_group()
+        ctx = init_rank(run, recorder)
+        summary = train(run, RunInfo(**info), ctx, job_dir)
+        recorder.note("rank finished")
+        return summary
+    except Stopped as s:
+        recorder.note(f"rank finished: stopped by {s.name}")
+        raise SystemExit(s.exit_code) from None  # quiet: elastic records no error for SystemExit
     except BaseException:
-        record_failure(job_dir)
+        stop.ignore()
+        recorder.note("rank failed")
+        record_failure(job_dir, rank)
         raise
+    finally:
+        stop.ignore()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # after the record: this is what fails the peers
 
 
-def record_failure(job_dir: str) -> None:
-    """Note this rank's failure with a precise time: when one rank dies, its peers' next
-    collective fails too ("connection closed by peer") within milliseconds, and elastic's
-    own error files only keep whole seconds. The launcher reports the earliest as the cause."""
-    import time
-    import traceback
+def init_rank(run: RunConfig, recorder) -> ParallelContext:
+    """In a rank: read the launcher's env, start the process group, build the groups."""
+    import torch.distributed as dist
 
-    folder = os.path.join(job_dir, FAILURES_DIR)
-    os.makedirs(folder, exist_ok=True)
-    rank = os.environ.get("RANK", "?")
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}, f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if world != run.world_size:
+        raise ConfigError("parallelism", f"dp*tp*pp={run.world_size}", f"the launcher started {world} ranks",
+                          "launch dp*tp*pp ranks (torchrun --nnodes * --nproc-per-node)")
+    device = rank_device(run.device, local_rank)
+    if device.type == "cuda":
+        if local_world > torch.cuda.device_count():  # under torchrun; run.py checks local launches
+            raise ConfigError("device", run.device, f"{local_world} ranks on this node but "
+                              f"{torch.cuda.device_count()} CUDA device(s)", "start one rank per GPU")
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(threads_per_rank(local_world))
+    recorder.note("init_process_group", wait=True)
+    dist.init_process_group(backend_for(device.type), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=run.trainer.hang_timeout_s + PG_TIMEOUT_MARGIN_S),
+                            device_id=device if device.type == "cuda" else None)
+    # One collective over the world before any point-to-point: NCCL sets up its
+    # communicators on the first collective, and batch_isend_irecv must not be that call.
+    recorder.note("barrier (world)", wait=True)
+    dist.barrier()
+    recorder.note("build process groups")
+    p = run.parallelism
+    return ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, device, recorder)
+
+
+# A peer killed by a signal has closed its sockets a few microseconds before it is a zombie;
+# this rank's error arrives through those sockets, so by then (+ this margin) the peer shows
+# as dead, and the launcher blames it, not this rank.
+PEER_DEATH_SETTLE_S = 0.1
+
+
+def record_failure(job_dir: str, rank: int) -> None:
+    """This rank's traceback with a precise time (elastic's own error files keep whole
+    seconds), and which peers on this node had already died (a rank killed by a signal
+    leaves no record of its own). Written atomically; on a full disk it is lost and the
+    launcher falls back to exit codes, so this never raises."""
+    path = os.path.join(job_dir, FAILURES_DIR, f"rank{rank}.json")
+    when, tb = time.time(), traceback.format_exc()
+    time.sleep(PEER_DEATH_SETTLE_S)  # no peer can fail from us yet: our connections are open
+    dead = dead_ranks(job_dir, int(os.environ.get("WORLD_SIZE", "1")), rank)
+    text = json.dumps({"rank": rank, "time": when, "traceback": tb, "peers_dead": dead})
+    write_report(path, text, who=f"rank {rank}: ")
 
 
 def main(argv: list[str]) -> None:

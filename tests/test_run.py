@@ -145,4 +145,5 @@ def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path):
     assert 0 < ended - fault_time < 30  # the whole job is gone within 30 s of the fault (a liveness bound)
     assert _processes_with(marker) == []  # no orphan rank left behind
     assert "InjectedFault" in (tmp_path / "error.txt").read_text()
-    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...flight import NullRecorder
 from ...metrics.memory import tensor_bytes
 from .p2p import Message, RankPlan, needs, produces
 from .schedules import Action, stage_of
@@ -126,8 +127,9 @@ class PipelineExecutor:
     def __init__(self, chunks: list[nn.Module], peers: PipelinePeers, device: torch.device,
                  act_shape: tuple[int, ...], forward_context: Callable, on_backward_done: Callable,
                  act_dtype: torch.dtype, plan: RankPlan, clock, coalesced_p2p: bool = False,
-                 delay_s: float = 0.0):
+                 delay_s: float = 0.0, recorder=None):
         self.chunks, self.peers, self.device = chunks, peers, device
+        self.recorder = recorder or NullRecorder()  # framework.flight: what the hang watchdog reads
         self.act_shape = act_shape  # (micro_batch_size, seq_len, hidden)
         self.act_dtype = act_dtype  # fp32 (also under bf16 autocast), fp64 in verification mode
         self.forward_context = forward_context  # (microbatch, chunk) -> context (activation tracking, autocast)
@@ -158,6 +160,9 @@ class PipelineExecutor:
             tensors.append(t)
         if not ops:
             return
+        self.recorder.note("p2p batch " + ", ".join(f"{o.op} {o.msg.kind} mb{o.msg.microbatch} "
+                                                    f"{'->' if o.op == 'send' else '<-'} pp{o.peer}"
+                                                    for o in self.plan.batches[k]))
         work = BatchWork(_batch_isend_irecv(ops, self.coalesced), tensors, self.segment)
         self.inflight = [w for w in self.inflight if not w.is_completed()] + [work]
         for msg, t in recvs:
@@ -170,6 +175,7 @@ class PipelineExecutor:
         if msg is None:
             return None
         work, buf = self.posted.pop(msg)
+        self.recorder.note(f"{a}: wait for its receive ({msg.kind} mb{msg.microbatch})", wait=True)
         work.wait()  # CPU: the host waits; CUDA: the compute stream waits for the batch
         return buf
 
@@ -216,6 +222,7 @@ class PipelineExecutor:
             start = self.clock.mark()
             received = self._received(a)
             compute_start = self.clock.mark()
+            self.recorder.note(str(a))
             if a.op == "F":
                 x, y = batch_of(a.microbatch)
                 x = received.requires_grad_(True) if received is not None else x
@@ -233,6 +240,7 @@ class PipelineExecutor:
     def wait_sends(self) -> None:
         """End of a flushing step: every message of the step has been received by now."""
         assert not self.posted and not self.produced, "a flushing step ended with messages in flight"
+        self.recorder.note("wait for this step's sends", wait=True)
         for work in self.inflight:
             work.wait()
         self.inflight.clear()

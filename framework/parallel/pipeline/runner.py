@@ -27,6 +27,7 @@ from torch import nn
 
 from ...config import RunConfig
 from ...optim import build_optimizer, lr_at, set_lr
+from ...records import StateBytes, StepResult
 from ...topology import ParallelContext
 from ...metrics.clock import clock_for
 from .executor import ActionRecord, PipelineExecutor, PipelinePeers
@@ -89,7 +90,7 @@ class PipelineRunner:
         self.clock = clock_for(ctx.device)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
                                          self._backward_done, act_dtype, plan, self.clock, run.debug.coalesced_p2p,
-                                         _delay_s(run, ctx.coords.pp))
+                                         _delay_s(run, ctx.coords.pp), ctx.recorder)
         lists = plan.actions
         if self.is_async:
             self.bounds = _segments(lists, m, run.trainer.steps)
@@ -110,7 +111,7 @@ class PipelineRunner:
         if self.is_async:
             self.versions.backward_done(self._version(mb))
 
-    def step(self, step: int, batch_of: Callable) -> dict:
+    def step(self, step: int, batch_of: Callable) -> StepResult:
         self.clock.begin_step()
         start = time.time()
         if self.is_async:
@@ -139,15 +140,17 @@ class PipelineRunner:
         done = time.time()
         busy = sum(r.compute_s for r in records)
         window = window_end - start
-        return {"records": records, "busy_s": busy, "window_s": window, "bubble": 1.0 - busy / window,
-                "pipeline_s": pipe_end - start, "optimizer_s": done - pipe_end, "grad_norm": float(norm),
-                "loss": self._local_loss(), "weight_version_bytes": self.versions.peak_bytes if self.is_async else 0,
-                "p2p_buffer_peak_bytes": self.executor.p2p_peak_bytes}
+        return StepResult(loss=self._local_loss(), grad_norm=float(norm), pipeline_s=pipe_end - start,
+                          optimizer_s=done - pipe_end, states=self.states, bubble=1.0 - busy / window, busy_s=busy,
+                          window_s=window, records=records,
+                          weight_version_bytes=self.versions.peak_bytes if self.is_async else 0,
+                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes)
 
     def _flush(self) -> float:
         """The flush: returns when every stage has finished the step's compute. Ends each
         rank's bubble window at the same moment, so a stage that finishes early counts its
         wait for the others as idle (a later collective would otherwise hide it)."""
+        self.ctx.recorder.note("flush: all_reduce over pp", wait=True)
         dist.all_reduce(torch.zeros(1, device=self.ctx.device), group=self.ctx.pp_group)
         self.clock.sync()  # CUDA: the all-reduce only enqueued; the host waits for it here
         return time.time()
@@ -159,6 +162,7 @@ class PipelineRunner:
 
     def _sync_update(self) -> torch.Tensor:
         ctx = self.ctx
+        ctx.recorder.note("gradient sync (dp / embedding / ZeRO / tp collectives), clip, optimizer step", wait=True)
         if not self.zero:
             all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp)
         sum_tied_grad(self.tied, ctx.groups.get("embedding"))
@@ -191,10 +195,11 @@ class PipelineRunner:
         if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
             sync_replicated_grads(self.params, self.tp_comm)
 
-    def _state_bytes(self) -> dict:
+    def _state_bytes(self) -> StateBytes:
         from ...metrics.memory import model_state_bytes
 
-        return self.zero.state_bytes(self.optimizer) if self.zero else model_state_bytes(self.module, self.optimizer)
+        return StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
+                             else model_state_bytes(self.module, self.optimizer)))
 
     def _local_loss(self):
         """The last stage's mean loss over this step's micro-batches, else None. Reduced by

@@ -1,0 +1,123 @@
+"""A rank's flight recorder: its last actions and collectives, readable from outside.
+
+Each rank writes into a small memory-mapped file `<job_dir>/.flight/rank<r>` (a ring of
+the last `SLOTS` notes plus a header: pid, time of the last note, note count). Writing a
+note is a `struct.pack_into` on shared memory: no system call, no flush, cheap enough for
+every pipeline action and p2p batch. The launcher's watchdog (framework/launch.py) reads
+the files: a rank stopped with SIGSTOP or stuck in a C call cannot dump its own memory,
+but the page cache still holds what it last wrote.
+
+A note is either an action (compute, Python) or a wait (a collective or p2p wait the rank
+is blocked in until its peers arrive). The watchdog uses the difference: a rank whose last
+note is a wait is a victim of a stall elsewhere, not the stall.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+FLIGHT_DIR = ".flight"
+SLOTS = 64
+TEXT = 112  # bytes of text per note (longer notes are cut)
+_HEADER = struct.Struct("<qdq")  # pid, time of the last note (unix s), notes written
+_SLOT = struct.Struct(f"<d?{TEXT}s")  # time, is a wait, text
+SIZE = _HEADER.size + SLOTS * _SLOT.size
+
+
+def path_of(job_dir: str, rank: int) -> str:
+    return os.path.join(job_dir, FLIGHT_DIR, f"rank{rank}")
+
+
+class FlightRecorder:
+    """The writing side, one per rank (created first thing in the rank)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(SIZE)
+        self._file = open(path, "r+b")
+        self._map = mmap.mmap(self._file.fileno(), SIZE)
+        self.count = 0
+        self.note("rank started")
+
+    def note(self, text: str, wait: bool = False) -> None:
+        now = time.time()
+        _SLOT.pack_into(self._map, _HEADER.size + (self.count % SLOTS) * _SLOT.size, now, wait,
+                        text.encode()[:TEXT])
+        self.count += 1
+        _HEADER.pack_into(self._map, 0, os.getpid(), now, self.count)
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+class NullRecorder:
+    """For code run outside a launched rank (unit tests, the reference model)."""
+
+    def note(self, text: str, wait: bool = False) -> None:
+        pass
+
+
+@dataclass
+class Note:
+    time: float
+    wait: bool
+    text: str
+
+
+@dataclass
+class Flight:
+    """The reading side: one rank's state as its file shows it."""
+
+    rank: int
+    pid: int
+    last_progress: float
+    notes: list[Note]  # oldest first
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self.notes) and self.notes[-1].wait
+
+
+def read(job_dir: str, rank: int) -> Flight | None:
+    """None while the rank has not created its file yet (or it is unreadable)."""
+    try:
+        with open(path_of(job_dir, rank), "rb") as f:
+            data = f.read(SIZE)
+    except OSError:
+        return None
+    if len(data) < SIZE:
+        return None
+    pid, last, count = _HEADER.unpack_from(data, 0)
+    if count == 0:
+        return None
+    notes = []
+    for i in range(max(0, count - SLOTS), count):
+        t, wait, raw = _SLOT.unpack_from(data, _HEADER.size + (i % SLOTS) * _SLOT.size)
+        notes.append(Note(t, wait, raw.rstrip(b"\0").decode(errors="replace")))
+    return Flight(rank, pid, last, notes)
+
+
+def process_state(pid: int) -> str:
+    """Linux process state letter (R running, S sleeping, D disk, T stopped, Z zombie),
+    or 'gone'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def dead_ranks(job_dir: str, world: int, me: int) -> list[int]:
+    """Other ranks of this node whose process has exited (or is a zombie)."""
+    out = []
+    for r in range(world):
+        f = read(job_dir, r) if r != me else None
+        if f is not None and process_state(f.pid) in ("Z", "X", "gone"):
+            out.append(r)
+    return out

@@ -1,0 +1,73 @@
+"""Typed records of one training step, from a runner to the logging rank.
+
+  StateBytes  the model states a rank holds between steps (exact, storage-deduplicated)
+  StepResult  what a runner's `step()` returns (framework/trainer.py: AccumulationRunner;
+              framework/parallel/pipeline/runner.py: PipelineRunner)
+  StepRecord  one rank's record of one step, built by `trainer.train_step`, gathered to
+              the logging rank (pickled by `dist.gather_object`) and merged there into the
+              metrics.jsonl row (framework/logging.py, `RunLogger._merge`)
+
+Plain dataclasses without imports from the rest of the framework, so runners, trainer and
+logging all import them without cycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .parallel.pipeline.executor import ActionRecord
+
+
+@dataclass
+class StateBytes:
+    """Model states this rank holds after its last update (framework.metrics.memory
+    `model_state_bytes`, or ZeRO's `state_bytes` over its flat buffers)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    zero_transient_peak_bytes: int = 0  # ZeRO only: peak of gathered units / full gradients
+
+
+@dataclass
+class StepResult:
+    """One step of a runner. Defaults are the values of a runner without that quantity
+    (pp = 1: no bubble, no action records, no weight versions, no p2p buffers)."""
+
+    loss: Optional[float]  # this rank's mean over the step's tokens; None on a stage without the head
+    grad_norm: float
+    pipeline_s: float  # forward and backward of every micro-batch (pipelines: up to the flush)
+    optimizer_s: float  # gradient reduction, clipping and the update
+    states: StateBytes
+    bubble: float = 0.0  # 1 - busy_s / window_s
+    busy_s: float = 0.0  # compute time in the bubble window
+    window_s: float = 0.0
+    records: list[ActionRecord] = field(default_factory=list)  # the executor's timed actions
+    weight_version_bytes: int = 0  # asynchronous schedules: peak bytes of stashed weights
+    p2p_buffer_peak_bytes: int = 0
+
+
+@dataclass
+class StepRecord:
+    """One rank's step, as the logging rank merges it (field names as in metrics.jsonl
+    where the merged row has the same quantity)."""
+
+    step: int
+    loss: Optional[float]
+    lr: float
+    grad_norm: float
+    step_time_s: float  # data + fwd/bwd + optimizer, wall time
+    data_s: float
+    fwd_bwd_s: float
+    optimizer_s: float
+    bubble: float
+    busy_s: float
+    window_s: float
+    activation_peak_bytes: int
+    weight_version_bytes: int
+    p2p_buffer_peak_bytes: int
+    tp_comm_bytes: int
+    actions: list[tuple[str, float, float, float]]  # (action, start, compute_start, end), unix seconds
+    states: StateBytes

@@ -1,0 +1,215 @@
+"""Failures told right: the root cause named over repeated runs, hangs caught, sweeps that
+survive failed jobs, run directories that never mix, signals, and a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from framework import flight
+from framework.job import set_aside_previous, write_outcome
+from framework.launch import RankEnd, RankFailure, diagnose, read_records
+from framework.report import collect
+
+from .conftest import ROOT, TINY, run_cli, run_local
+from .test_run import _processes_with
+
+PP2 = [*TINY, "data=synthetic", "parallelism=pp2", "schedule.microbatches=2"]
+FAST = ["model=gpt2-tiny", "data=synthetic", "logger=none", "trainer.log_interval=1"]
+
+
+def _failure(tmp_path: Path, name: str, *overrides: str) -> RankFailure:
+    with pytest.raises(RankFailure) as e:
+        run_local(tmp_path / name, *overrides)
+    return e.value
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_pp2_fault_on_rank0_blames_rank0_every_time(tmp_path, attempt):
+    """Rank 1 blocks in a receive from rank 0 when rank 0 raises: the record rank 0 writes
+    before closing its connections makes it the cause, never the peer it brought down."""
+    e = _failure(tmp_path, "job", *PP2, "trainer.steps=4", "debug.fail_rank=0", "debug.fail_step=2")
+    assert e.reason.startswith("rank 0 failed: framework.trainer.InjectedFault: injected fault on rank 0"), e.reason
+    report = (tmp_path / "job" / "error.txt").read_text()
+    assert report.splitlines()[0] == e.reason and "InjectedFault" in report
+    assert "rank 1" not in report.splitlines()[0]
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"] == e.reason
+    assert not (tmp_path / "job" / "rank_failures").exists() and not (tmp_path / "job" / ".flight").exists()
+
+
+def test_fault_in_a_3d_layout_names_the_failing_rank(tmp_path):
+    e = _failure(tmp_path, "job", *TINY, "data=synthetic", "parallelism=3d_2x2x2", "schedule.microbatches=2",
+                 "trainer.steps=4", "debug.fail_rank=5", "debug.fail_step=1")
+    assert e.reason.startswith("rank 5 failed: framework.trainer.InjectedFault: injected fault on rank 5"), e.reason
+    assert str(e).count("Traceback") == 1  # one block: the cause's traceback, consequences named only
+
+
+def _wait_for_steps(job: Path, rank: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """The rank's pid once it has run a few pipeline actions (its flight recorder says so)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        f = flight.read(str(job), rank)
+        if f is not None and sum(n.text.startswith("step ") for n in f.notes) >= 2:
+            return f.pid
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("the rank never started its steps")
+
+
+def _start(job: Path, *overrides: str, marker: str) -> subprocess.Popen:
+    key, value = marker.split("=")
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={job}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, key: value}, start_new_session=True)
+
+
+@pytest.mark.parametrize("attempt", range(2))
+def test_kill_9_of_a_pp_rank_is_reported_as_that_signal(tmp_path, attempt):
+    marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
+    proc = _start(tmp_path, *FAST, "parallelism=pp2", "trainer.steps=500", marker=marker)
+    os.kill(_wait_for_steps(tmp_path, 1, proc), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "rank 1 killed by SIGKILL" in err and "then, as a consequence: rank 0 failed" in err, err[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["reason"] == "rank 1 killed by SIGKILL"
+    assert _processes_with(marker) == []
+
+
+def test_a_stopped_rank_is_detected_as_a_hang(tmp_path):
+    marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
+    proc = _start(tmp_path, *FAST, "parallelism=pp2", "trainer.steps=5000", "trainer.hang_timeout_s=20",
+                  marker=marker)
+    pid = _wait_for_steps(tmp_path, 1, proc)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - stopped < 60
+    assert proc.returncode == 1
+    assert "hang: rank 1 made no progress for 20 s (trainer.hang_timeout_s)" in err, err[-3000:]
+    hang = (tmp_path / "hang.txt").read_text()
+    assert f"rank 1 (pid {pid}, STOPPED (SIGSTOP))" in hang
+    assert "rank 0 (pid" in hang and "WAIT" in hang  # rank 0 blocked on its peer, with what it last did
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    assert _processes_with(marker) == []
+
+
+def test_a_sweep_survives_a_failed_job_and_the_report_lists_every_job(tmp_path):
+    r = run_cli(["-m", "debug.fail_rank=null,0,null", "debug.fail_step=2", *FAST, "parallelism=pp2",
+                 "trainer.steps=4", "metrics.skip_first=0", f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    status = [json.loads((tmp_path / str(j) / "summary.json").read_text())["status"] for j in range(3)]
+    assert status == ["completed", "failed", "completed"]
+    rows = collect(tmp_path)
+    assert [(x["job"], x["status"]) for x in rows] == [("0", "completed"), ("1", "failed"), ("2", "completed")]
+    assert rows[1]["reason"].startswith("rank 0 failed: framework.trainer.InjectedFault")
+    assert "debug.fail_rank=0" in rows[1]["overrides"] and rows[0]["loss"] > 0
+
+
+def test_a_config_error_in_a_sweep_is_rejected_and_the_sweep_goes_on(tmp_path):
+    r = run_cli(["-m", "trainer.steps=0,-1", *FAST, f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = collect(tmp_path)
+    assert [(x["job"], x["status"]) for x in rows] == [("0", "rejected"), ("1", "rejected")]
+    assert rows[1]["reason"].startswith("trainer.steps=-1: must be a positive integer. Fix:")
+    assert r.stderr.count("config error: trainer.steps=") == 2
+
+
+def test_the_report_lists_planned_jobs_that_never_ran(tmp_path):
+    r = run_cli(["-m", "trainer.steps=0,-1", *FAST, f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0
+    import shutil
+
+    shutil.rmtree(tmp_path / "1")  # as if the sweep had been stopped before job 1
+    rows = collect(tmp_path)
+    assert [(x["job"], x["status"]) for x in rows] == [("0", "rejected"), ("1", "not run")]
+    assert rows[1]["overrides"].split() == ["trainer.steps=-1", *FAST]
+
+
+def test_a_reused_run_directory_never_mixes_results(tmp_path):
+    job = tmp_path / "job"
+    run_local(job, *PP2, "trainer.steps=3")
+    assert {"summary.json", "metrics.jsonl", "trace.json", "timeline.png"} <= {p.name for p in job.iterdir()}
+    with pytest.raises(RankFailure):
+        run_local(job, *PP2, "trainer.steps=3", "debug.fail_rank=1", "debug.fail_step=1")
+    names = {p.name for p in job.iterdir()}
+    assert not names & {"metrics.jsonl", "trace.json", "timeline.png"}, names
+    assert json.loads((job / "summary.json").read_text())["status"] == "failed"
+    aside = list((job / ".previous").iterdir())
+    assert len(aside) == 1 and json.loads((aside[0] / "summary.json").read_text())["status"] == "completed"
+    run_local(job, *PP2, "trainer.steps=3")
+    assert not (job / "error.txt").exists() and json.loads((job / "summary.json").read_text())["status"] == "completed"
+    assert len(list((job / ".previous").iterdir())) == 2
+    assert [r["status"] for r in collect(tmp_path)] == ["completed"]  # set-aside runs are not jobs
+
+
+def test_set_aside_keeps_hydra_files_and_says_where(tmp_path, capsys):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / "run.log").write_text("hydra's log")
+    (tmp_path / "summary.json").write_text("{}")
+    dest = set_aside_previous(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", ".previous", "run.log"]
+    assert os.listdir(dest) == ["summary.json"] and dest in capsys.readouterr().out
+    assert set_aside_previous(str(tmp_path)) is None  # nothing left to move
+
+
+# ---- diagnosis and a full disk, as pure functions --------------------------------------
+
+def test_an_empty_failure_record_does_not_crash_the_report(tmp_path):
+    (tmp_path / "rank_failures").mkdir()
+    (tmp_path / "rank_failures" / "rank0.json").write_text("")  # what a full disk leaves
+    (tmp_path / "rank_failures" / "rank1.json").write_text(json.dumps(
+        {"rank": 1, "time": 5.0, "traceback": "Traceback ...\nValueError: boom\n", "peers_dead": []}))
+    records, notes = read_records(str(tmp_path))
+    assert list(records) == [1] and "rank0.json unreadable" in notes[0]
+    e = diagnose({0: RankEnd(0, exitcode=1), 1: RankEnd(1, exitcode=1, record=records[1])}, notes)
+    assert e.reason == "rank 1 failed: ValueError: boom" and "rank0.json unreadable" in str(e)
+    assert not (tmp_path / "rank_failures").exists()
+
+
+def test_diagnose_orders_causes():
+    rec = lambda t, msg, dead=(): {"time": t, "traceback": f"Traceback\n{msg}\n", "peers_dead": list(dead)}  # noqa: E731
+    # the earliest record is the cause; a later one and an agent-terminated rank are not blamed
+    e = diagnose({0: RankEnd(0, 1, rec(2.0, "RuntimeError: reset")), 1: RankEnd(1, 1, rec(1.0, "KeyError: x")),
+                  2: RankEnd(2, -signal.SIGTERM)}, [])
+    assert e.reason == "rank 1 failed: KeyError: x"
+    assert str(e).endswith("then, as a consequence: rank 0 failed: RuntimeError: reset")
+    # a rank that died without a record, seen dead by the recording peer, is the cause
+    e = diagnose({0: RankEnd(0, 1, rec(1.0, "RuntimeError: reset", dead=[3])), 3: RankEnd(3, -signal.SIGKILL),
+                  1: RankEnd(1, 1, rec(2.0, "RuntimeError: reset", dead=[2])), 2: RankEnd(2, 143)}, [])
+    assert e.reason == "rank 3 killed by SIGKILL"
+    # nothing recorded at all: the signal
+    assert diagnose({1: RankEnd(1, -signal.SIGSEGV)}, []).reason == "rank 1 killed by SIGSEGV"
+
+
+def test_failure_files_survive_an_unwritable_job_dir(tmp_path, capsys):
+    (tmp_path / "summary.json").mkdir()  # writing summary.json fails, as on a full disk
+    write_outcome(str(tmp_path), "failed", "rank 0 failed: X")  # reports, never raises
+    assert "could not write" in capsys.readouterr().err
+
+
+# ---- signals ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_stop_every_rank_with_one_line(tmp_path, sig, code):
+    marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
+    proc = _start(tmp_path, *FAST, "parallelism=pp2", "trainer.steps=5000", marker=marker)
+    _wait_for_steps(tmp_path, 1, proc)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C: the terminal signals the whole process group
+    else:
+        proc.send_signal(sig)  # a scheduler's SIGTERM to the launching process
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == code, err[-3000:]
+    assert err.strip().splitlines() == [f"stopped by {signal.Signals(sig).name}: every rank ended; exit {code}"]
+    assert not (tmp_path / "rank_failures").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
+    assert _processes_with(marker) == []
