@@ -3,7 +3,7 @@
 Hydra composes YAML groups into a DictConfig in the launching process only. `load_config`
 merges that into these dataclasses (OmegaConf type checks, unknown keys are errors) and
 returns plain dataclass instances, so `framework/` never indexes a raw dict. Semantic
-checks live in `framework/validate.py`.
+checks live in `framework/validate/`.
 """
 
 from __future__ import annotations

@@ -36,16 +36,17 @@ import json
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from .config import ConfigError, DataConfig, RunConfig
+from .validate import check_text_field, first_line, validate_prepared
 
 BYTES_VOCAB = 257  # 256 byte values + end-of-document
 BYTES_EOS = 256
@@ -108,12 +109,15 @@ def _load_texts(d: DataConfig, cache: Path) -> list[str]:
         ds = load_dataset("text", data_files=stdlib_files(d.max_files), sample_by="document",
                           split="train", cache_dir=hf_cache)
     else:
-        ds = load_dataset(d.path, data_files=d.data_files, split=d.split, cache_dir=hf_cache)
-    field = "text" if d.name == "pycode" else d.text_field
-    if field not in ds.column_names:
-        raise ConfigError("data.text_field", field, f"not a column of {d.path} ({ds.column_names})",
-                          "set data.text_field to the column that holds the text")
-    return [t for t in ds[field] if t]
+        try:
+            ds = load_dataset(d.path, data_files=d.data_files, split=d.split, cache_dir=hf_cache)
+        except Exception as e:  # noqa: BLE001 - datasets raises many types for a bad file or name
+            raise ConfigError("data.data_files" if d.data_files else "data.path", d.data_files or d.path,
+                              f"could not be loaded by datasets.load_dataset({d.path!r}) ({first_line(e)})",
+                              "check the file's format matches the loader (json lines for json), or the dataset "
+                              "name and split") from None
+    check_text_field(d, ds.column_names)
+    return [t for t in ds["text" if d.name == "pycode" else d.text_field] if t]
 
 
 def _pack(texts: list[str], tok) -> np.ndarray:
@@ -294,15 +298,7 @@ def _build(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
 
 
 def _checked(run: RunConfig, p: PreparedData) -> PreparedData:
-    if run.model.vocab_size is not None and run.model.vocab_size < p.vocab_size:
-        raise ConfigError("model.vocab_size", run.model.vocab_size,
-                          f"smaller than the tokenizer's vocabulary ({p.vocab_size})",
-                          f"set model.vocab_size >= {p.vocab_size} or null")
-    if p.num_samples < run.global_batch:
-        key = "data.num_samples" if run.data.name == "synthetic" else "data.seq_len"
-        raise ConfigError(key, run.data.num_samples if run.data.name == "synthetic" else run.data.seq_len,
-                          f"the corpus gives {p.num_samples} sequences, fewer than the global batch {run.global_batch}",
-                          "use more data (data.max_files / data.num_samples), a shorter seq_len or a smaller batch")
+    validate_prepared(run, p.vocab_size, p.num_samples)
     return p
 
 

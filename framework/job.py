@@ -27,10 +27,10 @@ from .logging import RunInfo
 from .metrics.bubble import analytic_bubble
 from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
-from .models import build_hf_model, num_positions
+from .models import build_hf_model
 from .plan import make_plan, render_plan
 from .signals import Stopped
-from .validate import check_job_dir, validate
+from .validate import check_job_dir, validate, validate_model
 
 
 def meta_model(run: RunConfig, vocab_size: int):
@@ -63,38 +63,13 @@ def run_info(run: RunConfig, device_type: str) -> RunInfo:
     prepared = prepare(run)
     vocab = run.model.vocab_size or prepared.vocab_size
     model = meta_model(run, vocab)
-    if run.data.seq_len > num_positions(model):
-        raise ConfigError("data.seq_len", run.data.seq_len, f"above the model's {num_positions(model)} positions",
-                          f"use data.seq_len <= {num_positions(model)}")
+    validate_model(run, model)  # positions, tp sizes, stage partition
     c = model.config
     fpt = flops_per_token(matmul_params(model), c.num_hidden_layers, c.hidden_size, run.data.seq_len)
-    check_partition(run, model)
-    check_tensor_parallel(run, model)
     peak, source = _peak(run, device_type)
     s = run.schedule
     bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
     return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble)
-
-
-def check_partition(run: RunConfig, hf_model) -> list[range]:
-    """Blocks -> stages on the meta model, so a stage without blocks fails before launch."""
-    from .models import ARCHS
-    from .parallel.pipeline.partition import PartitionError
-    from .parallel.pipeline.stage import stage_ranges
-
-    stages = run.parallelism.pp * run.schedule.virtual_stages
-    try:
-        return stage_ranges(run.parallelism.partition, ARCHS[run.model.arch].split(hf_model), stages)
-    except PartitionError as e:
-        raise ConfigError("parallelism.partition", run.parallelism.partition, str(e),
-                          "use fewer stages, another method, or a balance list with a block per stage") from None
-
-
-def check_tensor_parallel(run: RunConfig, hf_model) -> None:
-    from .models import ARCHS, check_tp_sizes
-
-    if run.parallelism.tp > 1:
-        check_tp_sizes(ARCHS[run.model.arch].tp_sizes(hf_model.config), run.parallelism.tp)
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
@@ -127,8 +102,7 @@ def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
 def dry_run(run: RunConfig, job_dir: str) -> dict:
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
-    check_tensor_parallel(run, model)
-    plan = make_plan(run, model, check_partition(run, model))
+    plan = make_plan(run, model, validate_model(run, model))
     print(render_plan(plan))
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as f:

@@ -27,13 +27,14 @@ from typing import Optional
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import ConfigError, RunConfig, read_config
+from .config import RunConfig, read_config
 from .device import backend_for, rank_device, threads_per_rank
 from .files import write_report
 from .flight import FlightRecorder, dead_ranks, path_of
 from .logging import RunInfo
 from .signals import Stopped, StopSignals
 from .topology import ParallelContext, ParallelDims
+from .validate import check_rank_env
 
 FAILURES_DIR = "rank_failures"
 # A collective blocked this much longer than trainer.hang_timeout_s raises in the rank: the
@@ -82,14 +83,10 @@ def init_rank(run: RunConfig, recorder) -> ParallelContext:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    if world != run.world_size:
-        raise ConfigError("parallelism", f"dp*tp*pp={run.world_size}", f"the launcher started {world} ranks",
-                          "launch dp*tp*pp ranks (torchrun --nnodes * --nproc-per-node)")
     device = rank_device(run.device, local_rank)
-    if device.type == "cuda":
-        if local_world > torch.cuda.device_count():  # under torchrun; run.py checks local launches
-            raise ConfigError("device", run.device, f"{local_world} ranks on this node but "
-                              f"{torch.cuda.device_count()} CUDA device(s)", "start one rank per GPU")
+    cuda = device.type == "cuda"
+    check_rank_env(run, world, local_world, torch.cuda.device_count() if cuda else 0, cuda)  # torchrun's launch
+    if cuda:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(threads_per_rank(local_world))

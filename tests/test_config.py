@@ -11,7 +11,7 @@ from hydra.errors import MissingConfigException
 
 from framework.config import ConfigError
 from framework.data import prepare
-from framework.validate import check_job_dir, validate
+from framework.validate import check_job_dir, validate, validate_model
 
 from .conftest import ROOT, assert_config_error, compose, run_cli
 
@@ -39,7 +39,7 @@ def test_conf_folder_matches_the_groups_under_test():
 def test_every_option_composes_and_validates(group, option, monkeypatch):
     # data=hf names hub files (the gpt2 tokenizer): resolving them needs the network or the
     # HF cache, which this test of composition must not; test_unresolvable_hub_name_* covers it.
-    monkeypatch.setattr("framework.validate._hub_name", lambda *args: None)
+    monkeypatch.setattr("framework.validate.paths._hub_name", lambda *args: None)
     run = compose(f"{group}={option}")
     validate(run)
     if group == "parallelism":
@@ -164,7 +164,7 @@ def test_unknown_group_option_names_the_choices():
 
 
 def test_cuda_ranks_beyond_gpus_is_an_error():
-    """Checked by validate (framework.validate._node_capacity) before anything is prepared."""
+    """Checked by validate (framework.validate.environment.check_node_capacity) before anything is prepared."""
     with pytest.raises(ConfigError, match=r"^launcher='local': \d+ CUDA ranks .* CUDA device.*Fix: use launcher=ext"):
         validate(compose("device=cuda", "parallelism=single", f"parallelism.dp={torch.cuda.device_count() + 1}"))
 
@@ -186,12 +186,12 @@ TP_SIZES = [
 @pytest.mark.parametrize("overrides,problem", TP_SIZES, ids=[p for _, p in TP_SIZES])
 def test_tensor_parallel_sizes_must_divide(overrides, problem):
     """Checked on the built (meta) model before launch, so pretrained checkpoints are covered."""
-    from framework.job import check_tensor_parallel, meta_model
+    from framework.job import meta_model
 
     run = compose(*overrides)
     validate(run)
     with pytest.raises(ConfigError) as e:
-        check_tensor_parallel(run, meta_model(run, 257))
+        validate_model(run, meta_model(run, 257))
     assert str(e.value).startswith(f"parallelism.tp={run.parallelism.tp}: {problem}"), str(e.value)
     assert "Fix: use parallelism.tp in [" in str(e.value)
 

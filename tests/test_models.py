@@ -72,5 +72,5 @@ def test_pretrained_of_another_architecture_is_a_config_error(tmp_path):
     from framework.config import ConfigError
 
     GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="is a gpt2 model, not llama"):
+    with pytest.raises(ConfigError, match=r"is a gpt2 model \(config.json\), not model.arch=llama"):
         build_model(ModelConfig(arch="llama", pretrained=str(tmp_path)), 50, 0)

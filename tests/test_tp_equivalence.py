@@ -119,10 +119,11 @@ def test_sequence_parallelism_cuts_activation_memory(runs, tp):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_dry_run_estimate_counts_the_same_shards(tp):
-    from framework.job import check_partition, meta_model
+    from framework.job import meta_model
     from framework.plan import make_plan
+    from framework.validate import validate_model
 
     run = compose(*MODELS["gpt2"], "parallelism=single", f"parallelism.tp={tp}", "dry_run=true")
     model = meta_model(run, 257)
-    plan = make_plan(run, model, check_partition(run, model))
+    plan = make_plan(run, model, validate_model(run, model))
     assert plan["memory_estimate_per_rank"][0]["params_bytes"] == 4 * _gpt2_params(tp)

@@ -131,14 +131,15 @@ def test_zero_composes_with_tp_and_pp(composed, name):
 
 
 def test_dry_run_estimate_is_the_formula():
-    from framework.job import check_partition, meta_model
+    from framework.job import meta_model
     from framework.plan import make_plan
+    from framework.validate import validate_model
 
     from .conftest import compose
 
     run = compose(*TINY, "parallelism=dp4", "parallelism.zero=2", "dry_run=true")
     model = meta_model(run, 257)
-    mem = make_plan(run, model, check_partition(run, model))["memory_estimate_per_rank"][0]
+    mem = make_plan(run, model, validate_model(run, model))["memory_estimate_per_rank"][0]
     psi = mem["psi"]
     assert psi == sum(p.numel() for p in model.parameters())
     assert (mem["params_bytes"], mem["grads_bytes"], mem["optimizer_bytes"]) == (4 * psi, psi, 2 * psi)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from . import gpt2, llama
 from .split import SplitLM, lm_loss
 
@@ -42,9 +42,10 @@ def _load_pretrained(m: ModelConfig, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.from_pretrained(m.pretrained)
-    if hf_cfg.model_type != HF_MODEL_TYPES[m.arch]:
-        raise ConfigError("model.pretrained", m.pretrained, f"is a {hf_cfg.model_type} model, not {m.arch}",
-                          f"use a {m.arch} checkpoint or model.arch={hf_cfg.model_type}")
+    if hf_cfg.model_type != HF_MODEL_TYPES[m.arch]:  # validate checked it; a hub name may change since
+        from ..validate import check_model_type
+
+        check_model_type(m, hf_cfg.model_type)
     model = AutoModelForCausalLM.from_pretrained(m.pretrained, attn_implementation="sdpa",
                                                  torch_dtype=torch.float32)
     return model.to(device)
@@ -62,8 +63,9 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     if tp_comm is None or tp_comm.size == 1:
         return arch.split(hf, checkpoint_blocks)
     from ..parallel.tensor_parallel import apply_plan
+    from ..validate import check_tp_sizes
 
-    check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)
+    check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)  # validated on the meta model; cheap to repeat
     apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)
     model = arch.split(hf, checkpoint_blocks)
     model.loss_fn = model.head.lm_head.loss  # vocab-parallel cross-entropy on sharded logits
@@ -73,17 +75,6 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
         for block in model.blocks:
             block.seq_shards = tp_comm.size
     return model
-
-
-def check_tp_sizes(sizes: dict[str, int], tp: int) -> None:
-    """Heads, key-value heads and MLP width must split evenly over tp (checked before launch
-    on the meta model, and again here)."""
-    for key, n in sizes.items():
-        if n % tp:
-            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
-            raise ConfigError("parallelism.tp", tp, f"{key}={n} does not divide over tp={tp}: each rank must "
-                              "hold whole heads and an equal share of the MLP",
-                              f"use parallelism.tp in {divisors}, or change {key}")
 
 
 def num_positions(hf_model) -> int:

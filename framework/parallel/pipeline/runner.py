@@ -66,7 +66,7 @@ class PipelineRunner:
         self.module = nn.ModuleList(self.chunks)  # what this rank owns, for memory accounting
         self.tied = tied_weight(full, self.chunks)
         self.zero = None
-        if run.parallelism.zero:  # stage 1 only with pp > 1 (validate.py): one buffer per chunk
+        if run.parallelism.zero:  # stage 1 only with pp > 1 (framework.validate): one buffer per chunk
             self.zero = Zero(1, [[c] for c in self.chunks], ctx, tracker, separate=self.tied)
             self.params = self.zero.shards
             self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer)

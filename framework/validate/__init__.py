@@ -1,0 +1,324 @@
+"""Every check of a run, made in the launching process before any rank starts: the one home
+of validation. Each failure is a ConfigError naming the key, the value and the fix.
+
+`validate(run)`: the config on its own (this module), the optimizer (`optimizer.py`), the
+node and the environment (`environment.py`), and the paths the run reads (`paths.py`).
+Checks that need what only preparation builds run right after it, still before launch:
+`validate_model` on the meta-device model (positions, tensor-parallel sizes, stage
+partition), `validate_prepared` on the tokenized data (vocabulary, enough samples).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..config import ConfigError, DataConfig, RunConfig
+from ..parallel.pipeline.partition import PartitionError, uniform
+from ..parallel.pipeline.schedules import ASYNC_SCHEDULES, SCHEDULES, interleaved_check
+from .common import choice, first_line, number, positive
+from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
+from .optimizer import check_optimizer
+from .paths import RunDirCheck, check_job_dir, check_model_type, check_paths, safetensors_problem
+
+__all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
+           "check_model_type", "check_rank_env", "check_job_dir", "cpu_rank_limit", "safetensors_problem",
+           "RunDirCheck", "first_line"]
+
+ARCHS = ("gpt2", "llama")
+DATASETS = ("pycode", "synthetic", "hf")
+PRECISIONS = ("fp32", "bf16", "fp64")
+DEVICES = ("auto", "cpu", "cuda")
+LAUNCHERS = ("local", "external")
+# Summary keys a sweeper may optimise (see framework/logging.py for their meaning).
+OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction")
+
+
+def validate(run: RunConfig) -> None:
+    for check in (_parallelism, _model, _schedule, _trainer, _data, check_optimizer, check_logger, _misc,
+                  check_node_capacity, check_paths):
+        check(run)
+
+
+def _parallelism(run: RunConfig) -> None:
+    p = run.parallelism
+    for k in ("dp", "tp", "pp"):
+        positive(f"parallelism.{k}", getattr(p, k))
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallelism.zero", p.zero, "ZeRO stage must be 0, 1, 2 or 3", "pick a stage in 0..3")
+    if p.world_size is not None and p.world_size != run.world_size:
+        raise ConfigError("parallelism.world_size", p.world_size,
+                          f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
+                          "change dp/tp/pp so their product is the world size, or leave world_size null")
+    _zero(run)
+    if p.tp > 1:
+        _tensor_parallel(run)
+
+
+def _zero(run: RunConfig) -> None:
+    p = run.parallelism
+    if p.offload_optimizer and p.zero == 0:
+        raise ConfigError("parallelism.offload_optimizer", True, "ZeRO-Offload moves the sharded optimizer step to "
+                          "the host and needs a ZeRO stage (parallelism.zero >= 1)",
+                          "set parallelism.zero=1 (or 2, 3), or offload_optimizer=false")
+    if p.zero == 0:
+        return
+    if run.schedule.name in ASYNC_SCHEDULES:
+        raise ConfigError("parallelism.zero", p.zero,
+                          f"schedule={run.schedule.name} is asynchronous: each stage updates after every micro-batch "
+                          "with dp = 1, so there is no dp group to shard over and no step-wide update to shard",
+                          "use parallelism.zero=0 with 1f1b / 2bw, or a flushing schedule (gpipe, flush, interleaved)")
+    if p.zero >= 2 and p.pp > 1:
+        raise ConfigError("parallelism.zero", p.zero,
+                          "ZeRO-2/3 shard gradients, which a pipeline accumulates over its micro-batches: each "
+                          "micro-batch's backward would need its own reduce-scatter (DeepSpeed rejects this too)",
+                          "use parallelism.zero=1 with pipeline parallelism, or pp=1 (tp and dp) with zero 2 / 3")
+    if p.zero == 3 and run.trainer.activation_checkpointing:
+        raise ConfigError("parallelism.zero", p.zero,
+                          "with trainer.activation_checkpointing the recomputed forward inside backward would free "
+                          "the block's gathered parameters before its backward uses them",
+                          "set trainer.activation_checkpointing=false, or use parallelism.zero=2")
+
+
+def _tensor_parallel(run: RunConfig) -> None:
+    """Divisibility of heads and MLP width is checked on the built (meta) model before
+    launch, in framework.job, so it covers pretrained checkpoints too."""
+    p, m = run.parallelism, run.model
+    if m.dropout > 0:
+        raise ConfigError("model.dropout", m.dropout,
+                          f"with parallelism.tp={p.tp} every tp rank would draw the same dropout masks (no "
+                          "per-rank RNG tracker as in Megatron yet), which is not the single model's dropout",
+                          "use model.dropout=0 with tensor parallelism")
+    if p.sequence_parallel and run.data.seq_len % p.tp:
+        raise ConfigError("data.seq_len", run.data.seq_len,
+                          f"sequence parallelism splits the sequence over tp={p.tp}",
+                          f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
+
+
+def _schedule(run: RunConfig) -> None:
+    s, pp = run.schedule, run.parallelism.pp
+    choice("schedule.name", s.name, SCHEDULES)
+    positive("schedule.microbatches", s.microbatches)
+    positive("schedule.virtual_stages", s.virtual_stages)
+    if pp == 1 and s.name not in ("gpipe", "flush"):
+        raise ConfigError("schedule.name", s.name,
+                          "with pp = 1 only the synchronous gpipe / flush (gradient accumulation) run",
+                          "use schedule=flush, or set parallelism.pp > 1")
+    if s.virtual_stages != 1 and (pp == 1 or s.name != "interleaved"):
+        raise ConfigError("schedule.virtual_stages", s.virtual_stages,
+                          "several model chunks per rank need schedule=interleaved and pp > 1",
+                          "set schedule.virtual_stages=1, or schedule=interleaved with parallelism.pp > 1")
+    if s.name == "interleaved" and pp > 1 and interleaved_check(pp, s.microbatches, s.virtual_stages):
+        raise ConfigError("schedule.microbatches", s.microbatches, interleaved_check(pp, s.microbatches, s.virtual_stages),
+                          f"use a multiple of {pp}, e.g. schedule.microbatches={pp * max(1, s.microbatches // pp)}")
+    if s.name in ASYNC_SCHEDULES:
+        _async_schedule(run)
+    stages = pp * s.virtual_stages
+    if stages > run.model.n_layer and not run.model.pretrained:
+        raise ConfigError("parallelism.pp", pp, f"{stages} stages (pp * virtual_stages) for model.n_layer="
+                          f"{run.model.n_layer} blocks: a stage would hold no block",
+                          f"use pp * virtual_stages <= {run.model.n_layer}")
+    _partition(run, stages)
+    if pp > 1:
+        _prove_schedule(run)
+
+
+def _prove_schedule(run: RunConfig) -> None:
+    """The exact (pp, m, v) the ranks will run, proved under gloo's and NCCL's rules before
+    launch (tests cover pp <= 8, m <= 16; this covers whatever a user asks for). Two steps
+    show an asynchronous schedule's steady state across a step boundary."""
+    from ..parallel.pipeline.check import ScheduleError, check
+
+    s = run.schedule
+    try:
+        check(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, steps=min(2, run.trainer.steps))
+    except ScheduleError as e:
+        raise ConfigError("schedule.name", s.name, f"fails the schedule checker at pp={run.parallelism.pp}, "
+                          f"microbatches={s.microbatches}, virtual_stages={s.virtual_stages}: {e}",
+                          "choose another schedule or micro-batch count, and report this as a bug") from None
+
+
+def _async_schedule(run: RunConfig) -> None:
+    s, p = run.schedule, run.parallelism
+    if p.dp > 1:
+        raise ConfigError("parallelism.dp", p.dp, f"schedule={s.name} is asynchronous; its per-update gradient "
+                          "all-reduce over dp is not implemented", "use parallelism.dp=1 with 1f1b / 2bw")
+    if run.model.tie_embeddings and p.pp > 1:
+        raise ConfigError("model.tie_embeddings", True,
+                          f"schedule={s.name} updates the first and last stage at different times from different "
+                          "weight versions, so their two copies of a tied embedding cannot stay one weight",
+                          "set model.tie_embeddings=false (the schedule=1f1b / schedule=2bw presets do)")
+    if s.name == "2bw" and s.microbatches < p.pp:
+        raise ConfigError("schedule.microbatches", s.microbatches,
+                          f"2bw keeps two weight versions only when microbatches >= pp={p.pp} (a stage must "
+                          "finish a step's backward before the step after next starts)",
+                          f"use schedule.microbatches >= {p.pp}")
+
+
+def _partition(run: RunConfig, stages: int) -> None:
+    method = run.parallelism.partition
+    if isinstance(method, (list, tuple)):
+        if len(method) != stages or any(not isinstance(b, int) or b < 1 for b in method) \
+                or (not run.model.pretrained and sum(method) != run.model.n_layer):
+            raise ConfigError("parallelism.partition", list(method),
+                              f"an explicit balance lists {stages} positive block counts summing to model.n_layer",
+                              f"e.g. parallelism.partition={[len(r) for r in uniform(run.model.n_layer, stages)]}")
+        return
+    if method in ("uniform", "parameters"):
+        return
+    if isinstance(method, str) and method.startswith("type:"):
+        try:
+            re.compile(method[5:])
+            return
+        except re.error as e:
+            raise ConfigError("parallelism.partition", method, f"bad regular expression ({e})", "e.g. type:Block") from None
+    raise ConfigError("parallelism.partition", method, "unknown partition method",
+                      "use uniform, parameters, type:<regex> or a list of blocks per stage")
+
+
+def _trainer(run: RunConfig) -> None:
+    t = run.trainer
+    positive("trainer.steps", t.steps)
+    positive("trainer.micro_batch_size", t.micro_batch_size)
+    positive("trainer.log_interval", t.log_interval)
+    choice("trainer.precision", t.precision, PRECISIONS)
+    if t.global_batch_size is not None:
+        per = t.micro_batch_size * run.parallelism.dp
+        if t.global_batch_size < 1 or t.global_batch_size % per:
+            raise ConfigError("trainer.global_batch_size", t.global_batch_size,
+                              f"not divisible by micro_batch_size * dp = {t.micro_batch_size}*{run.parallelism.dp}",
+                              f"use a multiple of {per}, or change trainer.micro_batch_size")
+        if t.global_batch_size != run.global_batch:
+            m = t.global_batch_size // per
+            raise ConfigError("trainer.global_batch_size", t.global_batch_size,
+                              f"micro_batch_size * microbatches * dp = {run.global_batch}",
+                              f"set schedule.microbatches={m}, or leave global_batch_size null")
+    if t.warmup_steps < 0:
+        raise ConfigError("trainer.warmup_steps", t.warmup_steps, "must be >= 0", "set 0 for no warm-up")
+    number("trainer.min_lr_ratio", t.min_lr_ratio, lambda x: 0 <= x <= 1, "must be a finite number in [0, 1]",
+            "e.g. 0.1")
+    # nan would turn clipping off silently (nan comparisons are False), inf means no clipping
+    number("trainer.grad_clip", t.grad_clip, lambda x: x >= 0, "must be a finite number >= 0",
+            "set 0 to disable clipping, e.g. trainer.grad_clip=1.0")
+    number("trainer.hang_timeout_s", t.hang_timeout_s, lambda x: x > 0, "must be a finite number of seconds > 0",
+            "e.g. trainer.hang_timeout_s=300 (it also sets the collectives' timeout)")
+    if not 0 <= t.seed < 2**32:  # numpy's default_rng rejects the rest inside the ranks
+        raise ConfigError("trainer.seed", t.seed, "must lie in [0, 2**32)", "e.g. trainer.seed=1234")
+
+
+def _model(run: RunConfig) -> None:
+    m = run.model
+    choice("model.arch", m.arch, ARCHS)
+    for k in ("n_layer", "n_embd", "n_head", "max_positions"):
+        positive(f"model.{k}", getattr(m, k))
+    if m.n_embd % m.n_head:
+        raise ConfigError("model.n_head", m.n_head, f"does not divide model.n_embd={m.n_embd}",
+                          "pick n_head that divides n_embd")
+    if m.n_kv_head is not None:
+        positive("model.n_kv_head", m.n_kv_head)
+        if m.arch != "llama" or m.n_head % m.n_kv_head:
+            raise ConfigError("model.n_kv_head", m.n_kv_head,
+                              f"key-value heads need arch=llama and must divide n_head={m.n_head}",
+                              "pick a divisor of n_head, or null")
+    if m.vocab_size is not None:
+        positive("model.vocab_size", m.vocab_size)
+    number("model.dropout", m.dropout, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
+            "use 0 for exact runs")
+
+
+def _data(run: RunConfig) -> None:
+    d = run.data
+    choice("data.name", d.name, DATASETS)
+    positive("data.seq_len", d.seq_len)
+    if d.seq_len > run.model.max_positions:
+        raise ConfigError("data.seq_len", d.seq_len,
+                          f"above the model's positions (model.max_positions={run.model.max_positions})",
+                          f"use data.seq_len <= {run.model.max_positions}")
+    positive("data.num_samples", d.num_samples)
+    positive("data.vocab_size", d.vocab_size)
+    if d.max_files is not None:
+        positive("data.max_files", d.max_files)
+    if d.name == "hf" and not d.path:
+        raise ConfigError("data.path", d.path, "data=hf needs a dataset",
+                          "set data.path to a hub name or a loader such as json with data.data_files")
+
+
+def _misc(run: RunConfig) -> None:
+    choice("device", run.device, DEVICES)
+    choice("launcher", run.launcher, LAUNCHERS)
+    choice("objective", run.objective, OBJECTIVES)
+    if not 0 <= run.metrics.skip_first < run.trainer.steps:
+        raise ConfigError("metrics.skip_first", run.metrics.skip_first,
+                          f"must leave at least one of trainer.steps={run.trainer.steps} to summarise",
+                          f"use 0 <= metrics.skip_first < {run.trainer.steps}")
+    if run.metrics.peak_tflops is not None:
+        number("metrics.peak_tflops", run.metrics.peak_tflops, lambda x: x > 0, "must be a finite positive number",
+                "set the per-rank peak, or null to measure it")
+    fr = run.debug.fail_rank
+    if fr is not None and not 0 <= fr < run.world_size:
+        raise ConfigError("debug.fail_rank", fr, f"no such rank in world size {run.world_size}",
+                          f"use 0..{run.world_size - 1} or null")
+    _debug_delay(run)
+
+
+def _debug_delay(run: RunConfig) -> None:
+    d, pp = run.debug, run.parallelism.pp
+    number("debug.stage_delay_ms", d.stage_delay_ms, lambda x: x >= 0, "must be a finite duration >= 0",
+            "set it to 0 (off) or to the milliseconds one stage should be slower")
+    if d.stage_delay_ms > 0 and not (pp > 1 and 0 <= d.delay_pp_rank < pp):
+        raise ConfigError("debug.delay_pp_rank", d.delay_pp_rank,
+                          f"the delay slows one pipeline rank, and parallelism.pp={pp} has ranks 0..{pp - 1}",
+                          "use a pipeline layout (pp > 1) and a pipeline rank below pp")
+
+
+def validate_model(run: RunConfig, hf_model) -> list[range]:
+    """On the model built on the meta device (also a pretrained checkpoint's): its
+    positions, its tensor-parallel sizes, and the blocks of each pipeline stage (returned)."""
+    from ..models import ARCHS, num_positions
+    from ..parallel.pipeline.stage import stage_ranges
+
+    if run.data.seq_len > num_positions(hf_model):
+        raise ConfigError("data.seq_len", run.data.seq_len, f"above the model's {num_positions(hf_model)} positions",
+                          f"use data.seq_len <= {num_positions(hf_model)}")
+    arch = ARCHS[run.model.arch]
+    if run.parallelism.tp > 1:
+        check_tp_sizes(arch.tp_sizes(hf_model.config), run.parallelism.tp)
+    stages = run.parallelism.pp * run.schedule.virtual_stages
+    try:
+        return stage_ranges(run.parallelism.partition, arch.split(hf_model), stages)
+    except PartitionError as e:
+        raise ConfigError("parallelism.partition", run.parallelism.partition, str(e),
+                          "use fewer stages, another method, or a balance list with a block per stage") from None
+
+
+def check_tp_sizes(sizes: dict[str, int], tp: int) -> None:
+    """Heads, key-value heads and MLP width must split evenly over tp (before launch on the
+    meta model, and again where a rank applies the TP plan)."""
+    for key, n in sizes.items():
+        if n % tp:
+            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
+            raise ConfigError("parallelism.tp", tp, f"{key}={n} does not divide over tp={tp}: each rank must "
+                              "hold whole heads and an equal share of the MLP",
+                              f"use parallelism.tp in {divisors}, or change {key}")
+
+
+def validate_prepared(run: RunConfig, vocab_size: int, num_samples: int) -> None:
+    """The tokenized data: the model's vocabulary holds the tokenizer's, and the corpus gives
+    at least one global batch."""
+    if run.model.vocab_size is not None and run.model.vocab_size < vocab_size:
+        raise ConfigError("model.vocab_size", run.model.vocab_size,
+                          f"smaller than the tokenizer's vocabulary ({vocab_size})",
+                          f"set model.vocab_size >= {vocab_size} or null")
+    if num_samples < run.global_batch:
+        synthetic = run.data.name == "synthetic"
+        raise ConfigError("data.num_samples" if synthetic else "data.seq_len",
+                          run.data.num_samples if synthetic else run.data.seq_len,
+                          f"the corpus gives {num_samples} sequences, fewer than the global batch {run.global_batch}",
+                          "use more data (data.max_files / data.num_samples), a shorter seq_len or a smaller batch")
+
+
+def check_text_field(d: DataConfig, columns: list[str]) -> None:
+    """On the loaded dataset: the column the text is read from exists."""
+    field = d.text_field if d.name == "hf" else "text"
+    if field not in columns:
+        raise ConfigError("data.text_field", field, f"not a column of {d.path} ({columns})",
+                          "set data.text_field to the column that holds the text")

@@ -1,0 +1,246 @@
+"""Paths a run reads or writes, checked for existence, readability and format before any
+rank starts: the pretrained checkpoint, the tokenizer, the data files and the job
+directory (also as a Hydra callback, since Hydra creates that directory before run.py)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import uuid
+import zipfile
+from typing import Any, Optional
+
+from ..config import ConfigError, ModelConfig, RunConfig
+from .common import first_line
+
+PRETRAINED_FIX = ("use a local directory with config.json and weights (as save_pretrained writes it), "
+                  "or a hub name with network access or in the HF cache (huggingface-cli download <name>)")
+TOKENIZER_FIX = ("use a local directory with tokenizer files (as save_pretrained writes it), data.tokenizer=bytes, "
+                 "or a hub name with network access or in the HF cache (huggingface-cli download <name>)")
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def check_paths(run: RunConfig) -> None:
+    if run.model.pretrained:
+        _pretrained(run)
+    if run.data.name != "synthetic" and run.data.tokenizer != "bytes":
+        _tokenizer(run.data.tokenizer)
+    if run.data.name == "hf" and run.data.data_files:
+        _data_files(run.data.data_files)
+
+
+def _is_local(name: str) -> bool:
+    """What transformers would read from disk (it tries a directory of that name first)."""
+    return name.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(name))
+
+
+def _directory(key: str, name: str, fix: str) -> str:
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        raise ConfigError(key, name, "no such directory", fix)
+    if not os.path.isdir(path):
+        raise ConfigError(key, name, "is a file, not a directory", fix)
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ConfigError(key, name, "is not readable (permissions)", fix)
+    if not os.listdir(path):
+        raise ConfigError(key, name, "is an empty directory", fix)
+    return path
+
+
+def _read_json(key: str, name: str, path: str, fix: str) -> Any:
+    label = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(key, name, f"{label} is not readable ({e.strerror})", fix) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(key, name, f"{label} is not valid JSON ({e})", fix) from None
+
+
+def _pretrained(run: RunConfig) -> None:
+    name, key = run.model.pretrained, "model.pretrained"
+    if not _is_local(name):
+        _hub_name(key, name, ("config.json",), "AutoConfig", PRETRAINED_FIX)
+        return
+    path = _directory(key, name, PRETRAINED_FIX)
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ConfigError(key, name, "has no config.json", PRETRAINED_FIX)
+    hf = _read_json(key, name, config, PRETRAINED_FIX)
+    if not isinstance(hf, dict) or not hf.get("model_type"):
+        raise ConfigError(key, name, "config.json has no model_type", PRETRAINED_FIX)
+    check_model_type(run.model, hf["model_type"])
+    _weights(key, name, path)
+
+
+def check_model_type(m: ModelConfig, found: str) -> None:
+    """A pretrained checkpoint's model_type must be the architecture the run splits."""
+    from ..models import HF_MODEL_TYPES
+
+    if found != HF_MODEL_TYPES[m.arch]:
+        other = [a for a, t in HF_MODEL_TYPES.items() if t == found]
+        raise ConfigError("model.pretrained", m.pretrained,
+                          f"is a {found} model (config.json), not model.arch={m.arch}",
+                          f"use model.arch={other[0]}" if other else
+                          f"use a {' or '.join(HF_MODEL_TYPES)} checkpoint (the architectures this framework splits)")
+
+
+def _weights(key: str, name: str, path: str) -> None:
+    """Every weight file transformers might pick, checked without loading a tensor: a
+    safetensors header must describe exactly the file's size (catches truncated copies), a
+    torch .bin must be a zip archive, and a shard index's shards must exist."""
+    safetensors = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+    bins = [f for f in [os.path.join(path, "pytorch_model.bin")] if os.path.isfile(f)]
+    for index in sorted(glob.glob(os.path.join(glob.escape(path), "*.index.json"))):
+        shards = _read_json(key, name, index, PRETRAINED_FIX)
+        files = sorted(set(shards.get("weight_map", {}).values())) if isinstance(shards, dict) else []
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if not files:
+            raise ConfigError(key, name, f"{os.path.basename(index)} lists no shards (no weight_map)", PRETRAINED_FIX)
+        if missing:
+            raise ConfigError(key, name, f"{os.path.basename(index)} lists missing shards: {', '.join(missing)}",
+                              PRETRAINED_FIX)
+        bins += [os.path.join(path, f) for f in files if f.endswith(".bin")]
+    if not safetensors and not bins:
+        raise ConfigError(key, name, "has config.json but no weights (model.safetensors, pytorch_model.bin or a "
+                          "*.index.json shard index)", PRETRAINED_FIX)
+    for f in safetensors:
+        problem = safetensors_problem(f)
+        if problem:
+            raise ConfigError(key, name, f"{os.path.basename(f)} {problem}", PRETRAINED_FIX)
+    for f in sorted(set(bins)):
+        if not os.access(f, os.R_OK) or not zipfile.is_zipfile(f):
+            raise ConfigError(key, name, f"{os.path.basename(f)} is unreadable or not a zip archive "
+                              "(torch.save's format): truncated or corrupt", PRETRAINED_FIX)
+SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
+
+
+def safetensors_problem(path: str) -> Optional[str]:
+    """None for a complete safetensors file. The format: 8-byte little-endian header
+    length n, n bytes of JSON header, then the data, whose size is the largest tensor end
+    offset; so size == 8 + n + max end exactly, and anything shorter was cut off."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > SAFETENSORS_MAX_HEADER:
+                return f"has no valid safetensors header (header length {n})"
+            if size < 8 or 8 + n > size:
+                return f"is truncated ({size} bytes; its header alone needs {8 + n})"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except OSError as e:
+        return f"is not readable ({e.strerror})"
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"has no valid safetensors header ({type(e).__name__}: {e})"
+    if size != 8 + n + end:
+        return (f"is {size} bytes but its header describes {8 + n + end}: "
+                f"{'truncated' if size < 8 + n + end else 'trailing bytes'}, copy or download it again")
+    return None
+
+
+def _tokenizer(name: str) -> None:
+    key = "data.tokenizer"
+    if not _is_local(name):
+        _hub_name(key, name, ("tokenizer_config.json", "tokenizer.json", "vocab.json"), "AutoTokenizer",
+                  TOKENIZER_FIX)
+        return
+    path = _directory(key, name, TOKENIZER_FIX)
+    has = {f for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+           if os.path.isfile(os.path.join(path, f))}
+    if not ({"tokenizer.json"} <= has or {"vocab.json", "merges.txt"} <= has or "tokenizer_config.json" in has):
+        raise ConfigError(key, name, "has no tokenizer files (tokenizer.json, vocab.json + merges.txt, or "
+                          "tokenizer_config.json)", TOKENIZER_FIX)
+    for f in sorted(has & {"tokenizer.json", "tokenizer_config.json", "vocab.json"}):
+        _read_json(key, name, os.path.join(path, f), TOKENIZER_FIX)
+
+
+def _hub_name(key: str, name: str, cache_files: tuple[str, ...], loader: str, fix: str) -> None:
+    """A hub name resolves from the local HF cache (instant), or else from the hub: probed
+    first, so an offline machine answers in seconds instead of huggingface_hub's minute of
+    retries, then loaded by transformers, whose exception becomes the error."""
+    head = "is not a local directory and could not be loaded from the hub or the local HF cache"
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    for f in cache_files:
+        try:
+            if isinstance(try_to_load_from_cache(name, f), str):
+                return
+        except Exception:  # noqa: BLE001 - an invalid repo id: the loader below says why
+            break
+    if not constants.HF_HUB_OFFLINE:
+        from ..wandb_sink import probe
+
+        reason = probe(constants.ENDPOINT, HUB_PROBE_TIMEOUT_S)
+        if reason is not None:
+            raise ConfigError(key, name, f"{head} (hub {constants.ENDPOINT} unreachable: {reason})", fix)
+    import transformers
+
+    try:
+        getattr(transformers, loader).from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - OSError, HFValidationError, ValueError, ...
+        raise ConfigError(key, name, f"{head} ({first_line(e)})", fix) from None
+
+
+def _data_files(data_files: Any) -> None:
+    """Each entry (a path or glob; a list, or a dict of split -> entries) matches at least
+    one readable file, unless it is a URL, which `datasets` downloads itself."""
+    entries = data_files.values() if isinstance(data_files, dict) else [data_files]
+    flat = [e for v in entries for e in (v if isinstance(v, (list, tuple)) else [v])]
+    fix = "give existing readable files (a path or glob pattern), or a URL"
+    for entry in flat:
+        entry = str(entry)
+        if "://" in entry:
+            continue
+        matches = [m for m in glob.glob(os.path.expanduser(entry), recursive=True) if os.path.isfile(m)]
+        if not matches:
+            raise ConfigError("data.data_files", entry, "matches no file", fix)
+        unreadable = [m for m in matches if not os.access(m, os.R_OK)]
+        if unreadable:
+            raise ConfigError("data.data_files", entry, f"{unreadable[0]} is not readable (permissions)", fix)
+
+
+def check_job_dir(job_dir: str) -> None:
+    """The job directory can be created and written (config, metrics, summary go there):
+    checked with a probe file before anything is prepared or launched."""
+    fix = "choose a writable directory, e.g. hydra.run.dir=/tmp/runs/run1 (hydra.sweep.dir for -m)"
+    try:
+        os.makedirs(job_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("hydra.run.dir", job_dir, f"cannot be created ({e.strerror})", fix) from None
+    probe = os.path.join(job_dir, f".write-probe-{uuid.uuid4().hex}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError("hydra.run.dir", job_dir, f"is not writable ({e.strerror})", fix) from None
+
+
+class RunDirCheck:
+    """A Hydra callback (conf/config.yaml hydra.callbacks): Hydra creates the job directory
+    before run.py runs, so an unwritable `hydra.run.dir` / `hydra.sweep.dir` would end in
+    Hydra's own traceback; checked here first, with the usual one-line error, exit 1."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        _dir_or_exit(str(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        _dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+
+    def __getattr__(self, name):  # Hydra calls every other hook too; they do nothing here
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def _dir_or_exit(path: str, key: str) -> None:
+    import sys
+
+    try:
+        check_job_dir(path)
+    except ConfigError as e:
+        print(f"config error: {str(e).replace('hydra.run.dir=', key + '=', 1)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
