@@ -42,7 +42,13 @@ def job(cfg: DictConfig, hc) -> float:
         write_outcome(job_dir, "rejected", str(e))
         raise
     name_run(run, hc)
-    result = run_job(run, job_dir)
+    try:
+        result = run_job(run, job_dir)
+    except (ConfigError, RankFailure):
+        raise  # their summary.json is written
+    except Exception as e:  # the launching process itself (an I/O error preparing data, ...)
+        write_outcome(job_dir, "failed", f"launcher: {type(e).__name__}: {e}")
+        raise
     if not result or run.dry_run or result.get(run.objective) is None:
         return math.nan  # e.g. objective=mfu under precision=fp64, which reports no MFU
     return float(result[run.objective])

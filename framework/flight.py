@@ -2,8 +2,11 @@
 
 Each rank writes into a small memory-mapped file `<job_dir>/.flight/rank<r>` (a ring of
 the last `SLOTS` notes plus a header: pid, time of the last note, note count). Writing a
-note is a `struct.pack_into` on shared memory: no system call, no flush, cheap enough for
-every pipeline action and p2p batch. The launcher's watchdog (framework/launch.py) reads
+note is a `struct.pack_into` on shared memory (plus a clock read): no write call, no flush,
+cheap enough for every pipeline action and p2p batch. Times are CLOCK_MONOTONIC, one clock
+for every process of the node, immune to wall-clock steps. The file is filled with zeros
+when created, so a full disk fails there (the rank then runs without a recorder) rather
+than with SIGBUS on a later note. The launcher's watchdog (framework/launch.py) reads
 the files: a rank stopped with SIGSTOP or stuck in a C call cannot dump its own memory,
 but the page cache still holds what it last wrote.
 
@@ -17,13 +20,14 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass
 
 FLIGHT_DIR = ".flight"
 SLOTS = 64
 TEXT = 112  # bytes of text per note (longer notes are cut)
-_HEADER = struct.Struct("<qdq")  # pid, time of the last note (unix s), notes written
+_HEADER = struct.Struct("<qdq")  # pid, time of the last note (time.monotonic()), notes written
 _SLOT = struct.Struct(f"<d?{TEXT}s")  # time, is a wait, text
 SIZE = _HEADER.size + SLOTS * _SLOT.size
 
@@ -38,18 +42,29 @@ class FlightRecorder:
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.truncate(SIZE)
+            f.write(bytes(SIZE))  # allocated now: no SIGBUS on a full disk later
         self._file = open(path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), SIZE)
-        self.count = 0
+        self.count, self.pid = 0, os.getpid()
         self.note("rank started")
 
+    @classmethod
+    def create(cls, path: str):
+        """A recorder, or (unwritable job dir, full disk, a filesystem without shared mmap)
+        a NullRecorder: the hang watchdog then sees the rank as never started."""
+        try:
+            return cls(path)
+        except (OSError, ValueError) as e:
+            print(f"flight recorder {path} unavailable ({e}); hang detection will not see this rank",
+                  file=sys.stderr, flush=True)
+            return NullRecorder()
+
     def note(self, text: str, wait: bool = False) -> None:
-        now = time.time()
+        now = time.monotonic()
         _SLOT.pack_into(self._map, _HEADER.size + (self.count % SLOTS) * _SLOT.size, now, wait,
                         text.encode()[:TEXT])
         self.count += 1
-        _HEADER.pack_into(self._map, 0, os.getpid(), now, self.count)
+        _HEADER.pack_into(self._map, 0, self.pid, now, self.count)
 
     def close(self) -> None:
         self._map.close()
@@ -113,10 +128,11 @@ def process_state(pid: int) -> str:
         return "gone"
 
 
-def dead_ranks(job_dir: str, world: int, me: int) -> list[int]:
-    """Other ranks of this node whose process has exited (or is a zombie)."""
+def dead_ranks(job_dir: str, node_ranks: range, me: int) -> list[int]:
+    """Other ranks of this node whose process has exited (or is a zombie). Only this node's:
+    another host's pids mean nothing in this /proc."""
     out = []
-    for r in range(world):
+    for r in node_ranks:
         f = read(job_dir, r) if r != me else None
         if f is not None and process_state(f.pid) in ("Z", "X", "gone"):
             out.append(r)

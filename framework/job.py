@@ -166,8 +166,12 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     return summary
 
 
-# What Hydra itself keeps in a job directory; everything else there is a run's output.
-HYDRA_FILES = (".hydra", "run.log")
+# Everything a job writes into its directory (the output files table in the README). Only
+# these are set aside: a job directory may also hold the user's own files (inputs, notes),
+# and `hydra.run.dir=.` makes it the working directory.
+JOB_OUTPUTS = ("config.yaml", "run_info.json", "summary.json", "summary.json.tmp", "metrics.jsonl",
+               "metrics.jsonl.partial", "error.txt", "hang.txt", "trace.json", "timeline.png", "final_model.pt",
+               "plan.json", "wandb", "rank_failures", ".flight")
 PREVIOUS_DIR = ".previous"
 
 
@@ -177,7 +181,7 @@ def set_aside_previous(job_dir: str) -> Optional[str]:
     beside a new error.txt would read as a completed run). Returns where they went."""
     if not os.path.isdir(job_dir):
         return None
-    old = [n for n in sorted(os.listdir(job_dir)) if n not in HYDRA_FILES and n != PREVIOUS_DIR]
+    old = [n for n in JOB_OUTPUTS if os.path.lexists(os.path.join(job_dir, n))]
     if not old:
         return None
     dest = os.path.join(job_dir, PREVIOUS_DIR, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")

@@ -2,9 +2,9 @@
 
 Locally the launching process starts `world_size` ranks (framework/worker.py) with the
 torch elastic launcher (the library behind torchrun): when a rank exits with an error, the
-agent stops the others (SIGTERM, then SIGKILL after 30 s). This module only READS what the
-ranks leave (failure records, flight recorders) and never imports rank start-up code paths
-other than the entry point; the same rank code runs under `torchrun -m framework.worker`.
+agent stops the others (SIGTERM, then SIGKILL after 30 s). This module reads what the ranks
+leave (failure records, flight recorders; it removes them once read) and imports nothing of
+the rank side but its entry point; the same rank code runs under `torchrun -m framework.worker`.
 
 How a failed job is told (`diagnose`, one block, printed once by framework.job):
 - the root cause first: a rank that raised (its traceback, from the record it wrote before
@@ -36,6 +36,8 @@ from .signals import Stopped
 from .worker import FAILURES_DIR, rank_main
 
 HANG_FILE = "hang.txt"
+# What elastic's start_processes installs handlers for (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class RankFailure(RuntimeError):
@@ -55,6 +57,21 @@ class RankEnd:
     rank: int
     exitcode: Optional[int] = None  # None: unknown; < 0: killed by that signal
     record: Optional[dict] = None  # worker.record_failure: time, traceback, peers_dead
+    first_seen: bool = False  # the failure elastic saw first (its one reported failure)
+
+    @property
+    def stopped(self) -> bool:
+        """Ended the way the agent ends survivors once another rank failed (SIGTERM, seen
+        as exit 143 through framework.signals, then SIGKILL), or by a stop signal."""
+        return _stop_rank(self.exitcode) > 0
+
+
+def _stop_rank(exitcode: Optional[int]) -> int:
+    """How likely an exit is the agent's doing rather than a cause: 0 a crash or an outside
+    signal, 1 SIGKILL (the user's kill -9, or the agent's after 30 s), 2 a stop signal."""
+    if exitcode == -signal.SIGKILL:
+        return 1
+    return 2 if exitcode in (130, 143, -signal.SIGTERM, -signal.SIGINT) else 0
 
 
 def read_records(job_dir: str) -> tuple[dict[int, dict], list[str]]:
@@ -91,16 +108,20 @@ def _signal_name(exitcode: int) -> str:
 def _root(ends: dict[int, RankEnd]) -> Optional[int]:
     """The earliest record (written before the recording rank's peers could fail) is the
     cause, unless a peer had already died without a record when it was written: then that
-    rank, killed by a signal, is (the recorder failed because its connection to it closed).
-    With no record at all: a signal death, else any failed exit."""
+    rank is (the recorder failed because its connection to it closed); a rank the agent had
+    stopped is never that peer unless nothing else is. With no record at all: the failure
+    elastic saw first, then a signal other than the agent's, then any failed exit."""
     recorded = sorted((e.record["time"], r) for r, e in ends.items() if e.record)
     if recorded:
         first = recorded[0][1]
         dead = [d for d in ends[first].record.get("peers_dead", []) if d in ends and not ends[d].record]
+        dead.sort(key=lambda d: _stop_rank(ends[d].exitcode))
         return dead[0] if dead else first
-    signalled = [r for r, e in ends.items() if e.exitcode is not None and e.exitcode < 0]
-    failed = [r for r, e in ends.items() if e.exitcode not in (None, 0)]
-    return (signalled or failed or [None])[0]
+    order = [r for r, e in ends.items() if e.first_seen and e.exitcode]
+    order += sorted((r for r, e in ends.items() if e.exitcode is not None and e.exitcode < 0),
+                    key=lambda r: _stop_rank(ends[r].exitcode))
+    order += [r for r, e in ends.items() if e.exitcode not in (None, 0)]
+    return order[0] if order else None
 
 
 def _describe(end: RankEnd) -> tuple[str, str]:
@@ -108,10 +129,15 @@ def _describe(end: RankEnd) -> tuple[str, str]:
     if end.record:
         tb = end.record["traceback"]
         return f"rank {end.rank} failed: {_last_line(tb)}", tb
+    if end.exitcode == -signal.SIGABRT:
+        return (f"rank {end.rank} killed by SIGABRT",
+                "no Python traceback: aborted in native code (an NCCL watchdog timeout or a C++ assertion)")
     if end.exitcode is not None and end.exitcode < 0:
         return (f"rank {end.rank} killed by {_signal_name(end.exitcode)}",
                 "no Python traceback: the process was ended from outside (kill, the out-of-memory killer) "
                 "or crashed in native code")
+    if end.exitcode in (130, 143):
+        return f"rank {end.rank} stopped by {'SIGINT' if end.exitcode == 130 else 'SIGTERM'}", ""
     code = "unknown" if end.exitcode is None else end.exitcode
     return f"rank {end.rank} exited with code {code} without a traceback", ""
 
@@ -148,7 +174,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         shutil.rmtree(os.path.join(self.job_dir, flight.FLIGHT_DIR), ignore_errors=True)
-        self._started = time.time()
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -161,11 +187,19 @@ class Watchdog:
         while not self._done.wait(0.5):
             self._keep_handles()
             flights = {r: flight.read(self.job_dir, r) for r in range(self.world)}
-            now = time.time()
+            if self._failing(flights):
+                return  # a failure is being torn down (survivors may sit in C until SIGKILL): not a hang
+            now = time.monotonic()
             stalled = [r for r, f in flights.items() if _stalled(f, now, self._started, self.timeout_s)]
             if stalled:
                 self._fire(flights, stalled, now)
                 return
+
+    def _failing(self, flights: dict) -> bool:
+        """A rank failed or exited with an error: the failure path tells that, not this."""
+        if any(f is not None and f.notes and f.notes[-1].text.startswith("rank failed") for f in flights.values()):
+            return True
+        return any(p._popen is not None and p._popen.returncode not in (None, 0) for p in self.processes.values())
 
     def _keep_handles(self) -> None:
         # The stdlib's registry of this process's children (a private name, stable since
@@ -193,12 +227,17 @@ class Watchdog:
         except OSError as e:
             text += f"\n(could not write {path}: {e})"
         self.report = RankFailure(text + f"\nevery rank was killed (SIGKILL); this report is in {path}", headline)
-        for f in flights.values():
-            if f is not None and process_state(f.pid) != "gone":
-                try:
-                    os.kill(f.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        # The handles of the ranks this launcher started (never a reused pid), and the pids a
+        # recorder names in case a handle was not seen yet.
+        pids = {pid for pid, p in self.processes.items() if p._popen is not None and p._popen.returncode is None}
+        pids |= {f.pid for f in flights.values() if f is not None and f.pid in self.processes}
+        if not self.processes:
+            pids |= {f.pid for f in flights.values() if f is not None}
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _stalled(f: Optional[flight.Flight], now: float, started: float, timeout_s: float) -> bool:
@@ -259,7 +298,7 @@ def _ends(err, watchdog: Watchdog, job_dir: str) -> tuple[dict[int, RankEnd], li
         if code is not None and code != 0:
             ends.setdefault(r, RankEnd(r)).exitcode = code
     for local_rank, failure in getattr(err, "failures", {}).items():
-        ends.setdefault(local_rank, RankEnd(local_rank))
+        ends.setdefault(local_rank, RankEnd(local_rank)).first_seen = True
         if ends[local_rank].exitcode is None:
             ends[local_rank].exitcode = failure.exitcode
     return ends, notes
@@ -288,10 +327,14 @@ def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
         max_restarts=0, monitor_interval=0.2, start_method="forkserver",
     )
     _preload_forkserver()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # elastic replaces them
+    handlers = {s: signal.getsignal(s) for s in ELASTIC_SIGNALS}  # elastic replaces them
     watchdog = Watchdog(job_dir, run.world_size, run.trainer.hang_timeout_s).start()
     try:
-        results = elastic_launch(config, rank_main)(job_dir, asdict(info))
+        try:
+            results = elastic_launch(config, rank_main)(job_dir, asdict(info))
+        finally:  # before any diagnosis: a signal now is this process's again, not elastic's
+            for s, h in handlers.items():
+                signal.signal(s, h)
     except ChildFailedError as e:
         watchdog.stop()
         if watchdog.report is not None:
@@ -304,6 +347,4 @@ def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
     finally:
         watchdog.stop()
         shutil.rmtree(os.path.join(job_dir, flight.FLIGHT_DIR), ignore_errors=True)  # read; not a result
-        for s, h in handlers.items():
-            signal.signal(s, h)
     return results[0]

@@ -72,6 +72,7 @@ class RunLogger:
         if self.is_logger:
             self.partial_path = os.path.join(job_dir, "metrics.jsonl.partial")
             self.jsonl = open(self.partial_path, "w")
+            ctx.recorder.note("W&B init (rank 0)")
             self.wandb = self._init_wandb()
 
     def _init_wandb(self):
@@ -213,6 +214,7 @@ class RunLogger:
 
     def _write_timeline(self, summary: dict) -> None:
         """trace.json (every step) and timeline.png (the measured step with the median time)."""
+        self.ctx.recorder.note("write trace.json and timeline.png (rank 0)")
         write_trace(self.actions, os.path.join(self.job_dir, "trace.json"))
         measured = self.records[self.run.metrics.skip_first:]
         chosen = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]["step"]
@@ -237,6 +239,7 @@ class RunLogger:
         if not self.jsonl.closed:
             self.jsonl.close()
         if self.wandb is not None:
+            self.ctx.recorder.note("W&B finish (rank 0)")
             self.wandb.finish(exit_code=0 if self.completed else 1)
 
 

@@ -32,7 +32,7 @@ def _job_dirs(sweep: Path) -> list[Path]:
         for p in sweep.rglob(marker):
             job = p.parent.parent if marker.startswith(".hydra") else p.parent
             rel = job.relative_to(sweep).parts
-            if not any(part.startswith(".") for part in rel):  # .hydra, .previous, .submitit
+            if not any(part.startswith(".") or part == "wandb" for part in rel):  # .hydra, .previous, W&B's files
                 dirs.add(job)
     return sorted(dirs, key=lambda p: (len(p.parts), int(p.name) if p.name.isdigit() else 0, str(p)))
 
@@ -44,14 +44,19 @@ def planned_jobs(sweep: Path) -> list[str]:
     if not f.exists():
         return []
     hydra = (yaml.safe_load(f.read_text()) or {}).get("hydra", {})
-    if not str(hydra.get("sweeper", {}).get("_target_", "")).endswith("BasicSweeper"):
-        return []
+    if not str(hydra.get("sweeper", {}).get("_target_", "")).endswith("BasicSweeper") \
+            or str(hydra.get("sweep", {}).get("subdir")) != "${hydra.job.num}":
+        return []  # other sweepers decide trials as they go; other subdirs are not job numbers
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    task = list(hydra.get("overrides", {}).get("task", []))
-    task += [f"{k}={v}" for k, v in (hydra.get("sweeper", {}).get("params") or {}).items()]
-    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
+    # As BasicSweeper builds them: its params first, then the command line's overrides.
+    task = [f"{k}={v}" for k, v in (hydra.get("sweeper", {}).get("params") or {}).items()]
+    task += list(hydra.get("overrides", {}).get("task", []))
+    try:
+        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)
+    except Exception:  # noqa: BLE001 - e.g. glob() sweeps need Hydra's config loader: no planned list
+        return []
     return [" ".join(o for o in job if not o.startswith("hydra")) for batch in batches for job in batch]
 
 

@@ -41,12 +41,20 @@ class StopSignals:
         return self
 
     def ignore(self) -> None:
-        """While a rank records its failure or shuts down: a stop arriving then (the agent
-        ending the survivors) must not interrupt the record or print a second traceback."""
+        """While a rank writes its failure record: a stop arriving then (the agent ending
+        the survivors) must not interrupt the record. Undo with `default()` right after."""
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 
+    def default(self) -> None:
+        """The OS's action again: the next SIGINT / SIGTERM ends the process at once (during
+        teardown, or a second Ctrl-C), so nothing can outlive its launcher waiting for a stop
+        it ignores, or print a second traceback from inside the first stop's handling."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+
     def _handle(self, signum: int, frame) -> None:
+        self.default()  # one-shot
         for hook in self.hooks:
             hook(signum)
         raise Stopped(signum)

@@ -105,7 +105,7 @@ class ParallelContext:
         return self.groups.get("log")
 
     @classmethod
-    def create(cls, dims: ParallelDims, rank: int, device, recorder=None) -> ParallelContext:
+    def create(cls, dims: ParallelDims, rank: int, device, recorder=None, timeout=None) -> ParallelContext:
         import torch.distributed as dist
 
         groups, members = {}, {}
@@ -113,9 +113,9 @@ class ParallelContext:
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the one it belongs to.
             for ranks in dims.groups(dim) if dim != "embedding" else dims.embedding_groups():
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks
         if dist.get_backend() != "gloo":
-            groups["log"] = dist.new_group(backend="gloo")
+            groups["log"] = dist.new_group(backend="gloo", timeout=timeout)
         return cls(dims, rank, dims.coords(rank), device, groups, members, recorder or NullRecorder())

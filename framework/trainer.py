@@ -208,6 +208,7 @@ def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
     parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
     dist.gather_object(part, parts, dst=0, group=ctx.log_group)  # CPU objects: gloo under NCCL too
     if ctx.rank == 0:
+        ctx.recorder.note("write final_model.pt (rank 0)")
         merged = {k: v for p in parts for k, v in p.items()}
         path = os.path.join(job_dir, "final_model.pt")
         torch.save(merged, path + ".tmp")
@@ -240,5 +241,11 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> 
             save_checkpoint(runner, full, ctx, job_dir)
         ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
         return logger.finish(rank_memory(runner, rec, run, ctx.device))  # summary.json last: marks completion
+    except BaseException:
+        # Said before W&B's finish (which may take a while): the watchdog then knows this is
+        # a failure being reported, not a hang, and its peers stay blocked on it until the
+        # rank's record is written (framework.worker).
+        ctx.recorder.note("rank failed (closing the logger)")
+        raise
     finally:
         logger.close()

@@ -56,7 +56,7 @@ def rank_main(job_dir: str, info: dict) -> Optional[dict]:
 
     rank = int(os.environ.get("RANK", "0"))
     stop = StopSignals().install()
-    recorder = FlightRecorder(path_of(job_dir, rank))
+    recorder = FlightRecorder.create(path_of(job_dir, rank))
     try:
         run = read_config(os.path.join(job_dir, "config.yaml"))
         ctx = init_rank(run, recorder)
@@ -72,9 +72,9 @@ def rank_main(job_dir: str, info: dict) -> Optional[dict]:
         record_failure(job_dir, rank)
         raise
     finally:
-        stop.ignore()
+        stop.default()
         if dist.is_initialized():
-            dist.destroy_process_group()  # after the record: this is what fails the peers
+            dist.destroy_process_group()  # after the record: on gloo this is what fails the peers
 
 
 def init_rank(run: RunConfig, recorder) -> ParallelContext:
@@ -92,7 +92,7 @@ def init_rank(run: RunConfig, recorder) -> ParallelContext:
         torch.set_num_threads(threads_per_rank(local_world))
     recorder.note("init_process_group", wait=True)
     dist.init_process_group(backend_for(device.type), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=run.trainer.hang_timeout_s + PG_TIMEOUT_MARGIN_S),
+                            timeout=pg_timeout(run),
                             device_id=device if device.type == "cuda" else None)
     # One collective over the world before any point-to-point: NCCL sets up its
     # communicators on the first collective, and batch_isend_irecv must not be that call.
@@ -100,7 +100,13 @@ def init_rank(run: RunConfig, recorder) -> ParallelContext:
     dist.barrier()
     recorder.note("build process groups")
     p = run.parallelism
-    return ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, device, recorder)
+    return ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, device, recorder, pg_timeout(run))
+
+
+def pg_timeout(run: RunConfig) -> timedelta:
+    """Every group's collective timeout (the world's and each new_group's: a subgroup does
+    not inherit the world's, it would take the backend's default of 10 or 30 minutes)."""
+    return timedelta(seconds=run.trainer.hang_timeout_s + PG_TIMEOUT_MARGIN_S)
 
 
 # A peer killed by a signal has closed its sockets a few microseconds before it is a zombie;
@@ -117,7 +123,8 @@ def record_failure(job_dir: str, rank: int) -> None:
     path = os.path.join(job_dir, FAILURES_DIR, f"rank{rank}.json")
     when, tb = time.time(), traceback.format_exc()
     time.sleep(PEER_DEATH_SETTLE_S)  # no peer can fail from us yet: our connections are open
-    dead = dead_ranks(job_dir, int(os.environ.get("WORLD_SIZE", "1")), rank)
+    first = rank - int(os.environ.get("LOCAL_RANK", "0"))
+    dead = dead_ranks(job_dir, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), rank)
     text = json.dumps({"rank": rank, "time": when, "traceback": tb, "peers_dead": dead})
     write_report(path, text, who=f"rank {rank}: ")
 
