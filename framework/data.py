@@ -31,6 +31,7 @@ once from each epoch).
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -176,7 +177,19 @@ def _sources(d: DataConfig) -> dict:
     upgraded in place (same stdlib path, changed files) rebuilds the cache."""
     if d.name == "pycode":
         return {"stdlib": [[f, os.path.getsize(f)] for f in stdlib_files(d.max_files)]}
-    return {"path": d.path, "data_files": d.data_files, "split": d.split, "text_field": d.text_field}
+    return {"path": d.path, "data_files": d.data_files, "split": d.split, "text_field": d.text_field,
+            "local_files": _local_files(d.data_files)}
+
+
+def _local_files(data_files) -> list:
+    """Local data files with size and modification time: a file edited in place rebuilds the
+    cache (remote ones, URLs, are named by data_files alone)."""
+    if not data_files:
+        return []
+    entries = data_files.values() if isinstance(data_files, dict) else [data_files]
+    flat = [str(e) for v in entries for e in (v if isinstance(v, (list, tuple)) else [v]) if "://" not in str(e)]
+    files = sorted({m for e in flat for m in glob.glob(os.path.expanduser(e), recursive=True) if os.path.isfile(m)})
+    return [[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
 
 
 def _build_inputs(d: DataConfig, tok) -> dict:

@@ -176,9 +176,14 @@ def test_cache_metadata_records_the_hf_sources(tmp_path):
                   "trainer.micro_batch_size=1", "schedule.microbatches=1")
     tokens_path = Path(prepare(run).tokens_path)
     meta = json.loads(meta_path(tokens_path).read_text())
+    stat = path.stat()
     assert meta["inputs"]["sources"] == {"path": "json", "data_files": str(path), "split": "train",
-                                         "text_field": "body"}
+                                         "text_field": "body",
+                                         "local_files": [[str(path), stat.st_size, stat.st_mtime]]}
     assert meta["num_tokens"] == sum(len(f"document {i}") + 1 for i in range(40))
+    path.write_text(path.read_text() + "\n" + json.dumps({"body": "one more"}))  # edited in place
+    assert Path(prepare(run).tokens_path) == tokens_path
+    assert json.loads(meta_path(tokens_path).read_text())["num_tokens"] == meta["num_tokens"] + len("one more") + 1
 
 
 def test_a_truncated_cache_is_named_and_rebuilt(built, capsys):

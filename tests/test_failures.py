@@ -46,7 +46,8 @@ def test_pp2_fault_on_rank0_blames_rank0_every_time(tmp_path, attempt):
     assert not (tmp_path / "job" / "rank_failures").exists() and not (tmp_path / "job" / ".flight").exists()
 
 
-def test_fault_in_a_3d_layout_names_the_failing_rank(tmp_path):
+@pytest.mark.parametrize("attempt", range(2))
+def test_fault_in_a_3d_layout_names_the_failing_rank(tmp_path, attempt):
     e = _failure(tmp_path, "job", *TINY, "data=synthetic", "parallelism=3d_2x2x2", "schedule.microbatches=2",
                  "trainer.steps=4", "debug.fail_rank=5", "debug.fail_step=1")
     assert e.reason.startswith("rank 5 failed: framework.trainer.InjectedFault: injected fault on rank 5"), e.reason
