@@ -27,7 +27,7 @@ from .logging import RunInfo
 from .metrics.bubble import analytic_bubble
 from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
-from .models import build_hf_model
+from .models import build_hf_model, with_pretrained_sizes
 from .plan import make_plan, render_plan
 from .signals import Stopped
 from .validate import check_job_dir, validate, validate_model
@@ -77,10 +77,17 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
     per_dp_rank = t.micro_batch_size * run.schedule.microbatches
     assert per_dp_rank * p.dp == run.global_batch
     return (f"world {run.world_size} = dp {p.dp} x tp {p.tp} x pp {p.pp} on {device_type} | "
-            f"model {run.model.name} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
+            f"model {_model_text(run)} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
             f"global batch {run.global_batch} seqs = micro_batch_size {t.micro_batch_size} x microbatches "
             f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
             f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}")
+
+
+def _model_text(run: RunConfig) -> str:
+    m = run.model
+    source = f"from {m.pretrained}" if m.pretrained else "random init"
+    return (f"{m.name} ({m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, {m.n_head} heads, "
+            f"vocab {m.vocab_size or 'of the data'}; {source})")
 
 
 def _peak_text(info: RunInfo) -> str:
@@ -139,6 +146,8 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     try:
         check_job_dir(job_dir)
         validate(run)
+        if run.model.pretrained:
+            run.model = with_pretrained_sizes(run.model)
         if run.dry_run:
             return dry_run(run, job_dir)
         device_type = resolve_device(run.device)
@@ -171,6 +180,7 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
 # and `hydra.run.dir=.` makes it the working directory.
 JOB_OUTPUTS = ("config.yaml", "run_info.json", "summary.json", "summary.json.tmp", "metrics.jsonl",
                "metrics.jsonl.partial", "error.txt", "hang.txt", "trace.json", "timeline.png", "final_model.pt",
+               "final_model", "final_model.tmp",
                "plan.json", "wandb", "rank_failures", ".flight")
 PREVIOUS_DIR = ".previous"
 

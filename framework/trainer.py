@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .data import ShardedSampler, TokenData
+from .export import export_pretrained
 from .logging import RunInfo, RunLogger
 from .metrics.memory import (ActivationTracker, device_memory, model_state_bytes, optimizer_state_ratio, peak_rss_bytes,
                              zero_model_states)
@@ -198,8 +199,9 @@ def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) 
     return mem
 
 
-def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
-    """final_model.pt: transformers parameter names, merged over pipeline stages on rank 0."""
+def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str, tokenizer: Optional[str] = None) -> None:
+    """final_model.pt (transformers parameter names, merged over pipeline stages and tp on
+    rank 0) and final_model/, the same weights as a transformers directory (framework.export)."""
     if getattr(runner, "zero", None) is not None and runner.zero.stage == 3:
         runner.zero.gather_all()  # parameters are sharded over dp between steps
     # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
@@ -213,6 +215,13 @@ def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str) -> None:
         path = os.path.join(job_dir, "final_model.pt")
         torch.save(merged, path + ".tmp")
         os.replace(path + ".tmp", path)
+        ctx.recorder.note("write final_model/ (rank 0)")
+        export_pretrained(merged, full.hf_model.config, tokenizer, job_dir)
+
+
+def transformers_tokenizer(run: RunConfig) -> Optional[str]:
+    """The tokenizer to export beside the model: None for synthetic data and bytes."""
+    return None if run.data.name == "synthetic" or run.data.tokenizer == "bytes" else run.data.tokenizer
 
 
 def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> Optional[dict]:
@@ -238,7 +247,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> 
                 pending = []
         if run.trainer.save_checkpoint:
             ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
-            save_checkpoint(runner, full, ctx, job_dir)
+            save_checkpoint(runner, full, ctx, job_dir, transformers_tokenizer(run))
         ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
         return logger.finish(rank_memory(runner, rec, run, ctx.device))  # summary.json last: marks completion
     except BaseException:

@@ -77,9 +77,20 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     return model
 
 
+def with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
+    """`m` with the sizes of its pretrained checkpoint's config.json in place of the preset's,
+    so config.yaml, the banner and W&B say what the run trains."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    return replace(m, **ARCHS[m.arch].model_sizes(AutoConfig.from_pretrained(m.pretrained)))
+
+
 def num_positions(hf_model) -> int:
     c = hf_model.config
     return getattr(c, "n_positions", None) or c.max_position_embeddings
 
 
-__all__ = ["build_model", "build_hf_model", "param_dtype", "SplitLM", "lm_loss", "num_positions", "ARCHS"]
+__all__ = ["build_model", "build_hf_model", "param_dtype", "SplitLM", "lm_loss", "num_positions", "ARCHS",
+           "with_pretrained_sizes"]

@@ -47,6 +47,13 @@ def hf_config(m: ModelConfig, vocab_size: int) -> GPT2Config:
     )
 
 
+def model_sizes(c: GPT2Config) -> dict:
+    """The ModelConfig keys a GPT2Config sets (hf_config's inverse): a pretrained run records
+    its checkpoint's real sizes, not its preset's."""
+    return dict(n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head, n_inner=c.n_inner, n_kv_head=None,
+                max_positions=c.n_positions, vocab_size=c.vocab_size, tie_embeddings=bool(c.tie_word_embeddings))
+
+
 def split(model: GPT2LMHeadModel, checkpoint_blocks: bool = False) -> SplitLM:
     t = model.transformer
     return SplitLM(GPT2Embedding(t.wte, t.wpe, t.drop), [HFBlock(b) for b in t.h],

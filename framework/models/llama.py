@@ -40,6 +40,14 @@ def hf_config(m: ModelConfig, vocab_size: int) -> LlamaConfig:
     )
 
 
+def model_sizes(c: LlamaConfig) -> dict:
+    """The ModelConfig keys a LlamaConfig sets (hf_config's inverse)."""
+    return dict(n_layer=c.num_hidden_layers, n_embd=c.hidden_size, n_head=c.num_attention_heads,
+                n_kv_head=c.num_key_value_heads, n_inner=c.intermediate_size,
+                max_positions=c.max_position_embeddings, vocab_size=c.vocab_size,
+                tie_embeddings=bool(c.tie_word_embeddings))
+
+
 def _rms_norm(self: LlamaRMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
     """LlamaRMSNorm.forward, upcasting to at least fp32 where transformers casts to fp32."""
     input_dtype = hidden_states.dtype
