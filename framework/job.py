@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Optional
@@ -191,14 +192,18 @@ def set_aside_previous(job_dir: str) -> Optional[str]:
     beside a new error.txt would read as a completed run). Returns where they went."""
     if not os.path.isdir(job_dir):
         return None
-    old = [n for n in JOB_OUTPUTS if os.path.lexists(os.path.join(job_dir, n))]
-    if not old:
+    return _move_aside(job_dir, [n for n in JOB_OUTPUTS if os.path.lexists(os.path.join(job_dir, n))],
+                       "an earlier run's files")
+
+
+def _move_aside(folder: str, names: list[str], what: str) -> Optional[str]:
+    if not names:
         return None
-    dest = os.path.join(job_dir, PREVIOUS_DIR, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-    os.makedirs(dest)
-    for name in old:
-        shutil.move(os.path.join(job_dir, name), os.path.join(dest, name))
-    print(f"{job_dir} held an earlier run's files ({', '.join(old)}): moved them to {dest}", flush=True)
+    os.makedirs(os.path.join(folder, PREVIOUS_DIR), exist_ok=True)
+    dest = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=os.path.join(folder, PREVIOUS_DIR))
+    for name in names:
+        shutil.move(os.path.join(folder, name), os.path.join(dest, name))
+    print(f"{folder} held {what} ({', '.join(names)}): moved to {dest}", flush=True)
     return dest
 
 
@@ -207,3 +212,41 @@ def write_outcome(job_dir: str, status: str, reason: str) -> None:
     interrupted, the one-line `reason`, and no metrics (a sweeper gets NaN, run.py)."""
     write_report(os.path.join(job_dir, "summary.json"),
                 json.dumps({"status": status, "reason": reason, "time": time.time()}, indent=2))
+
+
+def set_aside_sweep(sweep_dir: str) -> Optional[str]:
+    """A reused sweep directory: the earlier sweep's job directories (numbered), its
+    multirun.yaml and its report go to `.previous/<time>/`, so the report never mixes two
+    sweeps (an old job 5 beside a new sweep of 3 jobs)."""
+    if not os.path.isdir(sweep_dir):
+        return None
+    return _move_aside(sweep_dir, sorted(n for n in os.listdir(sweep_dir)
+                                         if n.isdigit() or n in ("multirun.yaml", "report.csv", "report.md")),
+                       "an earlier sweep")
+
+
+class JobDirCallback:
+    """A Hydra callback (conf/config.yaml hydra.callbacks). Hydra creates the job directory
+    before run.py runs, so an unwritable `hydra.run.dir` / `hydra.sweep.dir` would end in
+    Hydra's own traceback: checked here first, with the usual one-line error, exit 1. A
+    reused sweep directory's earlier sweep is set aside before the new one writes."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        _dir_or_exit(str(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        _dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+        set_aside_sweep(str(config.hydra.sweep.dir))
+
+    def __getattr__(self, name):  # Hydra calls every other hook too; they do nothing here
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def _dir_or_exit(path: str, key: str) -> None:
+    try:
+        check_job_dir(path)
+    except ConfigError as e:
+        print(f"config error: {str(e).replace('hydra.run.dir=', key + '=', 1)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

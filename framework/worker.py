@@ -109,10 +109,12 @@ def pg_timeout(run: RunConfig) -> timedelta:
     return timedelta(seconds=run.trainer.hang_timeout_s + PG_TIMEOUT_MARGIN_S)
 
 
-# A peer killed by a signal has closed its sockets a few microseconds before it is a zombie;
-# this rank's error arrives through those sockets, so by then (+ this margin) the peer shows
-# as dead, and the launcher blames it, not this rank.
-PEER_DEATH_SETTLE_S = 0.1
+# A peer killed by a signal has closed its sockets a little before it is a zombie (a CUDA
+# process: after its driver context is torn down, which can take longer); this rank's error
+# arrives through those sockets. So when the error is a closed connection, the peers are
+# looked at until one shows as dead (at most this long), and the launcher blames that one.
+PEER_DEATH_SETTLE_S = 2.0
+CONNECTION_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def record_failure(job_dir: str, rank: int) -> None:
@@ -122,9 +124,12 @@ def record_failure(job_dir: str, rank: int) -> None:
     launcher falls back to exit codes, so this never raises."""
     path = os.path.join(job_dir, FAILURES_DIR, f"rank{rank}.json")
     when, tb = time.time(), traceback.format_exc()
-    time.sleep(PEER_DEATH_SETTLE_S)  # no peer can fail from us yet: our connections are open
     first = rank - int(os.environ.get("LOCAL_RANK", "0"))
-    dead = dead_ranks(job_dir, range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), rank)
+    node = range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # No peer can fail because of us while we wait: our own connections are still open.
+    deadline = time.monotonic() + (PEER_DEATH_SETTLE_S if any(c in tb for c in CONNECTION_ERRORS) else 0.1)
+    while not (dead := dead_ranks(job_dir, node, rank)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     text = json.dumps({"rank": rank, "time": when, "traceback": tb, "peers_dead": dead})
     write_report(path, text, who=f"rank {rank}: ")
 

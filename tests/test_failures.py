@@ -224,3 +224,13 @@ def test_ctrl_c_and_sigterm_stop_every_rank_with_one_line(tmp_path, sig, code):
     assert not (tmp_path / "rank_failures").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
     assert _processes_with(marker) == []
+
+
+def test_a_reused_sweep_directory_never_mixes_two_sweeps(tmp_path):
+    assert run_cli(["-m", "trainer.steps=0,-1,-2", *FAST, f"hydra.sweep.dir={tmp_path}"]).returncode == 0
+    r = run_cli(["-m", "trainer.steps=-3,-4", *FAST, f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0 and "held an earlier sweep" in r.stdout
+    rows = collect(tmp_path)
+    assert [(x["job"], x["overrides"].split()[0]) for x in rows] == [("0", "trainer.steps=-3"), ("1", "trainer.steps=-4")]
+    (aside,) = (tmp_path / ".previous").iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["0", "1", "2", "multirun.yaml"]

@@ -217,30 +217,3 @@ def check_job_dir(job_dir: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise ConfigError("hydra.run.dir", job_dir, f"is not writable ({e.strerror})", fix) from None
-
-
-class RunDirCheck:
-    """A Hydra callback (conf/config.yaml hydra.callbacks): Hydra creates the job directory
-    before run.py runs, so an unwritable `hydra.run.dir` / `hydra.sweep.dir` would end in
-    Hydra's own traceback; checked here first, with the usual one-line error, exit 1."""
-
-    def on_run_start(self, config, **kwargs) -> None:
-        _dir_or_exit(str(config.hydra.run.dir), "hydra.run.dir")
-
-    def on_multirun_start(self, config, **kwargs) -> None:
-        _dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
-
-    def __getattr__(self, name):  # Hydra calls every other hook too; they do nothing here
-        if name.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
-
-
-def _dir_or_exit(path: str, key: str) -> None:
-    import sys
-
-    try:
-        check_job_dir(path)
-    except ConfigError as e:
-        print(f"config error: {str(e).replace('hydra.run.dir=', key + '=', 1)}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
