@@ -31,6 +31,7 @@ from typing import Optional
 
 from . import flight
 from .config import RunConfig
+from .files import write_report
 from .flight import process_state
 from .signals import Stopped
 from .worker import FAILURES_DIR, rank_main
@@ -221,11 +222,8 @@ class Watchdog:
                     f"progress for {self.timeout_s:g} s (trainer.hang_timeout_s)")
         text = hang_text(headline, flights, states, now)
         path = os.path.join(self.job_dir, HANG_FILE)
-        try:
-            with open(path, "w") as f:
-                f.write(text)
-        except OSError as e:
-            text += f"\n(could not write {path}: {e})"
+        if not write_report(path, text):
+            text += f"\n(could not write {path})"
         self.report = RankFailure(text + f"\nevery rank was killed (SIGKILL); this report is in {path}", headline)
         # The handles of the ranks this launcher started (never a reused pid), and the pids a
         # recorder names in case a handle was not seen yet.
