@@ -31,7 +31,6 @@ once from each epoch).
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import json
 import os
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, DataConfig, RunConfig
-from .validate import check_text_field, first_line, validate_prepared
+from .validate import check_text_field, first_line, local_data_files, validate_prepared
 
 BYTES_VOCAB = 257  # 256 byte values + end-of-document
 BYTES_EOS = 256
@@ -184,11 +183,7 @@ def _sources(d: DataConfig) -> dict:
 def _local_files(data_files) -> list:
     """Local data files with size and modification time: a file edited in place rebuilds the
     cache (remote ones, URLs, are named by data_files alone)."""
-    if not data_files:
-        return []
-    entries = data_files.values() if isinstance(data_files, dict) else [data_files]
-    flat = [str(e) for v in entries for e in (v if isinstance(v, (list, tuple)) else [v]) if "://" not in str(e)]
-    files = sorted({m for e in flat for m in glob.glob(os.path.expanduser(e), recursive=True) if os.path.isfile(m)})
+    files = sorted({m for matches in local_data_files(data_files).values() for m in matches})
     return [[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
 
 

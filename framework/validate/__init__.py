@@ -18,11 +18,11 @@ from ..parallel.pipeline.schedules import ASYNC_SCHEDULES, SCHEDULES, interleave
 from .common import choice, first_line, number, positive
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .optimizer import check_optimizer
-from .paths import check_job_dir, check_model_type, check_paths, safetensors_problem
+from .paths import check_job_dir, check_model_type, check_paths, local_data_files, safetensors_problem
 
 __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
-           "check_model_type", "check_rank_env", "check_job_dir", "cpu_rank_limit", "safetensors_problem",
-           "first_line"]
+           "check_model_type", "local_data_files", "check_rank_env", "check_job_dir", "cpu_rank_limit",
+           "safetensors_problem", "first_line"]
 
 ARCHS = ("gpt2", "llama")
 DATASETS = ("pycode", "synthetic", "hf")

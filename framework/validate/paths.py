@@ -184,17 +184,21 @@ def _hub_name(key: str, name: str, cache_files: tuple[str, ...], loader: str, fi
         raise ConfigError(key, name, f"{head} ({first_line(e)})", fix) from None
 
 
-def _data_files(data_files: Any) -> None:
-    """Each entry (a path or glob; a list, or a dict of split -> entries) matches at least
-    one readable file, unless it is a URL, which `datasets` downloads itself."""
+def local_data_files(data_files: Any) -> dict[str, list[str]]:
+    """data.data_files (a path or glob; a list, or a dict of split -> entries) -> each local
+    entry's matching files. URLs are left out: `datasets` downloads them itself."""
+    if not data_files:
+        return {}
     entries = data_files.values() if isinstance(data_files, dict) else [data_files]
-    flat = [e for v in entries for e in (v if isinstance(v, (list, tuple)) else [v])]
+    flat = [str(e) for v in entries for e in (v if isinstance(v, (list, tuple)) else [v])]
+    return {e: sorted(m for m in glob.glob(os.path.expanduser(e), recursive=True) if os.path.isfile(m))
+            for e in flat if "://" not in e}
+
+
+def _data_files(data_files: Any) -> None:
+    """Each local entry matches at least one readable file."""
     fix = "give existing readable files (a path or glob pattern), or a URL"
-    for entry in flat:
-        entry = str(entry)
-        if "://" in entry:
-            continue
-        matches = [m for m in glob.glob(os.path.expanduser(entry), recursive=True) if os.path.isfile(m)]
+    for entry, matches in local_data_files(data_files).items():
         if not matches:
             raise ConfigError("data.data_files", entry, "matches no file", fix)
         unreadable = [m for m in matches if not os.access(m, os.R_OK)]
