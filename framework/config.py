@@ -52,6 +52,10 @@ class DataConfig:
     num_samples: int = 4096  # synthetic: number of sequences
     vocab_size: int = 256  # synthetic: token ids drawn from [0, vocab_size)
     cache_dir: Optional[str] = None  # packed-token cache; null = ~/.cache/framework
+    # Held-out data for trainer.eval_interval (val_loss); no training step ever sees it.
+    val_files: int = 20  # pycode: the last N stdlib files (sorted), never trained on
+    val_split: Optional[str] = None  # hf: a split of the dataset to evaluate on (e.g. validation) ...
+    val_fraction: float = 0.0  # ... or this last fraction of the training split's documents, held out
 
 
 @dataclass
@@ -90,6 +94,12 @@ class TrainerConfig:
     # A rank that makes no progress this long ends the job (launcher's watchdog, hang.txt);
     # the process-group timeout is this plus framework.worker.PG_TIMEOUT_MARGIN_S.
     hang_timeout_s: float = 300.0
+    # Distributed checkpoints (framework/checkpoint.py): every N steps to checkpoints/step_<k>/; 0 = off.
+    checkpoint_interval: int = 0
+    keep_checkpoints: Optional[int] = 2  # newest complete checkpoints kept; null = all
+    resume: Optional[str] = None  # null | auto (newest complete checkpoint in the job dir, else start) | a path
+    eval_interval: int = 0  # steps between held-out evaluations (val_loss); 0 = off
+    eval_batches: int = 4  # global batches of held-out sequences per evaluation
 
 
 @dataclass
@@ -115,6 +125,9 @@ class DebugConfig:
     stage_delay_ms: float = 0.0  # sleep this long inside every forward and backward compute ...
     delay_pp_rank: int = 0  # ... of this pipeline rank (tests the measured bubble)
     coalesced_p2p: bool = False  # emulate NCCL: batch_isend_irecv returns ONE Work per batch
+    # Every rank first builds the whole model, then keeps its part: the start-up before
+    # per-rank materialisation, kept to measure what that saves (experiments/startup_memory).
+    materialise_whole: bool = False
 
 
 @dataclass

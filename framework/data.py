@@ -26,6 +26,15 @@ dp layout with the same G sees the same samples in the same step as one process 
 within an epoch no sample is dropped or repeated across ranks (a step may straddle an
 epoch boundary instead of dropping the epoch's tail; such a step can then meet a sample
 once from each epoch).
+
+Held-out data (trainer.eval_interval, framework/evaluate.py): documents no training step
+sees. pycode: the last data.val_files stdlib files (sorted); training reads the first
+data.max_files of the others. hf: data.val_split, or the last data.val_fraction of the
+training split's (non-empty) documents, round(fraction * documents) and at least one.
+synthetic: eval_batches global batches of tokens drawn with another seed. The training
+stream leaves the held-out documents out whether or not evaluation is on, so turning it on
+never changes training; the held-out tokens get a second checked cache (`<name>-val-<key>`),
+built only when evaluation is on.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from .validate import check_text_field, first_line, local_data_files, validate_p
 
 BYTES_VOCAB = 257  # 256 byte values + end-of-document
 BYTES_EOS = 256
+HELDOUT_SEED_STREAM = 1  # synthetic held-out tokens: default_rng([seed, 1]), training's is default_rng(seed)
 
 
 class ByteTokenizer:
@@ -83,14 +93,30 @@ def get_tokenizer(name: str):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
 
 
-def stdlib_files(max_files: Optional[int]) -> list[str]:
-    """The running Python's standard-library sources, sorted, without site-packages."""
+def stdlib_files(max_files: Optional[int], val_files: int = 0) -> list[str]:
+    """The training files: the running Python's standard-library sources, sorted, without
+    site-packages and without the `val_files` held out at the end; the first max_files."""
+    files = _all_stdlib_files()
+    rest = files[:len(files) - val_files]
+    if not rest:
+        raise ConfigError("data.val_files", val_files, f"holds out all {len(files)} stdlib files, none is left "
+                          "to train on", f"use data.val_files < {len(files)}, e.g. 20")
+    return rest[:max_files] if max_files else rest
+
+
+def heldout_files(val_files: int) -> list[str]:
+    """pycode's held-out files: the last `val_files` of the sorted stdlib sources."""
+    files = _all_stdlib_files()
+    return files[len(files) - min(val_files, len(files)):] if val_files > 0 else []
+
+
+def _all_stdlib_files() -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(_py_files(root))
     if not files:
         raise ConfigError("data.name", "pycode", f"no .py sources under {root}",
                           "use data=synthetic, or data=hf with a local file")
-    return files[:max_files] if max_files else files
+    return files
 
 
 def _py_files(root: Path) -> Iterator[str]:
@@ -101,23 +127,45 @@ def _py_files(root: Path) -> Iterator[str]:
         yield from (os.path.join(parent, n) for n in names if n.endswith(".py"))
 
 
-def _load_texts(d: DataConfig, cache: Path) -> list[str]:
+def _files(d: DataConfig, part: str) -> list[str]:
+    """pycode's files of `part` ("train" | "val")."""
+    return heldout_files(d.val_files) if part == "val" else stdlib_files(d.max_files, d.val_files)
+
+
+def _split(d: DataConfig, part: str) -> str:
+    """The hf split a part's documents come from."""
+    return d.val_split if part == "val" and d.val_split else d.split
+
+
+def held_out_count(documents: int, fraction: float) -> int:
+    """Documents data.val_fraction holds out of the training split: round(f * n), at least one."""
+    return max(1, round(documents * fraction)) if fraction > 0 else 0
+
+
+def _load_texts(d: DataConfig, cache: Path, part: str = "train") -> list[str]:
     from datasets import load_dataset
 
     hf_cache = str(cache / "hf")
     if d.name == "pycode":
-        ds = load_dataset("text", data_files=stdlib_files(d.max_files), sample_by="document",
-                          split="train", cache_dir=hf_cache)
+        ds = load_dataset("text", data_files=_files(d, part), sample_by="document", split="train", cache_dir=hf_cache)
     else:
         try:
-            ds = load_dataset(d.path, data_files=d.data_files, split=d.split, cache_dir=hf_cache)
+            ds = load_dataset(d.path, data_files=d.data_files, split=_split(d, part), cache_dir=hf_cache)
         except Exception as e:  # noqa: BLE001 - datasets raises many types for a bad file or name
+            if _split(d, part) != d.split:
+                raise ConfigError("data.val_split", d.val_split, f"could not be loaded by datasets.load_dataset("
+                                  f"{d.path!r}) ({first_line(e)})", "name a split the dataset has (a local directory "
+                                  "as data.path: its files named by split, e.g. train.jsonl, validation.jsonl)") from None
             raise ConfigError("data.data_files" if d.data_files else "data.path", d.data_files or d.path,
                               f"could not be loaded by datasets.load_dataset({d.path!r}) ({first_line(e)})",
                               "check the file's format matches the loader (json lines for json), or the dataset "
                               "name and split") from None
     check_text_field(d, ds.column_names)
-    return [t for t in ds["text" if d.name == "pycode" else d.text_field] if t]
+    texts = [t for t in ds["text" if d.name == "pycode" else d.text_field] if t]
+    if d.name != "hf" or _split(d, part) != d.split:
+        return texts
+    keep = len(texts) - held_out_count(len(texts), d.val_fraction)  # the fraction's documents are the last
+    return texts[keep:] if part == "val" else texts[:keep]
 
 
 def _pack(texts: list[str], tok) -> np.ndarray:
@@ -132,8 +180,10 @@ def cache_dir(d: DataConfig) -> Path:
     return Path(d.cache_dir or os.path.expanduser("~/.cache/framework"))
 
 
-def _cache_key(d: DataConfig) -> str:
-    fields = {k: v for k, v in asdict(d).items() if k not in ("cache_dir", "seq_len", "num_samples", "vocab_size")}
+def _cache_key(d: DataConfig, part: str = "train") -> str:
+    """Named by the fields the part's tokens are built from (the metadata checks them exactly)."""
+    unused = ("cache_dir", "seq_len", "num_samples", "vocab_size", "val_split" if part == "train" else "max_files")
+    fields = {k: v for k, v in asdict(d).items() if k not in unused}
     if d.name == "pycode":
         fields["stdlib"] = sysconfig.get_paths()["stdlib"]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
@@ -146,20 +196,37 @@ class PreparedData:
     tokens_path: Optional[str]  # None for synthetic data (generated in each rank)
     vocab_size: int
     num_samples: int
+    # Held-out tokens (trainer.eval_interval > 0; else None and 0). The path is None for
+    # synthetic data too: each rank draws them (`TokenData.load_heldout`).
+    val_tokens_path: Optional[str] = None
+    val_num_samples: int = 0
 
 
 def prepare(run: RunConfig) -> PreparedData:
-    """Once per job, before any rank starts: the verified (or freshly built) token cache."""
+    """Once per job, before any rank starts: the verified (or freshly built) token caches, the
+    held-out one only when evaluation is on."""
     d = run.data
+    evaluating = run.trainer.eval_interval > 0
     if d.name == "synthetic":
-        return _checked(run, PreparedData(None, d.vocab_size, d.num_samples))
+        val = synthetic_heldout_samples(run) if evaluating else 0
+        return _checked(run, PreparedData(None, d.vocab_size, d.num_samples, None, val))
     tok = get_tokenizer(d.tokenizer)
     cache = cache_dir(d)
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{d.name}-{_cache_key(d)}.npy"
     meta = _verified_or_built(run, tok, path, _build_inputs(d, tok))
-    n = (meta["num_tokens"] - 1) // d.seq_len
-    return _checked(run, PreparedData(str(path), tok.vocab_size, n))
+    p = PreparedData(str(path), tok.vocab_size, (meta["num_tokens"] - 1) // d.seq_len)
+    if evaluating:
+        val_path = cache / f"{d.name}-val-{_cache_key(d, 'val')}.npy"
+        val_meta = _verified_or_built(run, tok, val_path, _build_inputs(d, tok, "val"), "val")
+        p.val_tokens_path, p.val_num_samples = str(val_path), (val_meta["num_tokens"] - 1) // d.seq_len
+    return _checked(run, p)
+
+
+def synthetic_heldout_samples(run: RunConfig) -> int:
+    """Synthetic held-out sequences: exactly what one evaluation reads (every evaluation reads
+    the same ones), so none wraps around."""
+    return run.trainer.eval_batches * run.global_batch
 
 
 # ---- the checked token cache (see the module docstring) ----
@@ -171,13 +238,19 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.int32)
 
 
-def _sources(d: DataConfig) -> dict:
-    """What the corpus is read from. pycode lists every file with its size, so a Python
-    upgraded in place (same stdlib path, changed files) rebuilds the cache."""
+def _sources(d: DataConfig, part: str = "train") -> dict:
+    """What the part's documents are read from. pycode lists every file with its size, so a
+    Python upgraded in place (same stdlib path, changed files) rebuilds the cache, and so does
+    one built before the held-out files were left out. hf names a held-out fraction (which
+    documents of the split a part keeps) when there is one, so a change rebuilds."""
     if d.name == "pycode":
-        return {"stdlib": [[f, os.path.getsize(f)] for f in stdlib_files(d.max_files)]}
-    return {"path": d.path, "data_files": d.data_files, "split": d.split, "text_field": d.text_field,
-            "local_files": _local_files(d.data_files)}
+        out = {"stdlib": [[f, os.path.getsize(f)] for f in _files(d, part)]}
+    else:
+        out = {"path": d.path, "data_files": d.data_files, "split": _split(d, part), "text_field": d.text_field,
+               "local_files": _local_files(d.data_files)}
+        if d.val_fraction > 0 and _split(d, part) == d.split:
+            out["held_out_fraction"] = d.val_fraction
+    return {**out, "part": "held out"} if part == "val" else out
 
 
 def _local_files(data_files) -> list:
@@ -187,9 +260,9 @@ def _local_files(data_files) -> list:
     return [[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
 
 
-def _build_inputs(d: DataConfig, tok) -> dict:
+def _build_inputs(d: DataConfig, tok, part: str = "train") -> dict:
     """Everything the packed tokens depend on. Not seq_len: packing is one stream for any seq_len."""
-    return {"format": CACHE_FORMAT, "name": d.name, "sources": _sources(d), "tokenizer": d.tokenizer,
+    return {"format": CACHE_FORMAT, "name": d.name, "sources": _sources(d, part), "tokenizer": d.tokenizer,
             "vocab_size": tok.vocab_size, "dtype": _token_dtype(tok.vocab_size).name}
 
 
@@ -213,7 +286,7 @@ def _locked(path: Path, mode: int):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _verified_or_built(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
+def _verified_or_built(run: RunConfig, tok, path: Path, inputs: dict, part: str = "train") -> dict:
     """The cache's metadata, after verifying the cache or (re)building it."""
     with _locked(path, fcntl.LOCK_SH):  # many jobs may verify at once; none builds meanwhile
         meta, problem = _verify(path, inputs)
@@ -229,7 +302,7 @@ def _verified_or_built(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
         # from builds that died: remove them with the bad cache.
         for p in [path, meta_path(path), *path.parent.glob(f"{path.stem}.tmp*")]:
             p.unlink(missing_ok=True)
-        return _build(run, tok, path, inputs)
+        return _build(run, tok, path, inputs, part)
 
 
 def _verify(path: Path, inputs: dict) -> tuple[Optional[dict], Optional[str]]:
@@ -290,10 +363,10 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _build(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
-    """Pack the corpus into `path`, then write its metadata. Both go through per-pid temporaries
-    and an atomic rename, the metadata last: a cache whose metadata exists is complete."""
-    tokens = _pack(_load_texts(run.data, path.parent), tok).astype(inputs["dtype"])
+def _build(run: RunConfig, tok, path: Path, inputs: dict, part: str) -> dict:
+    """Pack the part's documents into `path`, then write its metadata. Both go through per-pid
+    temporaries and an atomic rename, the metadata last: a cache whose metadata exists is complete."""
+    tokens = _pack(_load_texts(run.data, path.parent, part), tok).astype(inputs["dtype"])
     tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
     np.save(tmp, tokens)
     meta = {"inputs": inputs, "num_tokens": len(tokens), "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
@@ -306,7 +379,7 @@ def _build(run: RunConfig, tok, path: Path, inputs: dict) -> dict:
 
 
 def _checked(run: RunConfig, p: PreparedData) -> PreparedData:
-    validate_prepared(run, p.vocab_size, p.num_samples)
+    validate_prepared(run, p.vocab_size, p.num_samples, p.val_num_samples)
     return p
 
 
@@ -334,6 +407,18 @@ class TokenData:
             tokens = rng.integers(0, d.vocab_size, size=d.num_samples * d.seq_len + 1, dtype=np.int64)
         else:
             tokens = _mmap_tokens(tokens_path)
+        return cls(tokens, d.seq_len)
+
+    @classmethod
+    def load_heldout(cls, run: RunConfig, val_tokens_path: Optional[str], val_num_samples: int) -> TokenData:
+        """The held-out tokens `prepare` made; synthetic ones are drawn here, from a seed
+        stream the training tokens never use."""
+        d = run.data
+        if val_tokens_path is None:
+            rng = np.random.default_rng([run.trainer.seed, HELDOUT_SEED_STREAM])
+            tokens = rng.integers(0, d.vocab_size, size=val_num_samples * d.seq_len + 1, dtype=np.int64)
+        else:
+            tokens = _mmap_tokens(val_tokens_path)
         return cls(tokens, d.seq_len)
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

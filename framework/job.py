@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from . import checkpoint
 from .config import ConfigError, RunConfig, to_yaml
 from .data import prepare
 from .device import resolve_device, threads_per_rank
@@ -60,7 +61,9 @@ def _peak(run: RunConfig, device_type: str) -> tuple[Optional[float], str]:
         torch.set_num_threads(threads)
 
 
-def run_info(run: RunConfig, device_type: str) -> RunInfo:
+def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) -> RunInfo:
+    """`job_dir`: where trainer.resume=auto looks (None: no resume)."""
+    resume = checkpoint.resolve_resume(run, job_dir) if job_dir else None  # before the data: fails fast
     prepared = prepare(run)
     vocab = run.model.vocab_size or prepared.vocab_size
     model = meta_model(run, vocab)
@@ -70,7 +73,13 @@ def run_info(run: RunConfig, device_type: str) -> RunInfo:
     peak, source = _peak(run, device_type)
     s = run.schedule
     bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
-    return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble)
+    if resume is not None:
+        checkpoint.check_compatible(run, resume, vocab)
+    if job_dir:
+        set_aside_checkpoints(job_dir, resume)
+    return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble,
+                   resume_from=resume, val_tokens_path=prepared.val_tokens_path,
+                   val_num_samples=prepared.val_num_samples)
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
@@ -81,7 +90,13 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
             f"model {_model_text(run)} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
             f"global batch {run.global_batch} seqs = micro_batch_size {t.micro_batch_size} x microbatches "
             f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
-            f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}")
+            f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}{_resume_text(info)}")
+
+
+def _resume_text(info: RunInfo) -> str:
+    if not info.resume_from:
+        return ""
+    return f"\nresuming from {info.resume_from} at step {checkpoint.read_meta(info.resume_from)['step']}"
 
 
 def _model_text(run: RunConfig) -> str:
@@ -127,7 +142,8 @@ def _vocab_without_data(run: RunConfig) -> int:
 def summary_lines(summary: dict) -> str:
     lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
              f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
-             f"(medians over {summary['measured_steps']} steps after {summary['steps'] - summary['measured_steps']} warm-up)"]
+             f"(medians over {summary['measured_steps']} steps after "
+             f"{summary['steps'] - summary['first_step'] - summary['measured_steps']} warm-up)"]
     for r in summary["ranks"]:
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
                      f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
@@ -152,7 +168,7 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
         if run.dry_run:
             return dry_run(run, job_dir)
         device_type = resolve_device(run.device)
-        info = run_info(run, device_type)
+        info = run_info(run, device_type, job_dir)
     except ConfigError as e:
         write_outcome(job_dir, "rejected", str(e))
         raise
@@ -212,6 +228,15 @@ def write_outcome(job_dir: str, status: str, reason: str) -> None:
     interrupted, the one-line `reason`, and no metrics (a sweeper gets NaN, run.py)."""
     write_report(os.path.join(job_dir, "summary.json"),
                 json.dumps({"status": status, "reason": reason, "time": time.time()}, indent=2))
+
+
+def set_aside_checkpoints(job_dir: str, resume: Optional[str]) -> None:
+    """A run that does not continue this job's own checkpoints starts a new lineage: the
+    earlier ones go to `.previous/` too, so `trainer.resume=auto` never finds a checkpoint of
+    another run. (checkpoints/ is not in JOB_OUTPUTS: a resuming run must find it.)"""
+    root = os.path.join(os.path.abspath(job_dir), checkpoint.CHECKPOINTS_DIR)
+    if os.path.isdir(root) and not (resume and os.path.abspath(resume).startswith(root + os.sep)):
+        _move_aside(job_dir, [checkpoint.CHECKPOINTS_DIR], "an earlier run's checkpoints")
 
 
 def set_aside_sweep(sweep_dir: str) -> Optional[str]:

@@ -58,10 +58,16 @@ class RunInfo:
     peak_flops_per_rank: Optional[float]
     peak_source: str  # "config" | "table" | "probe" | "none" (fp64) | "pending" (CUDA, before the ranks)
     bubble_fraction_analytic: float
+    resume_from: Optional[str] = None  # the checkpoint this run continues (framework.checkpoint)
+    val_tokens_path: Optional[str] = None  # held-out tokens (trainer.eval_interval; None: synthetic or off)
+    val_num_samples: int = 0
 
 
 class RunLogger:
-    def __init__(self, run: RunConfig, job_dir: str, ctx: ParallelContext, info: RunInfo):
+    def __init__(self, run: RunConfig, job_dir: str, ctx: ParallelContext, info: RunInfo,
+                 history: Optional[list[str]] = None):
+        """`history`: a resumed run's earlier metrics.jsonl rows (from its checkpoint); they
+        start the file, so it covers the whole run. The summary is over this process's steps."""
         self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
@@ -72,6 +78,8 @@ class RunLogger:
         if self.is_logger:
             self.partial_path = os.path.join(job_dir, "metrics.jsonl.partial")
             self.jsonl = open(self.partial_path, "w")
+            self.jsonl.writelines(history or [])
+            self.jsonl.flush()
             ctx.recorder.note("W&B init (rank 0)")
             self.wandb = self._init_wandb()
 
@@ -119,6 +127,8 @@ class RunLogger:
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds
             "rank_busy_s": [r.busy_s for r in per_rank],
             "rank_window_s": [r.window_s for r in per_rank],
+            # only in the rows of steps after which the held-out set was evaluated
+            **({"val_loss": r0.val_loss, "eval_s": max(r.eval_s for r in per_rank)} if r0.val_loss is not None else {}),
         }
 
     def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
@@ -175,7 +185,8 @@ class RunLogger:
         return summary
 
     def _summary(self, ranks: list[dict]) -> dict:
-        measured = self.records[self.run.metrics.skip_first:]
+        # A resumed run may have fewer steps left than metrics.skip_first: then its last step.
+        measured = self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
         med = {k: _median([r[k] for r in measured]) for k in MEDIAN_KEYS}
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
@@ -209,19 +220,22 @@ class RunLogger:
             "peak_tflops_per_rank": None if info.peak_flops_per_rank is None else info.peak_flops_per_rank / 1e12,
             "peak_source": info.peak_source,
             "mfu_above_one": any(r["mfu"] is not None and r["mfu"] > 1 for r in self.records),
-            "device": self.ctx.device.type, "ranks": ranks,
+            "val_loss": next((r["val_loss"] for r in reversed(self.records) if "val_loss" in r), None),
+            "device": self.ctx.device.type, "resumed_from": info.resume_from,
+            "first_step": self.records[0]["step"], "ranks": ranks,
         }
 
     def _write_timeline(self, summary: dict) -> None:
         """trace.json (every step) and timeline.png (the measured step with the median time)."""
         self.ctx.recorder.note("write trace.json and timeline.png (rank 0)")
         write_trace(self.actions, os.path.join(self.job_dir, "trace.json"))
-        measured = self.records[self.run.metrics.skip_first:]
-        chosen = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]["step"]
+        measured = self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
+        median_row = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]
+        chosen = median_row["step"]
         png = os.path.join(self.job_dir, "timeline.png")
         title = (f"{self.run.schedule.name}, pp={self.run.parallelism.pp}, m={self.run.schedule.microbatches}, "
                  f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time) | bubble measured "
-                 f"{self.records[chosen]['bubble_fraction']:.3f}, analytic {self.info.bubble_fraction_analytic:.3f}")
+                 f"{median_row['bubble_fraction']:.3f}, analytic {self.info.bubble_fraction_analytic:.3f}")
         render_timeline(self.actions[chosen], png, title)
         summary["timeline_step"] = chosen
         if self.wandb is not None:

@@ -71,3 +71,5 @@ class StepRecord:
     tp_comm_bytes: int
     actions: list[tuple[str, float, float, float]]  # (action, start, compute_start, end), unix seconds
     states: StateBytes
+    val_loss: Optional[float] = None  # held-out loss after this step (trainer.eval_interval), same on every rank
+    eval_s: float = 0.0  # its wall time (not part of step_time_s)

@@ -3,13 +3,15 @@
 A stop is not a failure: nobody is blamed, no failure record is written, and the process
 exits with 128 + the signal number (130, 143), as a shell reports a process killed by it.
 `StopSignals` is the ONE path both signals take, in the launching process and in every
-rank; `hooks` run first (in a rank: the place a pre-emption checkpoint will be saved).
+rank. A rank that checkpoints (trainer.checkpoint_interval > 0) `defer`s the stop: the
+signal only sets `requested`, and the training loop, after the ranks agree at the next step
+boundary, saves a checkpoint and raises `Stopped` itself (framework/trainer.py).
 """
 
 from __future__ import annotations
 
 import signal
-from typing import Callable
+from typing import Optional
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -33,12 +35,24 @@ class Stopped(BaseException):
 
 class StopSignals:
     def __init__(self):
-        self.hooks: list[Callable[[int], None]] = []
+        self.deferring = False
+        self.requested: Optional[int] = None  # the first stop signal received while deferring
 
     def install(self) -> StopSignals:
         for s in STOP_SIGNALS:
             signal.signal(s, self._handle)
         return self
+
+    def defer(self) -> None:
+        """From now on a stop is a request (`requested`) the caller acts on at a point of its
+        choosing; further signals are absorbed meanwhile (a scheduler's SIGTERM to the whole
+        process group, then the launcher's own SIGTERM to each rank, is one stop)."""
+        self.deferring = True
+
+    def undefer(self) -> Optional[int]:
+        """Stops raise where they land again. Returns a stop requested meanwhile, if any."""
+        self.deferring = False
+        return self.requested
 
     def ignore(self) -> None:
         """While a rank writes its failure record: a stop arriving then (the agent ending
@@ -54,7 +68,9 @@ class StopSignals:
             signal.signal(s, signal.SIG_DFL)
 
     def _handle(self, signum: int, frame) -> None:
+        if self.deferring:
+            if self.requested is None:
+                self.requested = signum
+            return
         self.default()  # one-shot
-        for hook in self.hooks:
-            hook(signum)
         raise Stopped(signum)

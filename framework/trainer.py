@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .config import RunConfig
 from .data import ShardedSampler, TokenData
+from .evaluate import HeldOut, evaluate
 from .export import export_pretrained
 from .logging import RunInfo, RunLogger
-from .metrics.memory import (ActivationTracker, device_memory, model_state_bytes, optimizer_state_ratio, peak_rss_bytes,
-                             zero_model_states)
+from .metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, model_state_bytes,
+                             optimizer_state_ratio, peak_rss_bytes, zero_model_states)
 from .metrics.peak import resolve_rank_peak
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
@@ -38,6 +41,7 @@ from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.stage import stage_state_dict
 from .records import StateBytes, StepRecord, StepResult
+from .signals import Stopped, StopSignals
 from .topology import ParallelContext
 
 
@@ -74,11 +78,13 @@ class AccumulationRunner:
         stage = run.parallelism.zero
         if stage:
             units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
-            self.zero = Zero(stage, units, ctx, tracker)
+            self.zero = Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None))
             self.wrapped, self.params = model, self.zero.shards
             self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer)
         else:
             self.zero = None
+            if hasattr(model, "fill"):
+                model.fill(model.parameters())  # built on the meta device: the whole model is this rank's
             self.wrapped, self.params = data_parallel.wrap(model, ctx), list(model.parameters())
             self.optimizer = build_optimizer(run.optimizer, self.params)
         tracker.set_params(model.parameters())  # final storages: ZeRO's flat buffers, if any
@@ -124,11 +130,14 @@ class AccumulationRunner:
                           states=states)
 
 
-def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
+def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step: int = 0):
     vocab = run.model.vocab_size or info.vocab_size
     tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp)
+    # On the meta device: the runner materialises what this rank keeps (its stages, its tp
+    # shards, ZeRO unit by unit), never the whole model (framework/models/materialise.py).
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
-                        tp_comm, run.parallelism.sequence_parallel, run.trainer.precision)
+                        tp_comm, run.parallelism.sequence_parallel, run.trainer.precision, on_meta=True,
+                        whole_first=run.debug.materialise_whole)
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):
@@ -139,7 +148,7 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext):
 
     if run.parallelism.pp == 1:
         return AccumulationRunner(run, ctx, model, tracker, tp_comm), model
-    return PipelineRunner(run, ctx, model, tracker, forward_context, tp_comm), model
+    return PipelineRunner(run, ctx, model, tracker, forward_context, tp_comm, first_step), model
 
 
 class Batches:
@@ -158,9 +167,10 @@ class Batches:
 
 def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
     """Which micro-batches a step needs, and how the runner names them."""
-    if runner.is_async:  # global micro-batch ids, possibly of the next step (warm-up runs ahead)
+    if runner.is_async:  # the run's micro-batch ids, possibly of the next step (warm-up runs ahead)
+        first = runner.first_step  # a resumed run's list counts from its first step
         ids = sorted({a.microbatch for a in runner.step_actions(step) if a.op == "F"})
-        return [(j // m, j % m) for j in ids], lambda j: (j // m, j % m)
+        return [(first + j // m, j % m) for j in ids], lambda j: (first + j // m, j % m)
     return [(step, j) for j in range(m)], lambda j: (step, j)
 
 
@@ -224,32 +234,69 @@ def transformers_tokenizer(run: RunConfig) -> Optional[str]:
     return None if run.data.name == "synthetic" or run.data.tokenizer == "bytes" else run.data.tokenizer
 
 
-def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> Optional[dict]:
-    """Run every step on this rank; the logging rank returns the summary, others None."""
+def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
+          stop: Optional[StopSignals] = None) -> Optional[dict]:
+    """Run every step on this rank; the logging rank returns the summary, others None.
+    `stop`: the rank's signal handler; with checkpointing on, a SIGTERM / SIGINT saves a
+    checkpoint at the next step boundary the ranks agree on, then raises Stopped."""
     info = resolve_rank_peak(run, info, ctx.device, announce=ctx.rank == 0)  # CUDA: the table, looked up here
     ctx.recorder.note("build model, runner and data")
-    runner, full = build_runner(run, info, ctx)
+    rss_before_build = current_rss_bytes()
+    first = checkpoint.read_meta(info.resume_from)["step"] if info.resume_from else 0
+    runner, full = build_runner(run, info, ctx, first)
+    if info.resume_from:
+        checkpoint.load(info.resume_from, runner, full, ctx, run)
+        if hasattr(runner, "weights_loaded"):
+            runner.weights_loaded()
+    # Start-up memory: the model built (this rank's part only) and the checkpoint loaded,
+    # before any training step allocates gradients, optimizer states or activations.
+    startup = {"rss_before_build_bytes": rss_before_build, "startup_rss_peak_bytes": peak_rss_bytes()}
     batches = Batches(run, info, ctx)
-    logger = RunLogger(run, job_dir, ctx, info)
+    heldout = HeldOut(run, info.val_tokens_path, info.val_num_samples, ctx) if run.trainer.eval_interval else None
+    logger = RunLogger(run, job_dir, ctx, info,
+                       checkpoint.history(info.resume_from, first) if info.resume_from and ctx.rank == 0 else [])
+    saving = run.trainer.checkpoint_interval > 0
+    if saving and stop is not None:
+        stop.defer()
     try:
         pending: list[StepRecord] = []
         rec: Optional[StepRecord] = None
-        for step in range(run.trainer.steps):
+        for step in range(first, run.trainer.steps):
             if run.debug.fail_rank == ctx.rank and step == run.debug.fail_step:
                 raise InjectedFault(f"injected fault on rank {ctx.rank} at step {step} "
                                     f"(debug.fail_rank; unix time {time.time():.3f})")
             ctx.recorder.note(f"step {step}")
             rec = train_step(step, runner, batches, run, ctx)
+            if heldout is not None and ((step + 1) % run.trainer.eval_interval == 0 or step + 1 == run.trainer.steps):
+                ctx.recorder.note(f"evaluate after step {step} (held-out data)")
+                t0 = time.time()
+                rec.val_loss = evaluate(runner, heldout, run, ctx)
+                rec.eval_s = time.time() - t0
             pending.append(rec)
             if (step + 1) % run.trainer.log_interval == 0 or step + 1 == run.trainer.steps:
                 ctx.recorder.note("gather records to rank 0 (log group)", wait=True)
                 logger.gather_and_log(pending)
                 pending = []
+            if saving:
+                signum = _agreed_stop(stop, ctx)
+                if signum or (step + 1) % run.trainer.checkpoint_interval == 0:
+                    if pending:  # the checkpoint's metrics.jsonl holds every step up to it
+                        logger.gather_and_log(pending)
+                        pending = []
+                    checkpoint.save(runner, full, ctx, run, job_dir, step + 1, info.vocab_size,
+                                    logger.partial_path if ctx.rank == 0 else None)
+                if signum:
+                    if ctx.rank == 0:
+                        print(f"stopped by {signal.Signals(signum).name}: checkpoint saved after step {step + 1}",
+                              flush=True)
+                    raise Stopped(signum)
+        if saving and stop is not None and (signum := stop.undefer()):
+            raise Stopped(signum)  # arrived after the last step's agreement: no step left to save
         if run.trainer.save_checkpoint:
             ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
             save_checkpoint(runner, full, ctx, job_dir, transformers_tokenizer(run))
         ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
-        return logger.finish(rank_memory(runner, rec, run, ctx.device))  # summary.json last: marks completion
+        return logger.finish({**rank_memory(runner, rec, run, ctx.device), **startup})  # summary.json last: marks completion
     except BaseException:
         # Said before W&B's finish (which may take a while): the watchdog then knows this is
         # a failure being reported, not a hang, and its peers stay blocked on it until the
@@ -257,4 +304,15 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str) -> 
         ctx.recorder.note("rank failed (closing the logger)")
         raise
     finally:
+        if stop is not None:
+            stop.undefer()
         logger.close()
+
+
+def _agreed_stop(stop: Optional[StopSignals], ctx: ParallelContext) -> int:
+    """The stop signal any rank has received (0: none), the same on every rank: signals reach
+    ranks at different moments, so they must agree on the step boundary to stop at. One
+    8-byte all-reduce on the (gloo, CPU) logging group per step, only with checkpointing on."""
+    flag = torch.tensor([stop.requested or 0 if stop is not None else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.log_group)
+    return int(flag.item())

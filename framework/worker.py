@@ -60,7 +60,7 @@ def rank_main(job_dir: str, info: dict) -> Optional[dict]:
     try:
         run = read_config(os.path.join(job_dir, "config.yaml"))
         ctx = init_rank(run, recorder)
-        summary = train(run, RunInfo(**info), ctx, job_dir)
+        summary = train(run, RunInfo(**info), ctx, job_dir, stop)
         recorder.note("rank finished")
         return summary
     except Stopped as s:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 from typing import Optional
@@ -157,6 +158,15 @@ class ActivationTracker:
 def peak_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def current_rss_bytes() -> int:
+    """Resident memory now (Linux /proc; elsewhere the peak so far, an upper bound)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
 
 
 def device_memory(device: torch.device) -> dict[str, int]:

@@ -3,10 +3,15 @@ embedding | blocks | head (see split.py)."""
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import Optional
+
 import torch
 
 from ..config import ModelConfig
 from . import gpt2, llama
+from .materialise import PretrainedWeights, RandomInit, materialise, materialise_buffers
 from .split import SplitLM, lm_loss
 
 ARCHS = {"gpt2": gpt2, "llama": llama}
@@ -19,17 +24,21 @@ def param_dtype(precision: str) -> torch.dtype:
     return torch.float64 if precision == "fp64" else torch.float32
 
 
-def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", precision: str = "fp32"):
-    """The transformers model. Seeded so every rank (and the reference) starts identical.
-
-    fp64 initialises (or loads) exactly as fp32 does and only then casts, so an fp64 run
-    starts from the fp32 run's weights and the two can be compared."""
+def meta_hf_model(m: ModelConfig, vocab_size: int, precision: str = "fp32"):
+    """The transformers model on the meta device, in the run's parameter dtype: shapes and
+    names, no memory. A pretrained model takes its checkpoint's config.json."""
     arch = ARCHS[m.arch]
-    if m.pretrained:
-        model = _load_pretrained(m, device)
-    else:
-        torch.manual_seed(seed)
-        with torch.device(device):
+    with torch.device("meta"):
+        if m.pretrained:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            hf_cfg = AutoConfig.from_pretrained(m.pretrained)
+            if hf_cfg.model_type != HF_MODEL_TYPES[m.arch]:  # validate checked it; a hub name may change since
+                from ..validate import check_model_type
+
+                check_model_type(m, hf_cfg.model_type)
+            model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
+        else:
             model = arch.MODEL_CLASS(arch.hf_config(m, vocab_size))
     dtype = param_dtype(precision)
     if dtype != torch.float32:
@@ -38,42 +47,97 @@ def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", pre
     return model
 
 
-def _load_pretrained(m: ModelConfig, device):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def values_for(m: ModelConfig, vocab_size: int, seed: int):
+    """Where a rank's parameter values come from (framework/models/materialise.py): the
+    pretrained checkpoint's safetensors, else the seeded per-module initialisation."""
+    if m.pretrained:
+        path = _local_checkpoint(m.pretrained)
+        if path is not None:
+            return PretrainedWeights(path, meta_hf_model(m, vocab_size).base_model_prefix)
+        return _WholeCheckpoint(m)  # .bin weights: no per-slice reads
+    return RandomInit(meta_hf_model(m, vocab_size), seed, ARCHS[m.arch].init_module)
 
-    hf_cfg = AutoConfig.from_pretrained(m.pretrained)
-    if hf_cfg.model_type != HF_MODEL_TYPES[m.arch]:  # validate checked it; a hub name may change since
-        from ..validate import check_model_type
 
-        check_model_type(m, hf_cfg.model_type)
-    model = AutoModelForCausalLM.from_pretrained(m.pretrained, attn_implementation="sdpa",
-                                                 torch_dtype=torch.float32)
-    return model.to(device)
+def _local_checkpoint(name: str) -> Optional[str]:
+    """The directory holding the checkpoint's safetensors (a local path, or the HF cache's
+    snapshot of a hub name), or None when it only has .bin weights."""
+    path = name
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(name, allow_patterns=["*.json", "*.safetensors"])
+    has = any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+    return path if has else None
+
+
+class _WholeCheckpoint:
+    """A checkpoint without safetensors: transformers loads it whole, once per rank."""
+
+    def __init__(self, m: ModelConfig):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(m.pretrained, attn_implementation="sdpa", dtype=torch.float32)
+        self.state = dict(model.named_parameters())
+
+    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        from .materialise import _local
+
+        return _local(self.state[name].detach(), p).clone()
+
+
+def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", precision: str = "fp32"):
+    """The whole transformers model with its values (the seeded init or the pretrained
+    weights), exactly those every rank gives the parameters it keeps. `device="meta"`: the
+    shapes only.
+
+    fp64 initialises (or loads) exactly as fp32 does and only then casts, so an fp64 run
+    starts from the fp32 run's weights and the two can be compared."""
+    model = meta_hf_model(m, vocab_size, precision)
+    if str(device) != "meta":
+        materialise(model, model.parameters(), values_for(m, vocab_size, seed), device)
+        materialise_buffers(model, device)
+    return model
 
 
 def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkpoint_blocks: bool = False,
-                tp_comm=None, sequence_parallel: bool = False, precision: str = "fp32") -> SplitLM:
-    """The seeded model split into embedding | blocks | head; with `tp_comm` (a TPComm of
-    size > 1) the architecture's TP plan is applied first, so every rank shards the very
-    weights the single-process run starts from."""
+                tp_comm=None, sequence_parallel: bool = False, precision: str = "fp32",
+                on_meta: bool = False, whole_first: bool = False) -> SplitLM:
+    """The model split into embedding | blocks | head; with `tp_comm` (a TPComm of size > 1)
+    the architecture's TP plan is applied first, so every rank shards the very weights the
+    single-process run starts from.
+
+    `on_meta`: parameters stay on the meta device and the caller materialises the ones it
+    keeps with `model.fill(params)` (the pipeline stage; ZeRO unit by unit); buffers are
+    made here. Otherwise every parameter gets its values. `whole_first`: every parameter
+    gets its values before tp sharding (debug.materialise_whole: the old start-up)."""
     arch = ARCHS[m.arch]
-    hf = build_hf_model(m, vocab_size, seed, device, precision)
+    hf = meta_hf_model(m, vocab_size, precision)
     # Train mode only matters for dropout; from_pretrained returns eval mode, random init train.
     hf.train(m.dropout > 0)
+    materialise_buffers(hf, device)
+    values = values_for(m, vocab_size, seed)
+    if whole_first:
+        materialise(hf, hf.parameters(), values, device)
     if tp_comm is None or tp_comm.size == 1:
-        return arch.split(hf, checkpoint_blocks)
-    from ..parallel.tensor_parallel import apply_plan
-    from ..validate import check_tp_sizes
+        model = arch.split(hf, checkpoint_blocks)
+    else:
+        from ..parallel.tensor_parallel import apply_plan
+        from ..validate import check_tp_sizes
 
-    check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)  # validated on the meta model; cheap to repeat
-    apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)
-    model = arch.split(hf, checkpoint_blocks)
-    model.loss_fn = model.head.lm_head.loss  # vocab-parallel cross-entropy on sharded logits
-    if sequence_parallel:
-        if hasattr(model.embedding, "seq_shard"):
-            model.embedding.seq_shard = (tp_comm.rank, tp_comm.size)
-        for block in model.blocks:
-            block.seq_shards = tp_comm.size
+        check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)  # validated on the meta model; cheap to repeat
+        apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)  # meta shards
+        model = arch.split(hf, checkpoint_blocks)
+        model.loss_fn = model.head.lm_head.loss  # vocab-parallel cross-entropy on sharded logits
+        if sequence_parallel:
+            if hasattr(model.embedding, "seq_shard"):
+                model.embedding.seq_shard = (tp_comm.rank, tp_comm.size)
+            for block in model.blocks:
+                block.seq_shards = tp_comm.size
+    # model.fill(params): give these (meta) parameters their values on `device`; a no-op for
+    # parameters that have them. Runners call it for what they keep (pipeline stages, ZeRO units).
+    model.fill = functools.partial(materialise, hf, values=values, device=device)
+    if not on_meta:
+        model.fill(hf.parameters())
     return model
 
 
@@ -92,5 +156,5 @@ def num_positions(hf_model) -> int:
     return getattr(c, "n_positions", None) or c.max_position_embeddings
 
 
-__all__ = ["build_model", "build_hf_model", "param_dtype", "SplitLM", "lm_loss", "num_positions", "ARCHS",
+__all__ = ["build_model", "build_hf_model", "meta_hf_model", "materialise", "values_for", "param_dtype", "SplitLM", "lm_loss", "num_positions", "ARCHS",
            "with_pretrained_sizes"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -61,6 +63,15 @@ def split(model: GPT2LMHeadModel, checkpoint_blocks: bool = False) -> SplitLM:
 
 
 MODEL_CLASS = GPT2LMHeadModel
+
+
+def init_module(hf: GPT2LMHeadModel, path: str, module: nn.Module) -> None:
+    """What GPT2PreTrainedModel._init_weights does to this module from its parent's call:
+    the residual projections (attention and MLP c_proj) drawn with std / sqrt(2 n_layer)
+    (GPT-2 paper; framework/models/materialise.py initialises module by module)."""
+    if path.endswith(("attn.c_proj", "mlp.c_proj")):
+        c = hf.config
+        torch.nn.init.normal_(module.weight, mean=0.0, std=c.initializer_range / math.sqrt(2 * c.n_layer))
 
 # Tensor-parallel plan (styles in framework/parallel/tensor_parallel.py). `c_attn` is the fused
 # [q | k | v] projection: split per head in each third, so a rank holds whole heads of all three.

@@ -57,6 +57,9 @@ def _rms_norm(self: LlamaRMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * hidden_states.to(input_dtype)
 
 
+init_module = None  # transformers' _init_weights per module is the whole Llama scheme
+
+
 def keep_dtype(model: LlamaForCausalLM) -> None:
     """fp64 verification mode: transformers' RMSNorm computes in fp32, which would round every
     norm's input and incoming gradient to fp32 and put fp32 noise back into an fp64 run.

@@ -62,12 +62,18 @@ def vocab_rows(vocab: int, comm: TPComm) -> tuple[int, int, torch.Tensor]:
     return width, start, torch.arange(start, start + width)
 
 
-def _shard(full: torch.Tensor, spec: TPShard) -> nn.Parameter:
+def shard_tensor(full: torch.Tensor, spec: TPShard) -> torch.Tensor:
+    """This rank's part of a transformers-shaped tensor (a weight, or an optimizer state of
+    one): `full_tensor`'s inverse."""
     t = full.detach()
     pad = int(spec.index.max()) + 1 - t.size(spec.dim)
     if pad > 0:  # vocab padding rows start at zero and, masked from the loss, stay there
         t = torch.cat([t, t.new_zeros(*t.shape[:spec.dim], pad, *t.shape[spec.dim + 1:])], spec.dim)
-    p = nn.Parameter(t.index_select(spec.dim, spec.index.to(t.device)).clone(), requires_grad=full.requires_grad)
+    return t.index_select(spec.dim, spec.index.to(t.device))
+
+
+def _shard(full: torch.Tensor, spec: TPShard) -> nn.Parameter:
+    p = nn.Parameter(shard_tensor(full, spec).clone(), requires_grad=full.requires_grad)
     p.tp_shard = spec
     return p
 

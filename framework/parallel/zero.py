@@ -29,7 +29,7 @@ pipeline runner's own gradient flow (ZeRO-1 with pp).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -132,10 +132,12 @@ class Zero:
     """The ZeRO state of one rank: its units, the shards the optimizer steps, the hooks."""
 
     def __init__(self, stage: int, units: list[list[nn.Module]], ctx, tracker=None,
-                 separate: Optional[nn.Parameter] = None):
+                 separate: Optional[nn.Parameter] = None, fill: Optional[Callable] = None):
         """`units`: groups of modules whose parameters share a buffer (and, at stage 3, are
         gathered together). `separate`: a parameter kept in a buffer of its own (a tied
-        embedding's second copy on the last pipeline stage, left out of the grad norm)."""
+        embedding's second copy on the last pipeline stage, left out of the grad norm).
+        `fill(params)`: materialises meta parameters (framework/models/materialise.py), called
+        unit by unit, so a stage-3 rank never holds more than one whole unit at start-up."""
         self.stage = stage
         size, rank, group = ctx.dims.dp, ctx.coords.dp, ctx.dp_group
         self.flat: list[FlatUnit] = []
@@ -152,6 +154,8 @@ class Zero:
                 if id(p) not in seen and p.requires_grad:  # a tied weight: one place in one buffer
                     seen.add(id(p))
                     params.append(p)
+            if fill is not None:
+                fill(params)
             groups = [[p for p in params if is_tp_sharded(p)], [p for p in params if not is_tp_sharded(p)]]
             flats = [FlatUnit(g, group, size, rank, stage, tracker) for g in groups if g]
             self.flat.extend(flats)
@@ -251,6 +255,14 @@ class Zero:
         """Stage 3: full parameters everywhere (for the checkpoint at the end)."""
         for f in self.flat:
             self._gather(f)
+
+    def free_gathered(self) -> None:
+        """Stage 3: free every gathered unit, the state between steps. A forward with no
+        backward (evaluation) leaves the embedding + head unit gathered, since its backward
+        is what frees it."""
+        if self.stage == 3:
+            for f in self.flat:
+                self._free(f)
 
     def build_optimizer(self, spec: dict, offload: bool):
         from ..optim import build_optimizer

@@ -17,6 +17,7 @@ from ..parallel.pipeline.partition import PartitionError, uniform
 from ..parallel.pipeline.schedules import ASYNC_SCHEDULES, SCHEDULES, interleaved_check
 from .common import choice, first_line, number, positive
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
+from .heldout import check_eval
 from .optimizer import check_optimizer
 from .paths import check_job_dir, check_model_type, check_paths, local_data_files, safetensors_problem
 
@@ -34,7 +35,7 @@ OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes",
 
 
 def validate(run: RunConfig) -> None:
-    for check in (_parallelism, _model, _schedule, _trainer, _data, check_optimizer, check_logger, _misc,
+    for check in (_parallelism, _model, _schedule, _trainer, _data, check_eval, check_optimizer, check_logger, _misc,
                   check_node_capacity, check_paths):
         check(run)
 
@@ -203,6 +204,20 @@ def _trainer(run: RunConfig) -> None:
             "e.g. trainer.hang_timeout_s=300 (it also sets the collectives' timeout)")
     if not 0 <= t.seed < 2**32:  # numpy's default_rng rejects the rest inside the ranks
         raise ConfigError("trainer.seed", t.seed, "must lie in [0, 2**32)", "e.g. trainer.seed=1234")
+    _checkpointing(t)
+
+
+def _checkpointing(t) -> None:
+    """The keys; the checkpoint trainer.resume names is checked against the run in
+    framework.checkpoint (resolve_resume, check_compatible) once the job directory is known."""
+    if t.checkpoint_interval < 0:
+        raise ConfigError("trainer.checkpoint_interval", t.checkpoint_interval, "must be >= 0",
+                          "steps between checkpoints, e.g. trainer.checkpoint_interval=100; 0 = off")
+    if t.keep_checkpoints is not None and t.keep_checkpoints < 1:
+        raise ConfigError("trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1 or null",
+                          "e.g. trainer.keep_checkpoints=2 (null keeps all)")
+    if t.resume is not None and not str(t.resume).strip():
+        raise ConfigError("trainer.resume", t.resume, "empty", "use auto, a checkpoint path, or null")
 
 
 def _model(run: RunConfig) -> None:
@@ -301,9 +316,10 @@ def check_tp_sizes(sizes: dict[str, int], tp: int) -> None:
                               f"use parallelism.tp in {divisors}, or change {key}")
 
 
-def validate_prepared(run: RunConfig, vocab_size: int, num_samples: int) -> None:
-    """The tokenized data: the model's vocabulary holds the tokenizer's, and the corpus gives
-    at least one global batch."""
+def validate_prepared(run: RunConfig, vocab_size: int, num_samples: int, val_num_samples: int = 0) -> None:
+    """The tokenized data: the model's vocabulary holds the tokenizer's, the corpus gives at
+    least one global batch, and with evaluation on the held-out data at least one micro-batch
+    (an evaluation wraps around a smaller held-out set, but a micro-batch never repeats a sequence)."""
     if run.model.vocab_size is not None and run.model.vocab_size < vocab_size:
         raise ConfigError("model.vocab_size", run.model.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({vocab_size})",
@@ -314,6 +330,16 @@ def validate_prepared(run: RunConfig, vocab_size: int, num_samples: int) -> None
                           run.data.num_samples if synthetic else run.data.seq_len,
                           f"the corpus gives {num_samples} sequences, fewer than the global batch {run.global_batch}",
                           "use more data (data.max_files / data.num_samples), a shorter seq_len or a smaller batch")
+    mbs = run.trainer.micro_batch_size
+    if run.trainer.eval_interval > 0 and val_num_samples < mbs:
+        d = run.data
+        field = {"pycode": "val_files", "hf": "val_split" if d.val_split else "val_fraction"}.get(d.name)
+        raise ConfigError(f"data.{field}" if field else "trainer.eval_batches",
+                          getattr(d, field) if field else run.trainer.eval_batches,
+                          f"the held-out data gives {val_num_samples} sequences of data.seq_len={run.data.seq_len}, "
+                          f"fewer than one micro-batch (trainer.micro_batch_size={mbs})",
+                          "hold out more data (more files, a larger fraction, a bigger split), a shorter seq_len or "
+                          "a smaller micro-batch")
 
 
 def check_text_field(d: DataConfig, columns: list[str]) -> None:

@@ -56,9 +56,14 @@ def _delay_s(run: RunConfig, pp_rank: int) -> float:
 
 
 class PipelineRunner:
-    def __init__(self, run: RunConfig, ctx: ParallelContext, full, tracker, forward_context: Callable, tp_comm):
+    def __init__(self, run: RunConfig, ctx: ParallelContext, full, tracker, forward_context: Callable, tp_comm,
+                 first_step: int = 0):
+        """`first_step`: a resumed run's first step. An asynchronous schedule then starts its
+        never-flushed list afresh there (a fill, as at step 0): a checkpoint holds the newest
+        weights and optimizer states, not the micro-batches in flight or older versions."""
         p, v, m = run.parallelism.pp, run.schedule.virtual_stages, run.schedule.microbatches
         self.run, self.ctx, self.m, self.p, self.tp_comm = run, ctx, m, p, tp_comm
+        self.first_step, steps = first_step, run.trainer.steps - first_step
         self.name = run.schedule.name
         self.is_async = self.name in ASYNC_SCHEDULES
         self.ranges = stage_ranges(run.parallelism.partition, full, p * v)
@@ -83,7 +88,7 @@ class PipelineRunner:
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
         act_dtype = torch.float64 if run.trainer.precision == "fp64" else torch.float32
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.
-        plans = comm_plan(build_schedule(self.name, p, m, v, steps=run.trainer.steps), p, v)
+        plans = comm_plan(build_schedule(self.name, p, m, v, steps=steps), p, v)
         if self.is_async:  # validate proved two steps; this whole never-flushed run is proved here
             nccl_simulate(plans, p, v)
         plan = plans[ctx.coords.pp]
@@ -93,15 +98,23 @@ class PipelineRunner:
                                          _delay_s(run, ctx.coords.pp), ctx.recorder)
         lists = plan.actions
         if self.is_async:
-            self.bounds = _segments(lists, m, run.trainer.steps)
-            uses = Counter(self._version(j) for j in range(m * run.trainer.steps))
-            self.versions = WeightVersions(self.chunks[0], uses, tracker)
+            self.bounds = _segments(lists, m, steps)
+            self._uses = Counter(self._version(j) for j in range(m * steps))
+            self.versions = WeightVersions(self.chunks[0], self._uses, tracker)
         else:
             self.actions = lists
 
     def step_actions(self, step: int) -> list:
-        """Async: the actions of one step's share of the never-flushed list."""
-        return [self.executor.plan.actions[k] for k in self.bounds[step]]
+        """Async: the actions of one step's share of the never-flushed list (micro-batch ids
+        count from first_step)."""
+        return [self.executor.plan.actions[k] for k in self.bounds[step - self.first_step]]
+
+    def weights_loaded(self) -> None:
+        """After a checkpoint replaced the weights: the first version is those weights."""
+        if self.is_async:
+            for snapshot in self.versions.versions.values():
+                self.tracker.include_again(snapshot)
+            self.versions = WeightVersions(self.chunks[0], self._uses, self.tracker)
 
     def _version(self, j: int) -> int:
         return version_of(self.name, j, self.stage, self.p, self.m)
@@ -115,11 +128,11 @@ class PipelineRunner:
         self.clock.begin_step()
         start = time.time()
         if self.is_async:
-            span = self.bounds[step]
+            span = self.bounds[step - self.first_step]
             marks = self.executor.run(span.start, span.stop, batch_of, 1.0 if self.name == "1f1b" else 1.0 / self.m,
                                       params_of=lambda j, c: self.versions.params(self._version(j)),
                                       update=self._async_update)
-            if step == len(self.bounds) - 1:
+            if step - self.first_step == len(self.bounds) - 1:
                 self.executor.wait_sends()
             else:
                 self.executor.prune_sends()
@@ -183,7 +196,7 @@ class PipelineRunner:
 
     def _async_update(self, j: int) -> None:
         self.versions.take_grads(self._version(j))
-        set_lr(self.optimizer, lr_at(j // self.m, self.run))
+        set_lr(self.optimizer, lr_at(self.first_step + j // self.m, self.run))
         self._sync_sequence_parallel()
         self._last_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, None, self.tp_comm)
         self.optimizer.step()

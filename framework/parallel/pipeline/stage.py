@@ -2,8 +2,9 @@
 
 Sharded: transformer blocks over the pp group (stage g = chunk * pp + pp_rank holds the
 blocks `partition` gives it); the embedding on stage 0, the head on the last stage.
-Each rank builds the whole seeded model (so every stage starts from exactly the weights
-of the single-process run), keeps its chunks and frees every other parameter.
+Each rank builds the model on the meta device and materialises only its chunks, with
+exactly the weights of the single-process run (framework/models/materialise.py); every
+other parameter stays an empty tensor under its name.
 
 Collectives after a step's last backward (Megatron's finalize-grads order):
 - dp: all-reduce (mean) of every chunk's gradients over the dp group, one flattened
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...models import SplitLM
+from ...models.materialise import release
 from .partition import partition
 
 
@@ -41,11 +43,13 @@ def build_chunks(full: SplitLM, ranges: list[range], pp: int, pp_rank: int, v: i
     for c in range(v):
         g = c * pp + pp_rank
         chunks.append(full.stage(ranges[g], first=g == 0, last=g == num_stages - 1))
-    owned = {id(p) for ch in chunks for p in ch.parameters()}
+    kept = [p for ch in chunks for p in ch.parameters()]
+    if hasattr(full, "fill"):
+        full.fill(kept)  # a model built on the meta device: only this rank's stages get memory
+    owned = {id(p) for p in kept}
     for p in full.hf_model.parameters():
         if id(p) not in owned:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # keep the name, drop the memory
-            p.requires_grad_(False)
+            release(p, device=kept[0].device if kept else "cpu")  # keep the name, drop the memory
     return chunks
 
 
