@@ -268,7 +268,8 @@ def check_compatible(run: RunConfig, path: str, vocab_size: int) -> dict:
     if param_dtype(meta["precision"]) != param_dtype(run.trainer.precision):
         raise ConfigError("trainer.precision", run.trainer.precision, f"the checkpoint's parameters are "
                           f"{meta['precision']}", f"resume with trainer.precision={meta['precision']}")
-    for key, now in (("global_batch", run.global_batch), ("seed", run.trainer.seed)):
+    data = {k: getattr(run.data, k) for k in ("name", "seq_len", "tokenizer")}
+    for key, now in (("global_batch", run.global_batch), ("seed", run.trainer.seed), ("data", data)):
         if meta[key] != now:
             print(f"WARNING: resuming {path}: {key} {meta[key]} -> {now}; the data stream is this run's from "
                   f"step {meta['step']}, not the saving run's", flush=True)

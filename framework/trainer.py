@@ -244,6 +244,9 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
     rss_before_build = current_rss_bytes()
     first = checkpoint.read_meta(info.resume_from)["step"] if info.resume_from else 0
     runner, full = build_runner(run, info, ctx, first)
+    # Materialisation draws each module under its own seed (forked generator): the stream
+    # training reads (dropout) starts from trainer.seed here, the same on every rank.
+    torch.manual_seed(run.trainer.seed)
     if info.resume_from:
         checkpoint.load(info.resume_from, runner, full, ctx, run)
         if hasattr(runner, "weights_loaded"):
@@ -272,6 +275,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                 t0 = time.time()
                 rec.val_loss = evaluate(runner, heldout, run, ctx)
                 rec.eval_s = time.time() - t0
+                runner.tp_comm.take_bytes()  # evaluation's tp traffic is not the next step's
             pending.append(rec)
             if (step + 1) % run.trainer.log_interval == 0 or step + 1 == run.trainer.steps:
                 ctx.recorder.note("gather records to rank 0 (log group)", wait=True)
@@ -283,8 +287,9 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                     if pending:  # the checkpoint's metrics.jsonl holds every step up to it
                         logger.gather_and_log(pending)
                         pending = []
-                    checkpoint.save(runner, full, ctx, run, job_dir, step + 1, info.vocab_size,
+                    checkpoint.save(runner, full, ctx, run, job_dir, step + 1, run.model.vocab_size or info.vocab_size,
                                     logger.partial_path if ctx.rank == 0 else None)
+                    runner.tp_comm.take_bytes()  # the save's tp gathers are not the next step's traffic
                 if signum:
                     if ctx.rank == 0:
                         print(f"stopped by {signal.Signals(signum).name}: checkpoint saved after step {step + 1}",

@@ -82,7 +82,7 @@ class _WholeCheckpoint:
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
         from .materialise import _local
 
-        return _local(self.state[name].detach(), p).clone()
+        return _local(self.state.pop(name).detach(), p).clone()  # popped: the whole model is not kept
 
 
 def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", precision: str = "fp32"):
