@@ -5,22 +5,26 @@ starts dp*tp*pp ranks that read it (framework/worker.py), so ranks never race on
 or resolve `${now:}` differently. Returns the run's objective for Hydra sweepers.
 
 A job that does not complete (rejected config, failed or hung rank) writes summary.json
-with its status and reason. A single run then exits 1; in a multirun the job returns NaN
-(Optuna records a NaN objective as a failed trial, and no sweeper mistakes it for a good
-score) and the sweep goes on. Ctrl-C / SIGTERM stop everything: one line, exit 130 / 143.
+with its status and reason. A single run then exits 1; in a multirun the job returns
+`search.failed_value`, NaN by default (Optuna records a NaN objective as a failed trial, and
+no sweeper mistakes it for a good score; a layout search scores such a trial 0 tokens/s
+instead, so the sampler learns from it), and the sweep goes on. Ctrl-C / SIGTERM stop
+everything: one line, exit 130 / 143. The job's console also goes to its run.log.
 """
 
+import importlib.util
 import math
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from framework.config import ConfigError, RunConfig, load_config
+from framework.config import ConfigError, RunConfig, check_overrides, load_config
 from framework.job import run_job, set_aside_previous, write_outcome
 from framework.launch import RankFailure
+from framework.progress import console_to_run_log
 from framework.signals import StopSignals, Stopped
 
 
@@ -33,11 +37,10 @@ def name_run(run: RunConfig, hc) -> None:
         run.logger.run_name = " ".join(overrides) or "default"
 
 
-def job(cfg: DictConfig, hc) -> float:
-    job_dir = hc.runtime.output_dir
-    set_aside_previous(job_dir)
+def job(cfg: DictConfig, hc, job_dir: str) -> float:
     try:
         run = load_config(cfg)
+        check_overrides(run, list(hc.overrides.task))
     except ConfigError as e:
         write_outcome(job_dir, "rejected", str(e))
         raise
@@ -54,12 +57,12 @@ def job(cfg: DictConfig, hc) -> float:
     return float(result[run.objective])
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float:
-    hc = HydraConfig.get()
+def outcome(cfg: DictConfig, hc) -> float:
+    """The job's objective, or for a job that did not complete: exit 1 (a single run) or
+    NaN (a sweep goes on)."""
     sweep = hc.mode == RunMode.MULTIRUN
     try:
-        return job(cfg, hc)
+        return job(cfg, hc, hc.runtime.output_dir)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         if not sweep:
@@ -67,12 +70,48 @@ def main(cfg: DictConfig) -> float:
     except RankFailure:
         if not sweep:  # the report is printed already, and in error.txt
             raise SystemExit(1) from None
-    print(f"job {hc.job.num} did not complete (see {hc.runtime.output_dir}/summary.json); the sweep goes on",
-          file=sys.stderr, flush=True)
-    return math.nan
+    except Stopped as s:  # a stop ends a sweep too
+        print(f"stopped by {s.name}: every rank ended; exit {s.exit_code}", file=sys.stderr, flush=True)
+        raise SystemExit(s.exit_code) from None
+    score = failed_value(cfg)
+    print(f"job {hc.job.num} did not complete (see {hc.runtime.output_dir}/summary.json); it scores {score}; "
+          "the sweep goes on", file=sys.stderr, flush=True)
+    return score
+
+
+def failed_value(cfg: DictConfig) -> float:
+    """search.failed_value, read from the composed config (a job rejected by the schema has
+    no typed one); NaN when unset or unreadable."""
+    try:
+        value = OmegaConf.select(cfg, "search.failed_value", default=None)
+        return math.nan if value is None else float(value)
+    except Exception:  # noqa: BLE001 - a value the schema would reject: the sweep still goes on
+        return math.nan
+
+
+def sweeper_installed(argv: list[str]) -> bool:
+    """hparams_search=layout needs the Optuna sweeper plugin; without it Hydra would only say
+    that hydra/sweeper/optuna is not found."""
+    if not any(a.startswith("hparams_search=") and a != "hparams_search=null" for a in argv):
+        return True
+    if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None:
+        return True
+    print("config error: hparams_search: needs the Hydra Optuna sweeper, which is not installed. "
+          "Fix: pip install -e \".[sweep]\" (hydra-optuna-sweeper)", file=sys.stderr, flush=True)
+    return False
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    hc = HydraConfig.get()
+    set_aside_previous(hc.runtime.output_dir)
+    with console_to_run_log(hc.runtime.output_dir):  # run.log: the job's whole console
+        return outcome(cfg, hc)
 
 
 if __name__ == "__main__":
+    if not sweeper_installed(sys.argv[1:]):
+        sys.exit(1)
     StopSignals().install()  # Ctrl-C and SIGTERM raise Stopped, wherever this process is
     try:
         main()

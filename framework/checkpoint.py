@@ -371,9 +371,10 @@ def _set_params(slot: Slot, value: torch.Tensor) -> None:
 
 
 def history(path: str, step: int) -> list[str]:
-    """The saving run's metrics.jsonl rows before `step` (a resumed run's file starts with them)."""
+    """The saving run's metrics.jsonl rows of steps 1..`step` (steps are 1-based: checkpoint
+    step_<k> is saved after step k); a resumed run's file starts with them."""
     f = os.path.join(path, METRICS)
     if not os.path.exists(f):
         return []
     with open(f) as fh:
-        return [line for line in fh if line.strip() and json.loads(line)["step"] < step]
+        return [line for line in fh if line.strip() and json.loads(line)["step"] <= step]

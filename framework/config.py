@@ -61,13 +61,13 @@ class DataConfig:
 @dataclass
 class ParallelismConfig:
     name: str = "single"
-    dp: int = 1
+    dp: Optional[int] = 1  # null = world_size / (tp * pp) (a layout search fixes the world size)
     tp: int = 1
     pp: int = 1
     zero: int = 0
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
-    world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size
+    world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size (or to derive dp)
     partition: Any = "uniform"  # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]
 
 
@@ -81,8 +81,10 @@ class ScheduleConfig:
 @dataclass
 class TrainerConfig:
     steps: int = 30
-    micro_batch_size: int = 4
-    global_batch_size: Optional[int] = None  # optional check: must equal mbs * microbatches * dp
+    micro_batch_size: Optional[int] = 4  # null = derived from global_batch_size (then microbatches is fixed)
+    # Sequences per optimizer step: when set, schedule.microbatches is derived for each layout
+    # (micro_batch_size fixed), so a sweep over layouts keeps tokens per step equal.
+    global_batch_size: Optional[int] = None
     warmup_steps: int = 3  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
@@ -121,13 +123,24 @@ class MetricsConfig:
 @dataclass
 class DebugConfig:
     fail_rank: Optional[int] = None  # inject a fault: this rank raises ...
-    fail_step: int = 0  # ... at the start of this step
+    fail_step: int = 1  # ... at the start of this step (1-based, as every step number)
     stage_delay_ms: float = 0.0  # sleep this long inside every forward and backward compute ...
     delay_pp_rank: int = 0  # ... of this pipeline rank (tests the measured bubble)
     coalesced_p2p: bool = False  # emulate NCCL: batch_isend_irecv returns ONE Work per batch
     # Every rank first builds the whole model, then keeps its part: the start-up before
     # per-rank materialisation, kept to measure what that saves (experiments/startup_memory).
     materialise_whole: bool = False
+
+
+@dataclass
+class SearchConfig:
+    """Layout searches (conf/hparams_search/layout.yaml) and any sweep."""
+
+    # The dry-run planner's per-rank model-state estimate (framework.plan) above this is a
+    # rejected job, before any rank starts; null = no budget.
+    memory_budget_bytes: Optional[float] = None
+    # What a failed or rejected job returns to a sweeper; null = NaN (Optuna: a failed trial).
+    failed_value: Optional[float] = None
 
 
 @dataclass
@@ -141,6 +154,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     device: str = "auto"  # auto | cpu | cuda; resolved once in framework/launch.py
     launcher: str = "local"  # local: start the ranks here | external: write the job dir for torchrun
     dry_run: bool = False  # print and write plan.json; start no rank
@@ -174,7 +188,60 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         raise ConfigError(key, value, f"does not fit the schema ({reason})",
                           "see the README's config table for the keys and their types") from None
     assert isinstance(run, RunConfig)
+    derive_layout(run)
     return run
+
+
+def derive_layout(run: RunConfig) -> None:
+    """Fill the sizes left to derive, so everything downstream reads plain ints:
+    parallelism.dp = world_size / (tp * pp) when dp is null, and with
+    trainer.global_batch_size either schedule.microbatches (micro_batch_size set: the
+    default) or trainer.micro_batch_size (null). Sizes that are not positive are left for
+    framework.validate to name."""
+    p, t, s = run.parallelism, run.trainer, run.schedule
+    if p.dp is None:
+        if p.world_size is None or p.tp < 1 or p.pp < 1 or p.world_size % (p.tp * p.pp):
+            raise ConfigError("parallelism.dp", None, f"null derives dp = world_size / (tp * pp), but world_size = "
+                              f"{p.world_size} and tp * pp = {p.tp}*{p.pp}",
+                              "set parallelism.dp, or a parallelism.world_size divisible by tp * pp")
+        p.dp = p.world_size // (p.tp * p.pp)
+    g = t.global_batch_size
+    if g is None:
+        if t.micro_batch_size is None:
+            raise ConfigError("trainer.micro_batch_size", None, "null derives it from trainer.global_batch_size, "
+                              "which is null too", "set trainer.micro_batch_size, or trainer.global_batch_size")
+        return
+    if g < 1 or p.dp < 1:
+        return  # validate names it
+    if t.micro_batch_size is None:
+        t.micro_batch_size = _share(g, s.microbatches, p.dp, "microbatches", "trainer.micro_batch_size",
+                                    "set trainer.micro_batch_size")
+    else:
+        s.microbatches = _share(g, t.micro_batch_size, p.dp, "micro_batch_size", "schedule.microbatches",
+                                "change trainer.micro_batch_size")
+
+
+def _share(global_batch: int, fixed: int, dp: int, fixed_name: str, derived: str, other_fix: str) -> int:
+    """global_batch / (fixed * dp), or a ConfigError when it does not divide."""
+    per = fixed * dp
+    if fixed < 1 or global_batch % per:
+        raise ConfigError("trainer.global_batch_size", global_batch, f"not divisible by {fixed_name} * dp = "
+                          f"{fixed}*{dp} ({derived} is derived from it)",
+                          f"use a multiple of {max(per, 1)}, or {other_fix}")
+    return global_batch // per
+
+
+def check_overrides(run: RunConfig, overrides: list[str]) -> None:
+    """A size given on the command line that derive_layout replaced is a contradiction,
+    not a preference: say so instead of running another batch than asked for."""
+    given = dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
+    for key, now in (("schedule.microbatches", run.schedule.microbatches),
+                     ("trainer.micro_batch_size", run.trainer.micro_batch_size),
+                     ("parallelism.dp", run.parallelism.dp)):
+        if key in given and given[key] not in ("null", str(now)):
+            raise ConfigError(key, given[key], f"trainer.global_batch_size={run.trainer.global_batch_size} / "
+                              f"parallelism.world_size={run.parallelism.world_size} derive {key}={now}",
+                              f"leave {key} out (it is derived), or set the size it is derived from to null")
 
 
 def to_yaml(run: RunConfig) -> str:

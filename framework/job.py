@@ -31,6 +31,7 @@ from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, with_pretrained_sizes
 from .plan import make_plan, render_plan
+from .progress import RUN_LOG
 from .signals import Stopped
 from .validate import check_job_dir, validate, validate_model
 
@@ -86,9 +87,10 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
     t, p = run.trainer, run.parallelism
     per_dp_rank = t.micro_batch_size * run.schedule.microbatches
     assert per_dp_rank * p.dp == run.global_batch
+    derived = " (trainer.global_batch_size)" if t.global_batch_size is not None else ""
     return (f"world {run.world_size} = dp {p.dp} x tp {p.tp} x pp {p.pp} on {device_type} | "
             f"model {_model_text(run)} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
-            f"global batch {run.global_batch} seqs = micro_batch_size {t.micro_batch_size} x microbatches "
+            f"global batch {run.global_batch} seqs{derived} = micro_batch_size {t.micro_batch_size} x microbatches "
             f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
             f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}{_resume_text(info)}")
 
@@ -133,6 +135,27 @@ def dry_run(run: RunConfig, job_dir: str) -> dict:
     return plan
 
 
+def check_memory_budget(run: RunConfig) -> None:
+    """search.memory_budget_bytes: a layout whose fullest rank the dry-run planner (model on
+    the meta device, no data, no rank) puts above the budget is rejected here, so a search
+    never launches it. The estimate is model states only (parameters, gradients, optimizer
+    states, ZeRO-sharded, tp shards exact); activations are not in it."""
+    budget = run.search.memory_budget_bytes
+    if budget is None:
+        return
+    vocab = run.model.vocab_size or _vocab_without_data(run)
+    model = meta_model(run, vocab)
+    plan = make_plan(run, model, validate_model(run, model))
+    need = max(m["model_state_bytes"] for m in plan["memory_estimate_per_rank"])
+    if need > budget:
+        raise ConfigError("search.memory_budget_bytes", budget,
+                          f"the dry-run planner puts {need:,} bytes ({need / 2**20:.1f} MiB) of model states "
+                          f"(parameters, gradients, optimizer states; activations not counted) on the fullest rank of "
+                          f"dp {run.parallelism.dp} x tp {run.parallelism.tp} x pp {run.parallelism.pp}, "
+                          f"zero {run.parallelism.zero}",
+                          "raise the budget, or a layout that shards more (tp, pp, parallelism.zero)")
+
+
 def _vocab_without_data(run: RunConfig) -> int:
     from .data import get_tokenizer
 
@@ -143,7 +166,7 @@ def summary_lines(summary: dict) -> str:
     lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
              f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
              f"(medians over {summary['measured_steps']} steps after "
-             f"{summary['steps'] - summary['first_step'] - summary['measured_steps']} warm-up)"]
+             f"{summary['steps'] - summary['first_step'] + 1 - summary['measured_steps']} warm-up)"]
     for r in summary["ranks"]:
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
                      f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
@@ -165,6 +188,7 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
         validate(run)
         if run.model.pretrained:
             run.model = with_pretrained_sizes(run.model)
+        check_memory_budget(run)
         if run.dry_run:
             return dry_run(run, job_dir)
         device_type = resolve_device(run.device)
@@ -200,6 +224,9 @@ JOB_OUTPUTS = ("config.yaml", "run_info.json", "summary.json", "summary.json.tmp
                "final_model", "final_model.tmp",
                "plan.json", "wandb", "rank_failures", ".flight")
 PREVIOUS_DIR = ".previous"
+# A sweep directory's own files (besides its numbered job directories): Hydra's record, the
+# report (framework.report) and an Optuna search's result.
+SWEEP_OUTPUTS = ("multirun.yaml", "report.csv", "report.md", "report.html", "optimization_results.yaml")
 
 
 def set_aside_previous(job_dir: str) -> Optional[str]:
@@ -208,8 +235,11 @@ def set_aside_previous(job_dir: str) -> Optional[str]:
     beside a new error.txt would read as a completed run). Returns where they went."""
     if not os.path.isdir(job_dir):
         return None
-    return _move_aside(job_dir, [n for n in JOB_OUTPUTS if os.path.lexists(os.path.join(job_dir, n))],
-                       "an earlier run's files")
+    names = [n for n in JOB_OUTPUTS if os.path.lexists(os.path.join(job_dir, n))]
+    log = os.path.join(job_dir, RUN_LOG)
+    if os.path.isfile(log) and os.path.getsize(log) > 0:  # empty: Hydra's handler of this run just made it
+        names.append(RUN_LOG)
+    return _move_aside(job_dir, names, "an earlier run's files")
 
 
 def _move_aside(folder: str, names: list[str], what: str) -> Optional[str]:
@@ -246,7 +276,7 @@ def set_aside_sweep(sweep_dir: str) -> Optional[str]:
     if not os.path.isdir(sweep_dir):
         return None
     return _move_aside(sweep_dir, sorted(n for n in os.listdir(sweep_dir)
-                                         if n.isdigit() or n in ("multirun.yaml", "report.csv", "report.md")),
+                                         if n.isdigit() or n in SWEEP_OUTPUTS),
                        "an earlier sweep")
 
 

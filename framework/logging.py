@@ -37,6 +37,7 @@ from .config import RunConfig
 from .files import write_atomic
 from .metrics.flops import mfu
 from .metrics.timeline import render_timeline, write_trace
+from .progress import Progress
 from .records import StepRecord
 from .topology import ParallelContext
 from .wandb_sink import init_run, wandb_mode  # wandb_mode also stays importable from here
@@ -65,9 +66,10 @@ class RunInfo:
 
 class RunLogger:
     def __init__(self, run: RunConfig, job_dir: str, ctx: ParallelContext, info: RunInfo,
-                 history: Optional[list[str]] = None):
+                 history: Optional[list[str]] = None, first_step: int = 1):
         """`history`: a resumed run's earlier metrics.jsonl rows (from its checkpoint); they
-        start the file, so it covers the whole run. The summary is over this process's steps."""
+        start the file, so it covers the whole run. The summary is over this process's steps.
+        `first_step`: the first step (1-based) this process runs."""
         self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
@@ -75,7 +77,9 @@ class RunLogger:
         self.busy_window: list[list[tuple[float, float]]] = []  # step -> per-rank (busy, window)
         self.wandb = None
         self.completed = False
+        self.progress: Optional[Progress] = None
         if self.is_logger:
+            self.progress = Progress(run.trainer.steps, first_step, job_dir)
             self.partial_path = os.path.join(job_dir, "metrics.jsonl.partial")
             self.jsonl = open(self.partial_path, "w")
             self.jsonl.writelines(history or [])
@@ -89,13 +93,10 @@ class RunLogger:
             return None
         # Probed and bounded: an unreachable server means an offline run, never a lost job.
         run = init_run(wandb_mode(lg.mode), self.job_dir, project=lg.project, entity=lg.entity, group=lg.group,
-                       name=lg.run_name, config=asdict(self.run), reinit="finish_previous")
+                       name=lg.run_name, config=wandb_config(self.run), reinit="finish_previous")
         if run is None:
             return None
-        for key in MEDIAN_KEYS:
-            # W&B's summary would default to each metric's last step; ours is the median
-            # after warm-up, written by finish(), so keep W&B from overwriting it.
-            run.define_metric(key, summary="none")
+        declare_metrics(run)
         return run
 
     def _merge(self, per_rank: list[StepRecord]) -> dict:
@@ -162,9 +163,23 @@ class RunLogger:
         self._print(self.records[-1])
 
     def _print(self, r: dict) -> None:
-        print(f"step {r['step'] + 1:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} "
-              f"| grad {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | {r['step_time_s'] * 1e3:.0f} ms/step "
-              f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}", flush=True)
+        self.progress.gathered(r, f"step {r['step']:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} "
+                               f"| lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
+                               f"| {r['step_time_s'] * 1e3:.0f} ms/step "
+                               f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}")
+
+    def step_started(self, k: int) -> None:
+        if self.progress is not None:
+            self.progress.step_started(k)
+
+    def step_done(self, seconds: float) -> None:
+        if self.progress is not None:
+            self.progress.step_done(seconds)
+
+    def say(self, text: str) -> None:
+        """A line of the logging rank's (console and run.log); other ranks say nothing."""
+        if self.progress is not None:
+            self.progress.say(text)
 
     def finish(self, rank_memory: dict) -> Optional[dict]:
         """Gather each rank's memory, write summary.json and finalise metrics.jsonl."""
@@ -212,17 +227,18 @@ class RunLogger:
             "zero_transient_peak_bytes_max": max(r["zero_transient_peak_bytes"] for r in ranks),
             "offload_optimizer": run.parallelism.offload_optimizer,
             "activation_peak_bytes_max": max(r["activation_peak_bytes"] for r in ranks),
+            "layout": layout_keys(run)["layout"],
             "world_size": run.world_size, "dp": run.parallelism.dp, "tp": run.parallelism.tp,
             "pp": run.parallelism.pp, "zero": run.parallelism.zero,
             "sequence_parallel": run.parallelism.sequence_parallel and run.parallelism.tp > 1,
-            "global_batch": run.global_batch,
+            "global_batch": run.global_batch, "micro_batch_size": run.trainer.micro_batch_size,
             "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,
             "peak_tflops_per_rank": None if info.peak_flops_per_rank is None else info.peak_flops_per_rank / 1e12,
             "peak_source": info.peak_source,
             "mfu_above_one": any(r["mfu"] is not None and r["mfu"] > 1 for r in self.records),
             "val_loss": next((r["val_loss"] for r in reversed(self.records) if "val_loss" in r), None),
             "device": self.ctx.device.type, "resumed_from": info.resume_from,
-            "first_step": self.records[0]["step"], "ranks": ranks,
+            "first_step": self.records[0]["step"], "ranks": ranks,  # 1, or k + 1 after resuming step_<k>
         }
 
     def _write_timeline(self, summary: dict) -> None:
@@ -250,11 +266,50 @@ class RunLogger:
         """Always runs (finally): a failed run's W&B run is marked failed and closed."""
         if not self.is_logger:
             return
+        self.progress.close()
         if not self.jsonl.closed:
             self.jsonl.close()
         if self.wandb is not None:
             self.ctx.recorder.note("W&B finish (rank 0)")
             self.wandb.finish(exit_code=0 if self.completed else 1)
+
+
+def layout_keys(run: RunConfig) -> dict:
+    """The layout as flat keys: what W&B's filters, grouping and parallel-coordinates views
+    (and framework.report) compare runs by, with no nesting to dig through."""
+    p, s, t = run.parallelism, run.schedule, run.trainer
+    return {
+        "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
+        "virtual_stages": s.virtual_stages, "world_size": run.world_size, "micro_batch_size": t.micro_batch_size,
+        "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step, "seq_len": run.data.seq_len,
+        "sequence_parallel": p.sequence_parallel and p.tp > 1, "offload_optimizer": p.offload_optimizer,
+        "activation_checkpointing": t.activation_checkpointing, "precision": t.precision,
+        "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
+        "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-z{p.zero}-{s.name}-m{s.microbatches}"
+                  + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else ""),
+    }
+
+
+def wandb_config(run: RunConfig) -> dict:
+    """The flat layout keys, then every config group nested under its name (`parallelism`,
+    `trainer`, ...) for the rest. `schedule` is the flat schedule name: the schedule group's
+    three keys are all flat (schedule, microbatches, virtual_stages)."""
+    nested = {k: v for k, v in asdict(run).items() if k != "schedule"}
+    return {**layout_keys(run), **nested}
+
+
+# W&B's own summary of a metric defaults to its last value; summary.json's medians (after
+# warm-up) and last loss are written by finish() instead, so W&B computes none for these.
+SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
+
+
+def declare_metrics(run) -> None:
+    """Every logged metric is plotted against `step` (1-based, the framework's numbering),
+    and the summary is summary.json's, not W&B's last value."""
+    run.define_metric("step", hidden=True)
+    run.define_metric("*", step_metric="step")
+    for key in SUMMARY_FROM_FINISH:
+        run.define_metric(key, step_metric="step", summary="none")
 
 
 def _median(values: list) -> Optional[float]:

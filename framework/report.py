@@ -8,6 +8,12 @@ report.csv and report.md in the sweep directory. Status comes from the job's sum
 A job directory without summary.json is `incomplete` (the job is running, or its process
 was killed). A job of a basic sweep (multirun.yaml) that has no directory is `not run`.
 Earlier runs set aside in `.previous/` (framework.job) are not jobs of this sweep.
+
+A fair comparison of layouts holds the work per step fixed: the report warns when the
+completed jobs differ in global batch or tokens per step (set trainer.global_batch_size, and
+each layout derives its micro-batches). When the jobs share an objective, the best completed
+job is named (max for tokens_per_s and mfu, min for the others). report.html is the
+comparison dashboard (framework.dashboard): plots of every job, one self-contained page.
 """
 
 from __future__ import annotations
@@ -17,11 +23,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction",
-           "bubble_fraction_analytic", "world_size")
+           "bubble_fraction_analytic", "world_size", "global_batch", "tokens_per_step")
+# Objectives a larger value of which is better (framework.validate.OBJECTIVES has them all).
+MAXIMISED = ("tokens_per_s", "mfu")
 COLUMNS = ("job", "overrides", "status") + METRICS + ("reason",)
 MARKERS = ("config.yaml", "summary.json", ".hydra/overrides.yaml")
 
@@ -89,6 +98,40 @@ def collect(sweep: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (int(r["job"]) if r["job"].isdigit() else -1, r["job"]))
 
 
+def fairness_warnings(rows: list[dict]) -> list[str]:
+    """The completed jobs must do the same work per step for their numbers to compare."""
+    done = [r for r in rows if r.get("status") == "completed"]
+    out = []
+    for key in ("global_batch", "tokens_per_step"):
+        values = sorted({r.get(key) for r in done if r.get(key) is not None})
+        if len(values) > 1:
+            jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in done)
+            out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
+                       "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
+    return out
+
+
+def objective_of(sweep: Path, job: str) -> Optional[str]:
+    try:
+        return (yaml.safe_load((sweep / job / "config.yaml").read_text()) or {}).get("objective")
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def best(sweep: Path, rows: list[dict]) -> Optional[tuple[dict, str]]:
+    """The best completed job by the sweep's objective (all jobs share it), and the objective."""
+    done = [r for r in rows if r.get("status") == "completed"]
+    objectives = {objective_of(sweep, r["job"]) for r in done}
+    if len(objectives) != 1 or None in objectives:
+        return None
+    key = objectives.pop()
+    scored = [r for r in done if isinstance(r.get(key), (int, float))]
+    if not scored:
+        return None
+    pick = max if key in MAXIMISED else min
+    return pick(scored, key=lambda r: r[key]), key
+
+
 def _fmt(v) -> str:
     if v is None:
         return ""
@@ -103,12 +146,22 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(rows: list[dict], sweep: Path) -> None:
+def write(rows: list[dict], sweep: Path, notes: list[str] = ()) -> None:
     with open(sweep / "report.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows({c: r.get(c) for c in COLUMNS} for r in rows)
-    (sweep / "report.md").write_text(markdown(rows))
+    (sweep / "report.md").write_text("".join(f"{n}\n\n" for n in notes) + markdown(rows))
+
+
+def headline(sweep: Path, rows: list[dict]) -> list[str]:
+    """Lines above the table: fairness warnings, then the best job."""
+    lines = fairness_warnings(rows)
+    found = best(sweep, rows)
+    if found:
+        row, key = found
+        lines.append(f"best by {key}: job {row['job']} ({row['overrides'] or 'defaults'}): {key} = {_fmt(row[key])}")
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -120,9 +173,14 @@ def main(argv: list[str]) -> int:
     if not rows:
         print(f"no job directories (with config.yaml) under {sweep}", file=sys.stderr)
         return 1
+    notes = headline(sweep, rows)
+    print("\n".join([*notes, ""]) if notes else "", end="")
     print(markdown(rows), end="")
-    write(rows, sweep)
-    print(f"wrote {sweep / 'report.csv'} and {sweep / 'report.md'}")
+    write(rows, sweep, notes)
+    from .dashboard import write_dashboard  # plotly: only when a page is written
+
+    page = write_dashboard(sweep, rows, notes)
+    print(f"wrote {sweep / 'report.csv'}, {sweep / 'report.md'} and {page}")
     return 0
 
 

@@ -175,13 +175,15 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
 
 
 def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> StepRecord:
+    """`step`: steps done before this one (0-based, what the sampler and the lr read); the
+    record carries the step's number, step + 1 (the one numbering users see)."""
     t0 = _now(ctx.device)
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
     t1 = _now(ctx.device)
     out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
     t2 = _now(ctx.device)
-    return StepRecord(step=step, loss=out.loss, lr=lr_at(step, run), grad_norm=out.grad_norm,
+    return StepRecord(step=step + 1, loss=out.loss, lr=lr_at(step, run), grad_norm=out.grad_norm,
                       step_time_s=t2 - t0, data_s=t1 - t0, fwd_bwd_s=out.pipeline_s, optimizer_s=out.optimizer_s,
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
@@ -257,7 +259,8 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
     batches = Batches(run, info, ctx)
     heldout = HeldOut(run, info.val_tokens_path, info.val_num_samples, ctx) if run.trainer.eval_interval else None
     logger = RunLogger(run, job_dir, ctx, info,
-                       checkpoint.history(info.resume_from, first) if info.resume_from and ctx.rank == 0 else [])
+                       checkpoint.history(info.resume_from, first) if info.resume_from and ctx.rank == 0 else [],
+                       first_step=first + 1)
     saving = run.trainer.checkpoint_interval > 0
     if saving and stop is not None:
         stop.defer()
@@ -265,35 +268,37 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
         pending: list[StepRecord] = []
         rec: Optional[StepRecord] = None
         for step in range(first, run.trainer.steps):
-            if run.debug.fail_rank == ctx.rank and step == run.debug.fail_step:
-                raise InjectedFault(f"injected fault on rank {ctx.rank} at step {step} "
+            k = step + 1  # the step's number: 1-based everywhere users see it (after it, k steps are done)
+            if run.debug.fail_rank == ctx.rank and k == run.debug.fail_step:
+                raise InjectedFault(f"injected fault on rank {ctx.rank} at step {k} "
                                     f"(debug.fail_rank; unix time {time.time():.3f})")
-            ctx.recorder.note(f"step {step}")
+            ctx.recorder.note(f"step {k}")
+            logger.step_started(k)
             rec = train_step(step, runner, batches, run, ctx)
-            if heldout is not None and ((step + 1) % run.trainer.eval_interval == 0 or step + 1 == run.trainer.steps):
-                ctx.recorder.note(f"evaluate after step {step} (held-out data)")
+            logger.step_done(rec.step_time_s)
+            if heldout is not None and (k % run.trainer.eval_interval == 0 or k == run.trainer.steps):
+                ctx.recorder.note(f"evaluate after step {k} (held-out data)")
                 t0 = time.time()
                 rec.val_loss = evaluate(runner, heldout, run, ctx)
                 rec.eval_s = time.time() - t0
                 runner.tp_comm.take_bytes()  # evaluation's tp traffic is not the next step's
             pending.append(rec)
-            if (step + 1) % run.trainer.log_interval == 0 or step + 1 == run.trainer.steps:
+            # The first step too, so the console shows numbers before log_interval steps.
+            if k == first + 1 or k % run.trainer.log_interval == 0 or k == run.trainer.steps:
                 ctx.recorder.note("gather records to rank 0 (log group)", wait=True)
                 logger.gather_and_log(pending)
                 pending = []
             if saving:
                 signum = _agreed_stop(stop, ctx)
-                if signum or (step + 1) % run.trainer.checkpoint_interval == 0:
+                if signum or k % run.trainer.checkpoint_interval == 0:
                     if pending:  # the checkpoint's metrics.jsonl holds every step up to it
                         logger.gather_and_log(pending)
                         pending = []
-                    checkpoint.save(runner, full, ctx, run, job_dir, step + 1, run.model.vocab_size or info.vocab_size,
+                    checkpoint.save(runner, full, ctx, run, job_dir, k, run.model.vocab_size or info.vocab_size,
                                     logger.partial_path if ctx.rank == 0 else None)
                     runner.tp_comm.take_bytes()  # the save's tp gathers are not the next step's traffic
                 if signum:
-                    if ctx.rank == 0:
-                        print(f"stopped by {signal.Signals(signum).name}: checkpoint saved after step {step + 1}",
-                              flush=True)
+                    logger.say(f"stopped by {signal.Signals(signum).name}: checkpoint saved after step {k}")
                     raise Stopped(signum)
         if saving and stop is not None and (signum := stop.undefer()):
             raise Stopped(signum)  # arrived after the last step's agreement: no step left to save

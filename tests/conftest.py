@@ -116,6 +116,19 @@ def shared_run(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def layout_sweep(tmp_path_factory):
+    """`python run.py -m` over three layouts at one global batch (16 sequences: each layout
+    derives its micro-batches), W&B offline, held-out evaluation on: the sweep the report,
+    the dashboard and the W&B grouping tests read. Returns (sweep dir, the finished process)."""
+    sweep = tmp_path_factory.mktemp("layout_sweep")
+    r = run_cli(["-m", "parallelism=single,dp2,pp2", "trainer.global_batch_size=16", "experiment=smoke",
+                 "metrics.skip_first=0", "trainer.eval_interval=3", "logger=wandb", "logger.mode=offline",
+                 f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return sweep, r
+
+
 def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})

@@ -46,17 +46,17 @@ SAME = {"dp2": ["parallelism=dp2", "schedule.microbatches=2"],
 @pytest.mark.parametrize("layout", SAME)
 def test_resume_after_a_rank_fault_is_bit_exact(tmp_path, data_cache, layout):
     """4 steps, a checkpoint every 2 (kept: the newest 2); rank 1 fails at the start of step
-    3, after step_2 was saved and step 2 ran (its work is lost); resume=auto goes on from step_2."""
+    4, after step_2 was saved and step 3 ran (its work is lost); resume=auto goes on from step_2."""
     args = [*_base(data_cache, 4), *SAME[layout], "trainer.checkpoint_interval=2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     run_local(whole, *args, "trainer.checkpoint_interval=1")  # checkpoints do not change training
-    _fail(cut, *args, "debug.fail_rank=1", "debug.fail_step=3")
+    _fail(cut, *args, "debug.fail_rank=1", "debug.fail_step=4")
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_2"]
     summary = run_local(cut, *args, "trainer.resume=auto")
-    assert summary["resumed_from"] == str(cut / "checkpoints" / "step_2") and summary["first_step"] == 2
+    assert summary["resumed_from"] == str(cut / "checkpoints" / "step_2") and summary["first_step"] == 3
 
     ref, got = read_metrics(whole), read_metrics(cut)
-    assert [m["step"] for m in got] == [0, 1, 2, 3]  # the saving run's rows, then the resumed run's
+    assert [m["step"] for m in got] == [1, 2, 3, 4]  # the saving run's rows, then the resumed run's
     assert [m["loss"] for m in got] == [m["loss"] for m in ref]  # bit for bit
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref]
     a, b = final_params(whole), final_params(cut)
@@ -92,10 +92,10 @@ def test_an_asynchronous_pipeline_resumes_with_a_refill(tmp_path, data_cache):
     args = [*_base(data_cache, 4), "parallelism=pp2", "schedule=1f1b", "schedule.microbatches=2",
             "trainer.checkpoint_interval=2"]
     job = tmp_path / "job"
-    _fail(job, *args, "debug.fail_rank=1", "debug.fail_step=3")
+    _fail(job, *args, "debug.fail_rank=1", "debug.fail_step=4")
     summary = run_local(job, *args, "trainer.resume=auto")
     rows = read_metrics(job)
-    assert summary["first_step"] == 2 and [m["step"] for m in rows] == [0, 1, 2, 3]
+    assert summary["first_step"] == 3 and [m["step"] for m in rows] == [1, 2, 3, 4]
     assert all(m["loss"] == m["loss"] and m["loss"] < 6 for m in rows)  # finite, and it learns from there
     assert not torch.equal(final_params(job)["transformer.h.0.mlp.c_fc.weight"], final_params_of_step(job, 2))
 
@@ -110,9 +110,9 @@ LAYOUTS = {"single": ["parallelism=single", "schedule.microbatches=4"],
            "zero3": ["parallelism=zero3", "schedule.microbatches=2"],
            "zero1": ["parallelism=zero1", "schedule.microbatches=2"],
            "3d": ["parallelism=3d_2x2x2", "schedule=flush", "schedule.microbatches=2"]}
-# Each chain: the first layout runs until a fault at step 2 (checkpoint step_2); each next one
-# resumes the previous one's newest checkpoint, saves every 2 steps and (but the last) fails
-# at step 4. dp2 -> tp2 -> pp2 covers two of the pairs in one chain.
+# Each chain: the first layout runs until a fault at the start of step 3 (checkpoint step_2);
+# each next one resumes the previous one's newest checkpoint, saves every 2 steps and (but
+# the last) fails at the start of step 5. dp2 -> tp2 -> pp2 covers two of the pairs in one chain.
 CHAINS = [("dp2", "tp2", "pp2"), ("pp2", "pp4"), ("zero3", "zero1"), ("3d", "dp2")]
 
 
@@ -131,14 +131,14 @@ def test_resume_under_another_layout_continues_the_run(tmp_path, data_cache, ref
         job = tmp_path / f"{i}_{layout}"
         resume = [f"trainer.resume={previous}"] if previous else []
         if i < len(chain) - 1:
-            _fail(job, *args, *LAYOUTS[layout], *resume, "debug.fail_rank=1", f"debug.fail_step={2 * (i + 1)}")
+            _fail(job, *args, *LAYOUTS[layout], *resume, "debug.fail_rank=1", f"debug.fail_step={2 * (i + 1) + 1}")
             previous = job / "checkpoints" / f"step_{2 * (i + 1)}"
             assert (previous / "COMPLETE").exists()
         else:
             summary = run_local(job, *args, *LAYOUTS[layout], *resume)
-            assert summary["first_step"] == 2 * i and summary["world_size"] == compose(*LAYOUTS[layout]).world_size
+            assert summary["first_step"] == 2 * i + 1 and summary["world_size"] == compose(*LAYOUTS[layout]).world_size
     metrics, params = read_metrics(job), final_params(job)
-    assert [m["step"] for m in metrics] == list(range(6))
+    assert [m["step"] for m in metrics] == list(range(1, 7))
     assert_same_training(metrics, params, *reference)
 
 
@@ -167,7 +167,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path, data_cache):
     assert len((saved[0] / "metrics.jsonl").read_text().splitlines()) == k  # every step up to it
 
     summary = run_local(job, *args[:-1], "trainer.resume=auto", f"trainer.steps={k + 2}")
-    assert summary["first_step"] == k and [m["step"] for m in read_metrics(job)] == list(range(k + 2))
+    assert summary["first_step"] == k + 1 and [m["step"] for m in read_metrics(job)] == list(range(1, k + 3))
 
 
 def _reject(job: Path, overrides: list[str], key: str, problem: str) -> None:
@@ -191,8 +191,8 @@ def test_bad_resumes_are_rejected_before_launch(tmp_path, data_cache):
     (ckpt / "COMPLETE").unlink()
     _reject(tmp_path / "e", [*args, "trainer.steps=4", f"trainer.resume={ckpt}"], "trainer.resume",
             "incomplete checkpoint")
-    # auto without a complete checkpoint starts at step 0, and sets the stale one aside
+    # auto without a complete checkpoint starts at step 1, and sets the stale one aside
     summary = run_local(job, *args, "trainer.resume=auto", "trainer.steps=1")
-    assert summary["first_step"] == 0 and not (job / "checkpoints").exists()
+    assert summary["first_step"] == 1 and not (job / "checkpoints").exists()
     assert any((p / "checkpoints" / "step_2").exists() for p in (job / ".previous").iterdir())
     assert os.path.exists(job / "summary.json")

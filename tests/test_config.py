@@ -26,6 +26,7 @@ GROUPS = {
     "optimizer": ["adamw", "sgd"],
     "logger": ["wandb", "none"],
     "experiment": ["smoke", "gpt2_squad", "dp_scaling"],
+    "hparams_search": ["layout"],
 }
 
 
@@ -55,6 +56,30 @@ def test_defaults_are_the_main_job():
     assert run.global_batch == run.trainer.micro_batch_size * run.schedule.microbatches
 
 
+def test_global_batch_size_derives_microbatches_for_each_layout():
+    """Fair comparisons: the global batch stays, micro-batches follow the layout (mbs fixed)."""
+    for layout, m in (("single", 8), ("dp2", 4), ("dp4", 2), ("pp2", 8), ("tp2", 8), ("3d_2x2x2", 4)):
+        run = compose(f"parallelism={layout}", "trainer.global_batch_size=64")
+        assert run.schedule.microbatches == m and run.global_batch == 64 and run.trainer.micro_batch_size == 8, layout
+    # micro_batch_size=null: the micro-batch size follows instead (a search over microbatches)
+    run = compose("parallelism=dp2", "trainer.global_batch_size=64", "trainer.micro_batch_size=null",
+                  "schedule.microbatches=8")
+    assert (run.trainer.micro_batch_size, run.schedule.microbatches, run.global_batch) == (4, 8, 64)
+    # dp=null: the rest of a fixed world size
+    run = compose("parallelism.dp=null", "parallelism.world_size=8", "parallelism.tp=2", "parallelism.pp=2")
+    assert run.parallelism.dp == 2 and run.world_size == 8
+
+
+def test_a_derived_size_given_on_the_command_line_is_a_contradiction():
+    from framework.config import check_overrides
+
+    overrides = ["parallelism=dp2", "trainer.global_batch_size=64", "schedule.microbatches=8"]
+    with pytest.raises(ConfigError) as e:
+        check_overrides(compose(*overrides), overrides)
+    assert str(e.value).startswith("schedule.microbatches='8': trainer.global_batch_size=64") and "derive" in str(e.value)
+    check_overrides(compose(*overrides[:2], "schedule.microbatches=4"), [*overrides[:2], "schedule.microbatches=4"])
+
+
 def test_async_presets_untie_the_embedding():
     assert compose("schedule=1f1b").model.tie_embeddings is False
     assert compose("schedule=2bw", "model=gpt2").model.tie_embeddings is False
@@ -67,7 +92,9 @@ BAD = [
     (["model=llama-tiny", "model.n_kv_head=3"], "model.n_kv_head=3", "must divide n_head"),
     (["data.seq_len=512"], "data.seq_len=512", "above the model's positions"),
     (["trainer.global_batch_size=10"], "trainer.global_batch_size=10", "not divisible"),
-    (["trainer.global_batch_size=64"], "trainer.global_batch_size=64", "schedule.microbatches=8"),
+    (["trainer.micro_batch_size=null"], "trainer.micro_batch_size=None", "null derives it"),
+    (["parallelism.dp=null"], "parallelism.dp=None", "world_size = None"),
+    (["parallelism.dp=null", "parallelism.world_size=3"], "parallelism.dp=None", "tp * pp = 1*2"),
     (["model.arch=gpt3"], "model.arch='gpt3'", "unknown name"),
     (["data.name=books"], "data.name='books'", "unknown name"),
     (["schedule.name=zb"], "schedule.name='zb'", "unknown name"),

@@ -36,7 +36,7 @@ def _failure(tmp_path: Path, name: str, *overrides: str) -> RankFailure:
 def test_pp2_fault_on_rank0_blames_rank0_every_time(tmp_path, attempt):
     """Rank 1 blocks in a receive from rank 0 when rank 0 raises: the record rank 0 writes
     before closing its connections makes it the cause, never the peer it brought down."""
-    e = _failure(tmp_path, "job", *PP2, "trainer.steps=4", "debug.fail_rank=0", "debug.fail_step=2")
+    e = _failure(tmp_path, "job", *PP2, "trainer.steps=4", "debug.fail_rank=0", "debug.fail_step=3")
     assert e.reason.startswith("rank 0 failed: framework.trainer.InjectedFault: injected fault on rank 0"), e.reason
     report = (tmp_path / "job" / "error.txt").read_text()
     assert report.splitlines()[0] == e.reason and "InjectedFault" in report
@@ -49,7 +49,7 @@ def test_pp2_fault_on_rank0_blames_rank0_every_time(tmp_path, attempt):
 @pytest.mark.parametrize("attempt", range(2))
 def test_fault_in_a_3d_layout_names_the_failing_rank(tmp_path, attempt):
     e = _failure(tmp_path, "job", *TINY, "data=synthetic", "parallelism=3d_2x2x2", "schedule.microbatches=2",
-                 "trainer.steps=4", "debug.fail_rank=5", "debug.fail_step=1")
+                 "trainer.steps=4", "debug.fail_rank=5", "debug.fail_step=2")
     assert e.reason.startswith("rank 5 failed: framework.trainer.InjectedFault: injected fault on rank 5"), e.reason
     assert str(e).count("Traceback") == 1  # one block: the cause's traceback, consequences named only
 
@@ -105,7 +105,7 @@ def test_a_stopped_rank_is_detected_as_a_hang(tmp_path):
 
 
 def test_a_sweep_survives_a_failed_job_and_the_report_lists_every_job(tmp_path):
-    r = run_cli(["-m", "debug.fail_rank=null,0,null", "debug.fail_step=2", *FAST, "parallelism=pp2",
+    r = run_cli(["-m", "debug.fail_rank=null,0,null", "debug.fail_step=3", *FAST, "parallelism=pp2",
                  "trainer.steps=4", "metrics.skip_first=0", f"hydra.sweep.dir={tmp_path}"])
     assert r.returncode == 0, r.stderr[-3000:]
     status = [json.loads((tmp_path / str(j) / "summary.json").read_text())["status"] for j in range(3)]
@@ -141,7 +141,7 @@ def test_a_reused_run_directory_never_mixes_results(tmp_path):
     run_local(job, *PP2, "trainer.steps=3")
     assert {"summary.json", "metrics.jsonl", "trace.json", "timeline.png"} <= {p.name for p in job.iterdir()}
     with pytest.raises(RankFailure):
-        run_local(job, *PP2, "trainer.steps=3", "debug.fail_rank=1", "debug.fail_step=1")
+        run_local(job, *PP2, "trainer.steps=3", "debug.fail_rank=1", "debug.fail_step=2")
     names = {p.name for p in job.iterdir()}
     assert not names & {"metrics.jsonl", "trace.json", "timeline.png"}, names
     assert json.loads((job / "summary.json").read_text())["status"] == "failed"
@@ -155,12 +155,13 @@ def test_a_reused_run_directory_never_mixes_results(tmp_path):
 
 def test_set_aside_keeps_hydra_files_and_says_where(tmp_path, capsys):
     (tmp_path / ".hydra").mkdir()
-    (tmp_path / "run.log").write_text("hydra's log")
+    (tmp_path / "run.log").write_text("step    1/40 | loss 5.0\n")  # an earlier run's console
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "my_inputs.jsonl").write_text("the user's own file")
     dest = set_aside_previous(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", ".previous", "my_inputs.jsonl", "run.log"]
-    assert os.listdir(dest) == ["summary.json"] and dest in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", ".previous", "my_inputs.jsonl"]
+    assert sorted(os.listdir(dest)) == ["run.log", "summary.json"] and dest in capsys.readouterr().out
+    (tmp_path / "run.log").write_text("")  # what Hydra's log handler of the new run opens
     assert set_aside_previous(str(tmp_path)) is None  # nothing left to move
 
 

@@ -42,7 +42,7 @@ def test_main_job_writes_config_metrics_and_summary(main_job):
     cfg = yaml.safe_load((job / "config.yaml").read_text())
     assert cfg["parallelism"]["pp"] == 2 and cfg["model"]["name"] == "gpt2-tiny" and "${" not in (job / "config.yaml").read_text()
     metrics = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(cfg["trainer"]["steps"]))
+    assert [m["step"] for m in metrics] == list(range(1, cfg["trainer"]["steps"] + 1))  # 1-based
     assert summary["loss"] == metrics[-1]["loss"] < metrics[0]["loss"] - 1.0  # it learns pycode
     assert summary["world_size"] == 2 and [x["pp"] for x in summary["ranks"]] == [0, 1]  # a 2-stage pipeline
     for rank in summary["ranks"]:
@@ -54,6 +54,21 @@ def test_main_job_writes_config_metrics_and_summary(main_job):
     assert summary["memory_peak_bytes"] == max(x["memory_peak_bytes"] for x in summary["ranks"])
     assert not list(job.glob("*.partial")) and not list(job.glob("*.tmp"))
     assert "loss" in r.stdout and "tokens/s" in r.stdout and "rank 1" in r.stdout
+
+
+def test_the_console_shows_the_first_step_and_run_log_holds_it(main_job):
+    """Progress from the first step (not only after log_interval = 5), with elapsed and ETA;
+    run.log holds the whole console: the launcher's banner and summary, rank 0's lines."""
+    job, r = main_job
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert steps[0].startswith("step    1/40 | loss ") and steps[1].startswith("step    5/40 | ")
+    assert len(steps) == 1 + 40 // 5 and all(" | elapsed " in s and " | ETA " in s for s in steps)
+    first = json.loads((job / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and f"loss {first['loss']:.4f}" in steps[0]  # one numbering: the same step 1
+    log = (job / "run.log").read_text().splitlines()
+    banner = next(i for i, x in enumerate(log) if x.startswith("world 2 = dp 1 x tp 1 x pp 2 on cpu"))  # launcher's
+    assert [x for x in log[banner:] if x.startswith("step ")] == steps  # rank 0's lines, after the banner
+    assert any(x.startswith("loss ") and "tokens/s" in x for x in log) and log[-1].startswith("  rank 1 ")
 
 
 def test_wandb_offline_run_reads_back(main_job):
@@ -70,21 +85,47 @@ def test_wandb_offline_run_reads_back(main_job):
     assert wandb_reader.run_meta(files[0])["name"] == "default"
 
 
-def test_multirun_of_four_jobs_and_the_report(tmp_path):
-    r = run_cli(["-m", "parallelism=single,dp2", "optimizer.lr=1e-3,3e-4", *SMOKE, "logger=wandb",
-                 "logger.mode=offline", f"hydra.sweep.dir={tmp_path}"])
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_wandb_config_is_flat_for_comparison_and_sync_finds_the_run(main_job):
+    job, _ = main_job
+    files = glob.glob(str(job / "wandb" / "offline-run-*" / "run-*.wandb"))
+    summary = json.loads((job / "summary.json").read_text())
+    _, config = wandb_reader.summary_and_config(files[0])
+    flat = ("dp", "tp", "pp", "zero", "schedule", "microbatches", "virtual_stages", "global_batch", "tokens_per_step",
+            "world_size")
+    assert {k: config[k] for k in flat} == {k: summary[k] for k in flat}
+    assert config["layout"] == "dp1-tp1-pp2-z0-flush-m4" and config["model_name"] == "gpt2-tiny"
+    metrics = wandb_reader.metric_definitions(files[0])
+    assert metrics["*"]["step_metric"] == "step" and metrics["step"]["hidden"]  # every chart against our step
+    assert metrics["tokens_per_s"]["none"] and metrics["loss"]["none"]  # summary.json's medians, not W&B's last
+    assert [h["step"] for h in wandb_reader.history(files[0])] == list(range(1, 41))
+    # The README's upload command, as a dry run: the offline run is found at that path.
+    runs = glob.glob(str(job / "wandb" / "offline-run-*"))
+    r = subprocess.run([str(Path(sys.executable).parent / "wandb"), "sync", "--dry-run", *runs], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "Would sync 1 run(s)" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_sweep_over_layouts_keeps_tokens_per_step_and_the_report_compares_it(layout_sweep):
+    """trainer.global_batch_size: each layout derives its micro-batches (micro_batch_size 2
+    fixed), so every job trains on 16 sequences per step; each job is its own W&B run, all
+    in one group; the report has the global batch and tokens per step and no warning."""
+    tmp_path, _ = layout_sweep
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit())
-    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    assert [p.name for p in jobs] == ["0", "1", "2"]
+    summaries = [json.loads((j / "summary.json").read_text()) for j in jobs]
+    assert [(s["dp"], s["pp"], s["microbatches"]) for s in summaries] == [(1, 1, 8), (2, 1, 4), (1, 2, 8)]
+    assert [s["global_batch"] for s in summaries] == [16] * 3 and [s["tokens_per_step"] for s in summaries] == [512] * 3
     metas = [wandb_reader.run_meta(glob.glob(str(j / "wandb" / "*" / "run-*.wandb"))[0]) for j in jobs]
-    assert len({m["name"] for m in metas}) == 4 and len({m["group"] for m in metas}) == 1  # own runs, one group
-    assert metas[0]["group"] == "smoke" and "parallelism=single optimizer.lr=0.001" in metas[0]["name"]
+    assert len({m["name"] for m in metas}) == 3 and len({m["group"] for m in metas}) == 1  # own runs, one group
+    assert metas[0]["group"] == "smoke" and metas[1]["name"].startswith("parallelism=dp2 trainer.global_batch_size=16")
     assert report_main([str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text().splitlines()
-    assert len(md) == 2 + 4 and md[0].startswith("| job | overrides | status | loss | tokens_per_s")
+    assert md[0].startswith("best by loss: job ")  # no fairness warning above it
+    table = md[md.index(next(x for x in md if x.startswith("| job"))):]
+    assert len(table) == 2 + 3 and "| global_batch | tokens_per_step |" in table[0]
     rows = (tmp_path / "report.csv").read_text().splitlines()
-    assert len(rows) == 5 and "parallelism=dp2 optimizer.lr=0.0003" in rows[4] and ",completed," in rows[4]
-    assert json.loads((jobs[3] / "summary.json").read_text())["world_size"] == 2
+    assert len(rows) == 4 and "parallelism=pp2 trainer.global_batch_size=16" in rows[3] and ",completed," in rows[3]
+    assert rows[3].split(",")[-3:-1] == ["16", "512"]
 
 
 def test_submitit_local_launcher(tmp_path):
@@ -135,12 +176,12 @@ def _processes_with(marker: str) -> list[int]:
 def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path):
     marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
     key, value = marker.split("=")
-    # Rank 1 dies at step 3 while the other ranks wait for it in the gradient all-reduce.
-    r = run_cli(["parallelism=dp4", *SMOKE, "trainer.steps=50", "debug.fail_rank=1", "debug.fail_step=3",
+    # Rank 1 dies at step 4 while the other ranks wait for it in the gradient all-reduce.
+    r = run_cli(["parallelism=dp4", *SMOKE, "trainer.steps=50", "debug.fail_rank=1", "debug.fail_step=4",
                  f"hydra.run.dir={tmp_path}"], timeout=120, env={key: value})
     ended = time.time()
     assert r.returncode != 0
-    assert "rank 1 failed" in r.stderr and "InjectedFault: injected fault on rank 1 at step 3" in r.stderr
+    assert "rank 1 failed" in r.stderr and "InjectedFault: injected fault on rank 1 at step 4" in r.stderr
     fault_time = float(re.search(r"unix time ([0-9.]+)", r.stderr).group(1))
     assert 0 < ended - fault_time < 30  # the whole job is gone within 30 s of the fault (a liveness bound)
     assert _processes_with(marker) == []  # no orphan rank left behind

@@ -66,3 +66,15 @@ def run_meta(path: str) -> dict:
         if rec.WhichOneof("record_type") == "run":
             return {"group": rec.run.run_group, "name": rec.run.display_name, "project": rec.run.project}
     return {}
+
+
+def metric_definitions(path: str) -> dict:
+    """define_metric records: {name or glob: {"step_metric": ..., "summary": [...] }}."""
+    out = {}
+    for rec in records(path):
+        if rec.WhichOneof("record_type") == "metric":
+            m = rec.metric
+            summary = [f.name for f, v in m.summary.ListFields() if v is True]
+            out[m.name or m.glob_name] = {"step_metric": m.step_metric, "summary": summary,
+                                          "hidden": bool(m.options.hidden), "none": bool(m.summary.none)}
+    return out

@@ -182,17 +182,8 @@ def _trainer(run: RunConfig) -> None:
     positive("trainer.micro_batch_size", t.micro_batch_size)
     positive("trainer.log_interval", t.log_interval)
     choice("trainer.precision", t.precision, PRECISIONS)
-    if t.global_batch_size is not None:
-        per = t.micro_batch_size * run.parallelism.dp
-        if t.global_batch_size < 1 or t.global_batch_size % per:
-            raise ConfigError("trainer.global_batch_size", t.global_batch_size,
-                              f"not divisible by micro_batch_size * dp = {t.micro_batch_size}*{run.parallelism.dp}",
-                              f"use a multiple of {per}, or change trainer.micro_batch_size")
-        if t.global_batch_size != run.global_batch:
-            m = t.global_batch_size // per
-            raise ConfigError("trainer.global_batch_size", t.global_batch_size,
-                              f"micro_batch_size * microbatches * dp = {run.global_batch}",
-                              f"set schedule.microbatches={m}, or leave global_batch_size null")
+    if t.global_batch_size is not None:  # schedule.microbatches is derived from it (framework.config)
+        positive("trainer.global_batch_size", t.global_batch_size)
     if t.warmup_steps < 0:
         raise ConfigError("trainer.warmup_steps", t.warmup_steps, "must be >= 0", "set 0 for no warm-up")
     number("trainer.min_lr_ratio", t.min_lr_ratio, lambda x: 0 <= x <= 1, "must be a finite number in [0, 1]",
@@ -268,10 +259,19 @@ def _misc(run: RunConfig) -> None:
     if run.metrics.peak_tflops is not None:
         number("metrics.peak_tflops", run.metrics.peak_tflops, lambda x: x > 0, "must be a finite positive number",
                 "set the per-rank peak, or null to measure it")
+    if run.search.memory_budget_bytes is not None:
+        number("search.memory_budget_bytes", run.search.memory_budget_bytes, lambda x: x > 0,
+               "must be a finite number of bytes > 0", "e.g. search.memory_budget_bytes=8e9, or null for no budget")
+    if run.search.failed_value is not None:
+        number("search.failed_value", run.search.failed_value, lambda x: True, "must be a finite number",
+               "e.g. 0.0 for a maximised objective, or null (NaN: Optuna marks the trial failed)")
     fr = run.debug.fail_rank
     if fr is not None and not 0 <= fr < run.world_size:
         raise ConfigError("debug.fail_rank", fr, f"no such rank in world size {run.world_size}",
                           f"use 0..{run.world_size - 1} or null")
+    if fr is not None and not 1 <= run.debug.fail_step <= run.trainer.steps:
+        raise ConfigError("debug.fail_step", run.debug.fail_step, f"steps are numbered 1..{run.trainer.steps}",
+                          "e.g. debug.fail_step=1 (the fault is raised at the start of that step)")
     _debug_delay(run)
 
 

@@ -1,0 +1,300 @@
+"""The comparison dashboard of a sweep: `report.html`, one self-contained page.
+
+Written by `python -m framework.report <sweep dir>` beside report.md. plotly's JavaScript is
+embedded once in the page, so it opens offline (a laptop, a cluster's login node, an e-mail
+attachment) and needs no server. It holds, for the jobs of the sweep:
+  - the table of every job (status and reason of those that did not complete), in readable
+    units, under the report's headline (fairness warnings, the best job);
+  - loss against step, every completed job overlaid (held-out val_loss as markers);
+  - tokens/s and MFU per job;
+  - measured against analytic pipeline bubble per job;
+  - per-rank memory, stacked: parameters, gradients, optimizer states, activations (the peak
+    of saved activations), with the ZeRO paper's formula for the rank's model states marked;
+  - each pipeline job's timeline: the step `timeline_step` of summary.json (the measured
+    step with the median time), from trace.json, one row per rank.
+Only completed jobs are plotted; every job is in the table. Each job has one label
+everywhere: its number and overrides.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+PAGE = "report.html"
+LABEL_CHARS = 60
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+# Forward light, backward dark (as timeline.png), updates grey, waits pale: idle shows as idle.
+ACTION_COLOURS = {"F": "#9ecae1", "B": "#2171b5", "U": "#969696", "wait": "#f0f0f0"}
+ACTION_NAMES = {"F": "forward", "B": "backward", "U": "update", "wait": "receive wait"}
+MEMORY_PARTS = (("params_bytes", "parameters", "#4292c6"), ("grads_bytes", "gradients", "#fd8d3c"),
+                ("optimizer_bytes", "optimizer states", "#74c476"),
+                ("activation_peak_bytes", "activations (peak)", "#9e9ac8"))
+
+
+@dataclass
+class Job:
+    row: dict
+    label: str
+    summary: dict
+    metrics: list[dict] = field(default_factory=list)
+    folder: Optional[Path] = None
+
+
+# ---- units ------------------------------------------------------------------------------
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The unit a byte axis reads best in: the largest one the biggest value is at least 1 of."""
+    return next((name, size) for name, size in UNITS if largest >= size or size == 1)
+
+
+def fmt_bytes(value: Optional[float]) -> str:
+    if value is None:
+        return ""
+    name, size = byte_unit(value)
+    return f"{value / size:.1f} {name}" if size > 1 else f"{value:.0f} B"
+
+
+def fmt_percent(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.1%}"
+
+
+def fmt_number(value: Optional[float], digits: int = 4) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def common_overrides(rows: list[dict]) -> list[str]:
+    """The overrides every job of the sweep shares (said once, above the table)."""
+    sets = [(r.get("overrides") or "").split() for r in rows]
+    if len(sets) < 2:
+        return []
+    return [o for o in sets[0] if all(o in s for s in sets[1:])]
+
+
+def label(row: dict, common: list[str] = ()) -> str:
+    """The job's number and what sets it apart from the other jobs of the sweep."""
+    own = [o for o in (row.get("overrides") or "").split() if o not in common]
+    text = f"{row['job']}: {' '.join(own) or 'defaults'}"
+    return text if len(text) <= LABEL_CHARS else text[:LABEL_CHARS - 1] + "…"
+
+
+# ---- reading the jobs -------------------------------------------------------------------
+
+def load_jobs(sweep: Path, rows: list[dict]) -> list[Job]:
+    """The completed jobs with their summary and metrics (what the plots need)."""
+    common, jobs = common_overrides(rows), []
+    for row in rows:
+        folder = sweep / row["job"]
+        if row.get("status") != "completed":
+            continue
+        try:
+            summary = json.loads((folder / "summary.json").read_text())
+        except (OSError, ValueError):
+            continue
+        jobs.append(Job(row, label(row, common), summary, _metrics(folder / "metrics.jsonl"), folder))
+    return jobs
+
+
+def _metrics(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _timeline_events(job: Job) -> list[dict]:
+    """trace.json's compute and wait slices of the timeline step (pipelines only)."""
+    step = job.summary.get("timeline_step")
+    try:
+        trace = json.loads((job.folder / "trace.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [e for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and (e.get("args") or {}).get("step") == step]
+
+
+# ---- figures ----------------------------------------------------------------------------
+
+def _layout(fig, title: str, **kwargs):
+    fig.update_layout(title=title, template="plotly_white", margin=dict(l=70, r=30, t=60, b=60),
+                      legend=dict(orientation="h", y=-0.25), **kwargs)
+    return fig
+
+
+def loss_figure(jobs: list[Job]):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for job in jobs:
+        rows = job.metrics
+        fig.add_trace(go.Scatter(x=[r["step"] for r in rows], y=[r["loss"] for r in rows], mode="lines",
+                                 name=job.label, legendgroup=job.label))
+        evals = [r for r in rows if r.get("val_loss") is not None]
+        if evals:
+            fig.add_trace(go.Scatter(x=[r["step"] for r in evals], y=[r["val_loss"] for r in evals],
+                                     mode="markers", name=f"{job.label} (val_loss)", legendgroup=job.label))
+    return _layout(fig, "Loss against step (training loss lines; held-out val_loss markers)",
+                   xaxis_title="step", yaxis_title="loss (nats per token)", height=460)
+
+
+def throughput_figure(jobs: list[Job]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    names = [j.label for j in jobs]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (median after warm-up)",
+                                                        "MFU (model FLOP/s over the per-rank peak)"))
+    tps = [j.summary.get("tokens_per_s") for j in jobs]
+    mfu = [j.summary.get("mfu") for j in jobs]  # null under fp64: no bar
+    fig.add_trace(go.Bar(x=names, y=tps, name="tokens/s", text=[fmt_number(v) for v in tps],
+                         marker_color="#3182bd"), row=1, col=1)
+    fig.add_trace(go.Bar(x=names, y=mfu, name="MFU", text=[fmt_percent(v) for v in mfu],
+                         marker_color="#e6550d"), row=1, col=2)
+    fig.update_yaxes(title_text="tokens/s", tickformat=",", row=1, col=1)
+    fig.update_yaxes(title_text="MFU", tickformat=".1%", row=1, col=2)
+    return _layout(fig, "Throughput per job", height=480, showlegend=False)
+
+
+def bubble_figure(jobs: list[Job]):
+    import plotly.graph_objects as go
+
+    names = [j.label for j in jobs]
+    fig = go.Figure()
+    for key, name, colour in (("bubble_fraction", "measured", "#31a354"),
+                              ("bubble_fraction_analytic", "analytic", "#bdbdbd")):
+        values = [j.summary.get(key) for j in jobs]
+        fig.add_trace(go.Bar(x=names, y=values, name=name, text=[fmt_percent(v) for v in values],
+                             marker_color=colour))
+    return _layout(fig, "Pipeline bubble per job: measured (mean over ranks) and analytic", barmode="group",
+                   yaxis_title="idle share of the step", yaxis_tickformat=".0%", height=460)
+
+
+def memory_figure(jobs: list[Job]):
+    import plotly.graph_objects as go
+
+    ranks = [(job, r) for job in jobs for r in job.summary.get("ranks", [])]
+    totals = [sum(r.get(k) or 0 for k, _, _ in MEMORY_PARTS) for _, r in ranks]
+    formulas = [r.get("model_state_formula_bytes") for _, r in ranks]
+    unit, size = byte_unit(max([*totals, *(f or 0 for f in formulas), 1]))
+    x = [f"job {job.row['job']} · rank {r['rank']}" for job, r in ranks]
+    hover = [f"{job.label}<br>rank {r['rank']} (pp {r.get('pp')}, dp {r.get('dp')}, tp {r.get('tp')})"
+             for job, r in ranks]
+    fig = go.Figure()
+    for key, name, colour in MEMORY_PARTS:
+        values = [(r.get(key) or 0) / size for _, r in ranks]
+        fig.add_trace(go.Bar(x=x, y=values, name=name, marker_color=colour, hovertext=hover,
+                             hovertemplate="%{hovertext}<br>" + name + ": %{y:.2f} " + unit + "<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=[None if f is None else f / size for f in formulas], mode="markers",
+                             name="ZeRO formula (model states)", hovertext=hover,
+                             marker=dict(symbol="line-ew", size=34, line=dict(width=3, color="#de2d26")),
+                             hovertemplate="%{hovertext}<br>formula: %{y:.2f} " + unit + "<extra></extra>"))
+    return _layout(fig, "Memory per rank: model states and the activation peak, against the ZeRO formula",
+                   barmode="stack", yaxis_title=unit, height=520)
+
+
+def timeline_figure(job: Job):
+    """One pipeline step as a Gantt chart (None when the job has no trace)."""
+    import plotly.graph_objects as go
+
+    events = _timeline_events(job)
+    if not events:
+        return None
+    t0 = min(e["ts"] for e in events)
+    fig = go.Figure()
+    for cat in ("wait", "F", "B", "U"):
+        mine = [e for e in events if e.get("cat") == cat]
+        if not mine:
+            continue
+        fig.add_trace(go.Bar(
+            orientation="h", y=[f"rank {e['tid']}" for e in mine], x=[e["dur"] / 1e3 for e in mine],
+            base=[(e["ts"] - t0) / 1e3 for e in mine], name=ACTION_NAMES[cat], marker_color=ACTION_COLOURS[cat],
+            marker_line=dict(width=0.5, color="#252525"), text=[e["name"] if cat != "wait" else "" for e in mine],
+            hovertemplate="%{text} %{x:.1f} ms from %{base:.1f} ms<extra>" + ACTION_NAMES[cat] + "</extra>"))
+    s = job.summary
+    title = (f"{job.label}: step {s.get('timeline_step')} (median step time) | bubble measured "
+             f"{fmt_percent(s.get('bubble_fraction'))}, analytic {fmt_percent(s.get('bubble_fraction_analytic'))}")
+    ranks = sorted({e["tid"] for e in events})
+    return _layout(fig, title, barmode="overlay", xaxis_title="ms from the step's first action",
+                   yaxis=dict(autorange="reversed", categoryorder="array",
+                              categoryarray=[f"rank {r}" for r in ranks]),
+                   height=180 + 50 * len(ranks))
+
+
+# ---- the page ---------------------------------------------------------------------------
+
+TABLE = (("job", "job", str), ("own_overrides", "overrides (beyond the common ones)", str), ("status", "status", str),
+         ("layout", "layout", str), ("global_batch", "global batch", fmt_number),
+         ("tokens_per_step", "tokens/step", fmt_number), ("loss", "loss", fmt_number),
+         ("val_loss", "val_loss", fmt_number), ("tokens_per_s", "tokens/s", fmt_number), ("mfu", "MFU", fmt_percent),
+         ("bubble_fraction", "bubble (measured)", fmt_percent),
+         ("bubble_fraction_analytic", "bubble (analytic)", fmt_percent),
+         ("memory_peak_bytes", "peak memory", fmt_bytes), ("reason", "reason", str))
+
+
+def table_html(rows: list[dict], jobs: list[Job]) -> str:
+    summaries = {j.row["job"]: j.summary for j in jobs}
+    common = common_overrides(rows)
+    head = "".join(f"<th>{html.escape(title)}</th>" for _, title, _ in TABLE)
+    body = []
+    for row in rows:
+        own = " ".join(o for o in (row.get("overrides") or "").split() if o not in common)
+        values = {**row, **summaries.get(row["job"], {}), "own_overrides": own}
+        cells = "".join(f"<td>{html.escape(fmt(values[key]) if values.get(key) is not None else '')}</td>"
+                        for key, _, fmt in TABLE)
+        body.append(f'<tr class="status-{html.escape(str(row.get("status")))}">{cells}</tr>')
+    return f'<table id="jobs"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 28px; }
+table { border-collapse: collapse; font-size: 0.85em; }
+th, td { border: 1px solid #ddd; padding: 4px 8px; text-align: right; white-space: nowrap; }
+td:nth-child(2), td:last-child { text-align: left; white-space: normal; max-width: 28em; }
+th { background: #f5f5f5; white-space: normal; }
+tr.status-failed, tr.status-rejected, tr.status-interrupted, tr.status-incomplete, tr.status-not\\ run {
+  background: #fff3f3; }
+.notes p { margin: 4px 0; } .warning { color: #b30000; }
+"""
+
+
+def _section(title: str, fig) -> str:
+    return f"<h2>{html.escape(title)}</h2>" + fig.to_html(full_html=False, include_plotlyjs=False)
+
+
+def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
+    from plotly.offline import get_plotlyjs
+
+    jobs = load_jobs(sweep, rows)
+    parts = [f"<h1>Sweep {html.escape(str(sweep))}: {len(rows)} jobs, {len(jobs)} completed</h1>",
+             '<div class="notes">' + "".join(
+                 f'<p class="{"warning" if n.startswith("WARNING") else "best"}">{html.escape(n)}</p>' for n in notes)
+             + "</div>", "<h2>Jobs</h2>",
+             f"<p>Common overrides: <code>{html.escape(' '.join(common_overrides(rows)) or 'none')}</code></p>",
+             table_html(rows, jobs)]
+    if jobs:
+        parts += [_section("Loss", loss_figure(jobs)), _section("Throughput", throughput_figure(jobs)),
+                  _section("Pipeline bubble", bubble_figure(jobs)), _section("Memory per rank", memory_figure(jobs))]
+        for job in jobs:
+            fig = timeline_figure(job)
+            if fig is not None:
+                parts.append(_section(f"Pipeline timeline: {job.label}", fig))
+    return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Sweep report</title>"
+            f"<style>{STYLE}</style><script type=\"text/javascript\">{get_plotlyjs()}</script></head>"
+            f"<body>{''.join(parts)}</body></html>")
+
+
+def write_dashboard(sweep: Path, rows: list[dict], notes: Optional[list[str]] = None) -> Path:
+    """Write <sweep>/report.html (atomically: a half-written page never looks like a report)."""
+    from .files import write_atomic
+
+    path = Path(sweep) / PAGE
+    write_atomic(str(path), render(Path(sweep), rows, list(notes or [])))
+    return path

@@ -1,0 +1,86 @@
+"""report.html (framework/dashboard.py) rendered by a real browser: Debian's chromium,
+headless, prints the DOM after plotly has drawn the page. Every figure must be drawn, every
+job must be in the legends and the table with its numbers, and the page must need no network."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from framework.dashboard import byte_unit, common_overrides, fmt_bytes, fmt_number, fmt_percent, label
+from framework.report import main as report_main
+
+CHROMIUM = "chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def test_units_read_like_a_person_writes_them():
+    assert byte_unit(3 * 2**30) == ("GiB", 2**30) and byte_unit(5 * 2**20) == ("MiB", 2**20)
+    assert byte_unit(100) == ("B", 1) and byte_unit(0) == ("B", 1)
+    assert [fmt_bytes(v) for v in (1536, 5 * 2**20, 2.5 * 2**30, 12)] == ["1.5 KiB", "5.0 MiB", "2.5 GiB", "12 B"]
+    assert fmt_percent(0.1234) == "12.3%" and fmt_number(20456.7) == "20,457" and fmt_number(5.5472) == "5.547"
+    assert fmt_bytes(None) == fmt_percent(None) == fmt_number(None) == ""
+
+
+def test_labels_keep_what_sets_a_job_apart():
+    rows = [{"job": "0", "overrides": "parallelism=single trainer.steps=6"},
+            {"job": "1", "overrides": "parallelism=dp2 trainer.steps=6"}]
+    common = common_overrides(rows)
+    assert common == ["trainer.steps=6"] and [label(r, common) for r in rows] == ["0: parallelism=single",
+                                                                                "1: parallelism=dp2"]
+
+
+def _render(page) -> str:
+    """The DOM after the page's scripts ran, as chromium sees it."""
+    browser = shutil.which(CHROMIUM)
+    if browser is None:
+        pytest.fail("Debian's chromium is needed to render report.html: apt-get install -y chromium")
+    profile = page.parent / ".chromium-profile"
+    r = subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=20000", "--dump-dom",
+                        page.as_uri()], capture_output=True, text=True, timeout=180)
+    shutil.rmtree(profile, ignore_errors=True)
+    assert r.returncode == 0 and "</html>" in r.stdout, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
+    sweep, _ = layout_sweep
+    assert report_main([str(sweep)]) == 0
+    page = sweep / "report.html"
+    source = page.read_text()
+    # offline: plotly.js is inside the page, nothing is fetched (no script src, no stylesheet link)
+    assert not re.search(r"<script[^>]+src=", source) and not re.search(r"<link[^>]+href=", source)
+    dom = _render(page)
+
+    # 4 comparison figures + the one pipeline job's timeline, each drawn by plotly
+    titles = re.findall(r'class="gtitle"[^>]*>([^<]*)<', dom)
+    assert len(titles) == len(re.findall(r'class="plot-container plotly"', dom)) == 5, titles
+    assert titles[:4] == ["Loss against step (training loss lines; held-out val_loss markers)", "Throughput per job",
+                          "Pipeline bubble per job: measured (mean over ranks) and analytic",
+                          "Memory per rank: model states and the activation peak, against the ZeRO formula"]
+    assert titles[4].startswith("2: parallelism=pp2: step ")  # the timeline of the pipeline job
+    legends = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
+    names = ["0: parallelism=single", "1: parallelism=dp2", "2: parallelism=pp2"]
+    assert set(names) <= legends and {f"{n} (val_loss)" for n in names} <= legends
+    assert {"parameters", "gradients", "optimizer states", "activations (peak)", "ZeRO formula (model states)",
+            "forward", "backward"} <= legends
+    bar_texts = set(re.findall(r'class="bartext[^"]*"[^>]*>(?:<[^>]*>)*([^<]+)<', dom))
+    table = dom[dom.index('<table id="jobs">'):dom.index("</table>")]
+    for job, name in enumerate(names):
+        s = json.loads((sweep / str(job) / "summary.json").read_text())
+        tps = fmt_number(s["tokens_per_s"])
+        assert tps in bar_texts and fmt_percent(s["mfu"]) in bar_texts, (tps, bar_texts)  # drawn on the bars
+        row = table[table.index(f"<td>{job}</td>"):].split("</tr>")[0]
+        for cell in (name.split(": ")[1], s["layout"], "16", "512", fmt_number(s["loss"]), fmt_number(s["val_loss"]),
+                     tps, fmt_percent(s["mfu"]), fmt_percent(s["bubble_fraction"]),
+                     fmt_bytes(s["memory_peak_bytes"])):
+            assert f"<td>{cell}</td>" in row, (cell, row)
+    # the x axis of the memory figure: every rank of every job (1 + 2 + 2)
+    ticks = re.findall(r">(job \d · rank \d)<", dom)
+    assert sorted(set(ticks)) == ["job 0 · rank 0", "job 1 · rank 0", "job 1 · rank 1", "job 2 · rank 0",
+                                  "job 2 · rank 1"]

@@ -1,0 +1,78 @@
+"""The layout search (conf/hparams_search/layout.yaml): Hydra's Optuna sweeper over layouts
+of a fixed world size and global batch, maximising tokens_per_s; rejected layouts are scored
+and the search goes on; the planner prunes layouts over a memory budget before launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from framework.config import ConfigError
+from framework.job import check_memory_budget, run_job
+from framework.report import collect, headline
+
+from .conftest import ROOT, compose, run_cli
+
+# Seeded TPE (the preset's seed): its first trials are random draws, here pp = 2, 1, 3. pp = 3
+# does not divide a world of 2 ranks (dp = world / (tp * pp)), so one trial is rejected
+# between completed ones.
+SEARCH = ["-m", "hparams_search=layout", "hydra.sweeper.params=null", "parallelism.pp=choice(1,2,3)",
+          "hydra.sweeper.n_trials=3", "parallelism.world_size=2", "trainer.global_batch_size=8",
+          "schedule.microbatches=2", "trainer.steps=4", "metrics.skip_first=1", "data=synthetic", "data.seq_len=32",
+          "logger=none", "model.n_layer=2", "model.n_embd=64"]
+
+
+def test_a_three_trial_layout_search_reports_the_best_layout(tmp_path):
+    r = run_cli([*SEARCH, f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summaries = {j: json.loads((tmp_path / str(j) / "summary.json").read_text()) for j in range(3)}
+    status = sorted(s["status"] for s in summaries.values())
+    assert status == ["completed", "completed", "rejected"], summaries
+    rejected = next(j for j, s in summaries.items() if s["status"] == "rejected")
+    assert summaries[rejected]["reason"].startswith("parallelism.dp=None: null derives dp")
+    assert f"job {rejected} did not complete" in r.stderr and "it scores 0.0; the sweep goes on" in r.stderr
+
+    done = {j: s for j, s in summaries.items() if s["status"] == "completed"}
+    assert {s["tokens_per_step"] for s in done.values()} == {8 * 32}  # one global batch for every layout
+    # micro_batch_size=null in the preset: derived, global batch / (microbatches 2 x dp)
+    assert sorted((s["dp"], s["pp"], s["micro_batch_size"]) for s in done.values()) == [(1, 2, 4), (2, 1, 2)]
+    winner = max(done, key=lambda j: done[j]["tokens_per_s"])
+    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert result["best_params"] == {"parallelism.pp": done[winner]["pp"]}
+    assert result["best_value"] == pytest.approx(done[winner]["tokens_per_s"])
+    lines = headline(tmp_path, collect(tmp_path))
+    assert lines == [f"best by tokens_per_s: job {winner} ({_overrides(tmp_path, winner)}): "
+                     f"tokens_per_s = {done[winner]['tokens_per_s']:.4g}"]
+
+
+def _overrides(sweep, job: int) -> str:
+    return next(r["overrides"] for r in collect(sweep) if r["job"] == str(job))
+
+
+def test_the_planner_prunes_a_layout_over_the_memory_budget_before_launch(tmp_path):
+    # gpt2-tiny (0.86M parameters with the byte vocabulary): 16 bytes each under AdamW at zero
+    # 0 = 13.1 MiB on one rank; ZeRO-3 over dp 2 halves it (6.6 MiB), as pp 2 nearly does (7.1 MiB).
+    run = compose("parallelism=single", "search.memory_budget_bytes=1e7")
+    with pytest.raises(ConfigError) as e:
+        run_job(run, str(tmp_path / "job"))
+    msg = str(e.value)
+    assert msg.startswith("search.memory_budget_bytes=10000000.0: the dry-run planner puts 13,") and "Fix: " in msg
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert summary["status"] == "rejected" and not (tmp_path / "job" / "config.yaml").exists()  # never launched
+    for fits in ("zero3", "pp2"):
+        check_memory_budget(compose(f"parallelism={fits}", "search.memory_budget_bytes=1e7"))  # no error
+
+
+def test_the_search_without_the_plugin_says_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from run import sweeper_installed
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not sweeper_installed(["hparams_search=layout"])
+    assert 'Fix: pip install -e ".[sweep]"' in capsys.readouterr().err
+    assert sweeper_installed(["parallelism=dp2"])
