@@ -7,7 +7,8 @@ What the progress shows, and where each number comes from:
                rank knows every rank's numbers: the first step, then every log_interval)
   elapsed      wall time since this process's first step started (start-up excluded)
   ETA          steps left x the mean wall time of this process's steps so far, the first one
-               left out once there are others (it carries warm-up: allocation, first kernels)
+               left out once there are others (it carries warm-up: allocation, first kernels);
+               on the live line, less the time the running step has had
 
 Interactive (stdout is a terminal): the line is redrawn in place every `refresh_s` while a
 step runs, so a slow step shows its time growing; the gathered rows print as lines that
@@ -93,11 +94,12 @@ class Progress:
     def _elapsed(self) -> float:
         return time.time() - self.t0 if self.t0 else 0.0
 
-    def _eta(self, done: int) -> str:
+    def _eta(self, done: int, running: float = 0.0) -> str:
+        """Steps left after `done` at the mean step time, less what the running step has had."""
         measured = self.durations[1:] or self.durations
         if not measured:
             return "n/a"
-        return clock((self.total - done) * sum(measured) / len(measured))
+        return clock(max(0.0, (self.total - done) * sum(measured) / len(measured) - running))
 
     def status(self) -> str:
         """The live line: the running step, how long it has run, the last gathered numbers."""
@@ -106,7 +108,7 @@ class Progress:
         last = self.last_row
         known = (f" | loss {last['loss']:.4f} | {last['tokens_per_s']:,.0f} tok/s (step {last['step']})"
                  if last else "")
-        eta = self._eta(k - 1) if k is not None else "n/a"
+        eta = self._eta(k - 1, running) if k is not None else "n/a"
         return (f"step {k:>4}/{self.total} running {clock(running)}{known} | elapsed {clock(self._elapsed())} "
                 f"| ETA {eta}")
 

@@ -39,7 +39,7 @@ def test_on_a_terminal_a_slow_step_is_redrawn_in_place(tmp_path):
     p.gathered(ROW, "step    1/10 | loss 5.2500")
     p.step_started(2)
     _wait_for(lambda: "(step 1)" in out.getvalue())  # the live line now carries the gathered numbers
-    assert "loss 5.2500 | 12,345 tok/s (step 1)" in out.getvalue() and "ETA 0:36" in out.getvalue()  # 9 x 4 s
+    assert "loss 5.2500 | 12,345 tok/s (step 1)" in out.getvalue() and "ETA 0:36" in out.getvalue()  # 9 x 4 s - 0
     p.close()
     log = (tmp_path / RUN_LOG).read_text()
     assert log == "step    1/10 | loss 5.2500 | elapsed 0:00 | ETA 0:36\n"  # only the lines that stay
