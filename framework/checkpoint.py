@@ -272,7 +272,7 @@ def check_compatible(run: RunConfig, path: str, vocab_size: int) -> dict:
     for key, now in (("global_batch", run.global_batch), ("seed", run.trainer.seed), ("data", data)):
         if meta[key] != now:
             print(f"WARNING: resuming {path}: {key} {meta[key]} -> {now}; the data stream is this run's from "
-                  f"step {meta['step']}, not the saving run's", flush=True)
+                  f"step {meta['step'] + 1} on, not the saving run's", flush=True)
     return meta
 
 

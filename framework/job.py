@@ -98,7 +98,8 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
 def _resume_text(info: RunInfo) -> str:
     if not info.resume_from:
         return ""
-    return f"\nresuming from {info.resume_from} at step {checkpoint.read_meta(info.resume_from)['step']}"
+    k = checkpoint.read_meta(info.resume_from)["step"]
+    return f"\nresuming from {info.resume_from} (saved after step {k}): continuing at step {k + 1}"
 
 
 def _model_text(run: RunConfig) -> str:
