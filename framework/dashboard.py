@@ -4,7 +4,8 @@ Written by `python -m framework.report <sweep dir>` beside report.md. plotly's J
 embedded once in the page, so it opens offline (a laptop, a cluster's login node, an e-mail
 attachment) and needs no server. It holds, for the jobs of the sweep:
   - the table of every job (status and reason of those that did not complete), in readable
-    units, under the report's headline (fairness warnings, the best job);
+    units, under the report's headline (framework.report's fairness warnings: jobs that differ
+    in work per step, model config or parameter count; then the best job);
   - loss against step, every completed job overlaid (held-out val_loss as markers);
   - tokens/s and MFU per job;
   - measured against analytic pipeline bubble per job;
@@ -231,7 +232,8 @@ def timeline_figure(job: Job):
 
 TABLE = (("job", "job", str), ("own_overrides", "overrides (beyond the common ones)", str), ("status", "status", str),
          ("layout", "layout", str), ("global_batch", "global batch", fmt_number),
-         ("tokens_per_step", "tokens/step", fmt_number), ("loss", "loss", fmt_number),
+         ("tokens_per_step", "tokens/step", fmt_number), ("model_params", "parameters", "{:,}".format),
+         ("loss", "loss", fmt_number),
          ("val_loss", "val_loss", fmt_number), ("tokens_per_s", "tokens/s", fmt_number), ("mfu", "MFU", fmt_percent),
          ("bubble_fraction", "bubble (measured)", fmt_percent),
          ("bubble_fraction_analytic", "bubble (analytic)", fmt_percent),
@@ -292,9 +294,13 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
 
 
 def write_dashboard(sweep: Path, rows: list[dict], notes: Optional[list[str]] = None) -> Path:
-    """Write <sweep>/report.html (atomically: a half-written page never looks like a report)."""
+    """Write <sweep>/report.html (atomically: a half-written page never looks like a report).
+    `notes`: the lines above the table; None = the report's headline (its warnings, the best job)."""
     from .files import write_atomic
+    from .report import headline
 
     path = Path(sweep) / PAGE
-    write_atomic(str(path), render(Path(sweep), rows, list(notes or [])))
+    if notes is None:
+        notes = headline(Path(sweep), rows)
+    write_atomic(str(path), render(Path(sweep), rows, list(notes)))
     return path

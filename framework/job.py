@@ -80,7 +80,8 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
         set_aside_checkpoints(job_dir, resume)
     return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble,
                    resume_from=resume, val_tokens_path=prepared.val_tokens_path,
-                   val_num_samples=prepared.val_num_samples)
+                   val_num_samples=prepared.val_num_samples,
+                   model_params=sum(p.numel() for p in model.parameters()))  # unique: a tied weight once
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:

@@ -62,6 +62,7 @@ class RunInfo:
     resume_from: Optional[str] = None  # the checkpoint this run continues (framework.checkpoint)
     val_tokens_path: Optional[str] = None  # held-out tokens (trainer.eval_interval; None: synthetic or off)
     val_num_samples: int = 0
+    model_params: Optional[int] = None  # the whole model's parameters, each counted once (a tied embedding once)
 
 
 class RunLogger:
@@ -233,6 +234,7 @@ class RunLogger:
             "sequence_parallel": run.parallelism.sequence_parallel and run.parallelism.tp > 1,
             "global_batch": run.global_batch, "micro_batch_size": run.trainer.micro_batch_size,
             "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,
+            "model_params": info.model_params,  # framework.report warns when a sweep's jobs differ in it
             "peak_tflops_per_rank": None if info.peak_flops_per_rank is None else info.peak_flops_per_rank / 1e12,
             "peak_source": info.peak_source,
             "mfu_above_one": any(r["mfu"] is not None and r["mfu"] > 1 for r in self.records),

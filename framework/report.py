@@ -9,10 +9,12 @@ A job directory without summary.json is `incomplete` (the job is running, or its
 was killed). A job of a basic sweep (multirun.yaml) that has no directory is `not run`.
 Earlier runs set aside in `.previous/` (framework.job) are not jobs of this sweep.
 
-A fair comparison of layouts holds the work per step fixed: the report warns when the
-completed jobs differ in global batch or tokens per step (set trainer.global_batch_size, and
-each layout derives its micro-batches). When the jobs share an objective, the best completed
-job is named (max for tokens_per_s and mfu, min for the others). report.html is the
+A fair comparison of layouts holds the work per step and the model fixed: the report warns
+when the completed jobs differ in global batch or tokens per step (set
+trainer.global_batch_size, and each layout derives its micro-batches), in any key of the
+`model` group of their config.yaml, or in their parameter count (`model_params` in
+summary.json; a tied embedding counts once). When the jobs share an objective, the best
+completed job is named (max for tokens_per_s and mfu, min for the others). report.html is the
 comparison dashboard (framework.dashboard): plots of every job, one self-contained page.
 """
 
@@ -84,8 +86,18 @@ def _row(sweep: Path, job: Path) -> dict:
         return {**row, "status": "incomplete", "reason": "no summary.json: running, or its process was killed"}
     except (OSError, ValueError) as e:
         return {**row, "status": "incomplete", "reason": f"summary.json unreadable ({e})"}
-    row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS})
+    row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS},
+               model_params=s.get("model_params"), model_config=_model_config(job))
     return row
+
+
+def _model_config(job: Path) -> Optional[dict]:
+    """The `model` group of the job's resolved config.yaml (None when it has none)."""
+    try:
+        model = (yaml.safe_load((job / "config.yaml").read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return model if isinstance(model, dict) else None
 
 
 def collect(sweep: Path) -> list[dict]:
@@ -99,7 +111,8 @@ def collect(sweep: Path) -> list[dict]:
 
 
 def fairness_warnings(rows: list[dict]) -> list[str]:
-    """The completed jobs must do the same work per step for their numbers to compare."""
+    """The completed jobs must do the same work per step, on the same model, for their
+    numbers to compare. One warning per key that differs, with every job's value."""
     done = [r for r in rows if r.get("status") == "completed"]
     out = []
     for key in ("global_batch", "tokens_per_step"):
@@ -108,6 +121,30 @@ def fairness_warnings(rows: list[dict]) -> list[str]:
             jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in done)
             out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
                        "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
+    return out + model_warnings(done)
+
+
+ABSENT = "(not set)"  # a key one job's config.yaml lacks (written by another version)
+
+
+def model_warnings(done: list[dict]) -> list[str]:
+    """The jobs must train one model: every key of config.yaml's `model` group (rows'
+    `model_config`) and the parameter count (`model_params`) the same. A layout search
+    changes only the layout (conf/schedule presets set only schedule keys)."""
+    out = []
+    configs = [r for r in done if isinstance(r.get("model_config"), dict)]
+    for key in dict.fromkeys(k for r in configs for k in r["model_config"]):  # config order
+        values = [r["model_config"].get(key, ABSENT) for r in configs]
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
+            jobs = ", ".join(f"job {r['job']}: {v}" for r, v in zip(configs, values, strict=True))
+            out.append(f"WARNING: the jobs differ in model.{key} ({jobs}): they train different models, so their "
+                       f"throughput and loss are not comparable. Fix: set model.{key} once for the whole sweep "
+                       "(a layout comparison changes only the layout)")
+    if len({r.get("model_params") for r in done if r.get("model_params") is not None}) > 1:
+        jobs = ", ".join(f"job {r['job']}: {r.get('model_params')}" for r in done)
+        out.append(f"WARNING: the jobs differ in model_params ({jobs}): they train models of different sizes, so "
+                   "their throughput and loss are not comparable. Fix: give every job the same model.* keys and "
+                   "vocabulary (model.vocab_size, else the data's tokenizer)")
     return out
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import pytest
 import torch
+import yaml
 from hydra.errors import MissingConfigException
 
-from framework.config import ConfigError
+from framework.config import ConfigError, ScheduleConfig
 from framework.data import prepare
 from framework.validate import check_job_dir, validate, validate_model
 
@@ -41,7 +43,9 @@ def test_every_option_composes_and_validates(group, option, monkeypatch):
     # data=hf names hub files (the gpt2 tokenizer): resolving them needs the network or the
     # HF cache, which this test of composition must not; test_unresolvable_hub_name_* covers it.
     monkeypatch.setattr("framework.validate.paths._hub_name", lambda *args: None)
-    run = compose(f"{group}={option}")
+    # 1f1b / 2bw cannot keep gpt2-tiny's tied embedding, and their presets leave the model alone
+    untie = ["model.tie_embeddings=false"] if group == "schedule" and option in ("1f1b", "2bw") else []
+    run = compose(f"{group}={option}", *untie)
     validate(run)
     if group == "parallelism":
         assert run.world_size == WORLD[option]
@@ -80,10 +84,16 @@ def test_a_derived_size_given_on_the_command_line_is_a_contradiction():
     check_overrides(compose(*overrides[:2], "schedule.microbatches=4"), [*overrides[:2], "schedule.microbatches=4"])
 
 
-def test_async_presets_untie_the_embedding():
-    assert compose("schedule=1f1b").model.tie_embeddings is False
-    assert compose("schedule=2bw", "model=gpt2").model.tie_embeddings is False
-    assert compose("schedule=flush").model.tie_embeddings is True
+def test_schedule_presets_set_only_schedule_keys():
+    """A layout search picks schedules; it must never change the model (or anything else):
+    every schedule preset is a plain group file of the schedule's own keys."""
+    keys = {f.name for f in fields(ScheduleConfig)}
+    for option in GROUPS["schedule"]:
+        text = (ROOT / "conf" / "schedule" / f"{option}.yaml").read_text()
+        assert "@package" not in text, option
+        assert set(yaml.safe_load(text)) <= keys, option
+        for model in ("gpt2-tiny", "gpt2", "llama-tiny"):
+            assert compose(f"schedule={option}", f"model={model}").model == compose(f"model={model}").model, option
 
 
 BAD = [

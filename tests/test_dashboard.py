@@ -4,6 +4,7 @@ job must be in the legends and the table with its numbers, and the page must nee
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -11,8 +12,11 @@ import subprocess
 
 import pytest
 
-from framework.dashboard import byte_unit, common_overrides, fmt_bytes, fmt_number, fmt_percent, label
+from framework.dashboard import byte_unit, common_overrides, fmt_bytes, fmt_number, fmt_percent, label, write_dashboard
+from framework.report import collect, headline
 from framework.report import main as report_main
+
+from .test_report import fake_sweep
 
 CHROMIUM = "chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -84,3 +88,26 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
     ticks = re.findall(r">(job \d · rank \d)<", dom)
     assert sorted(set(ticks)) == ["job 0 · rank 0", "job 1 · rank 0", "job 1 · rank 1", "job 2 · rank 0",
                                   "job 2 · rank 1"]
+
+
+def test_the_dashboard_shows_the_report_s_model_warnings(tmp_path):
+    """Jobs that train different models: report.md and report.html carry the report's
+    warnings above the table (also when the page is written without notes), and the table
+    gives each job's parameter count. No browser needed: the notes are plain HTML."""
+    sweep = fake_sweep(tmp_path, {"0": (["schedule=flush"], 100_000),
+                                  "1": (["schedule=1f1b", "model.tie_embeddings=false"], 108_192)})
+    warnings = headline(sweep, collect(sweep))[:2]
+    assert [w.split(" (")[0] for w in warnings] == ["WARNING: the jobs differ in model.tie_embeddings",
+                                                   "WARNING: the jobs differ in model_params"]
+
+    def check_page():
+        source = (sweep / "report.html").read_text()
+        notes = source[source.index('<div class="notes">'):].split("</div>")[0]
+        assert re.findall(r'<p class="warning">([^<]*)</p>', notes) == [html.escape(w) for w in warnings]
+        assert "<td>100,000</td>" in source and "<td>108,192</td>" in source
+
+    assert report_main([str(sweep)]) == 0
+    assert (sweep / "report.md").read_text().startswith(f"{warnings[0]}\n\n{warnings[1]}\n\n")
+    check_page()
+    write_dashboard(sweep, collect(sweep))  # no notes given: the report's headline
+    check_page()

@@ -132,7 +132,8 @@ REJECTED = [
     (["data=hf", "data.path=json", "data.val_split=validation", "data.val_fraction=0.1"], "data.val_fraction=0.1",
      "not both"),
     (["data=hf", "data.path=json", "data.val_split=train"], "data.val_split='train'", "is the training split"),
-    (["parallelism=pp2", "schedule=1f1b", "trainer.eval_interval=5"], "trainer.eval_interval=5", "never flushes"),
+    (["parallelism=pp2", "schedule=1f1b", "model.tie_embeddings=false", "trainer.eval_interval=5"],
+     "trainer.eval_interval=5", "never flushes"),
 ]
 
 

@@ -26,6 +26,8 @@ def _overrides(group: str, option: str, tmp_path) -> list[str]:
         args = [a for a in args if not a.startswith("model.")] + ["data.seq_len=16", "trainer.micro_batch_size=1"]
     if group == "schedule":  # pipeline schedules need stages; keep each preset's micro-batch count
         args = [a for a in args if a not in ("parallelism=single", "schedule.microbatches=1")] + ["parallelism=pp2"]
+        if option in ("1f1b", "2bw"):  # asynchronous: no tied embedding, and the preset leaves the model alone
+            args += ["model.tie_embeddings=false"]
     if group == "data" and option == "pycode":
         args += ["data.max_files=10", f"data.cache_dir={tmp_path / 'cache'}"]
     if (group == "data" and option == "hf") or (group == "experiment" and option == "gpt2_squad"):

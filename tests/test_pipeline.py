@@ -105,9 +105,10 @@ BAD = [
     (["parallelism=pp4", "model.n_layer=2"], "parallelism.pp=4", "a stage would hold no block"),
     (["parallelism=pp2", "schedule=interleaved", "schedule.virtual_stages=3"], "parallelism.pp=2", "a stage would hold no block"),
     (["parallelism=pp2", "schedule=gpipe", "schedule.virtual_stages=2"], "schedule.virtual_stages=2", "interleaved"),
-    (["parallelism=dp2_pp2", "schedule=1f1b"], "parallelism.dp=2", "asynchronous"),
-    (["parallelism=pp2", "schedule=1f1b", "model.tie_embeddings=true"], "model.tie_embeddings=True", "tied embedding"),
-    (["parallelism=pp4", "schedule=2bw", "schedule.microbatches=2"], "schedule.microbatches=2", "microbatches >= pp=4"),
+    (["parallelism=dp2_pp2", "schedule=1f1b", "model.tie_embeddings=false"], "parallelism.dp=2", "asynchronous"),
+    (["parallelism=pp2", "schedule=1f1b"], "model.tie_embeddings=True", "tied embedding"),  # gpt2-tiny is tied
+    (["parallelism=pp4", "schedule=2bw", "model.tie_embeddings=false", "schedule.microbatches=2"],
+     "schedule.microbatches=2", "microbatches >= pp=4"),
     (["parallelism=pp2", "parallelism.partition=[1,2]"], "parallelism.partition=[1, 2]", "summing to model.n_layer"),
     (["parallelism=pp2", "parallelism.partition=fastest"], "parallelism.partition='fastest'", "unknown partition"),
     (["parallelism=pp2", 'parallelism.partition="type:("'], "parallelism.partition='type:('", "bad regular expression"),

@@ -1,11 +1,16 @@
-"""framework.report's judgements on a sweep, on hand-made rows: the fairness warning and the
-best job by the sweep's objective."""
+"""framework.report's judgements on a sweep, on hand-made rows and job directories: the
+fairness warnings (work per step, model config, parameter count) and the best job by the
+sweep's objective."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from framework.report import best, fairness_warnings, headline
+from framework.config import to_yaml
+from framework.report import best, collect, fairness_warnings, headline
+
+from .conftest import compose
 
 
 def _row(job: str, status: str = "completed", **metrics) -> dict:
@@ -38,3 +43,57 @@ def test_best_follows_the_objective_direction(tmp_path):
     sweep = _sweep(tmp_path / "b", "loss", 3)
     assert best(sweep, rows) == (rows[0], "loss")  # minimised
     assert headline(sweep, rows) == ["best by loss: job 0 (parallelism=layout0): loss = 3"]
+
+
+def fake_sweep(sweep: Path, jobs: dict[str, tuple[list[str], int]]) -> Path:
+    """Completed job directories as a run leaves them: config.yaml (the resolved config of
+    the given overrides) and summary.json (same global batch; the given model_params). And
+    a rejected job, which never wrote config.yaml: it is in no comparison."""
+    for job, (overrides, params) in jobs.items():
+        (sweep / job).mkdir(parents=True)
+        (sweep / job / "config.yaml").write_text(to_yaml(compose(*overrides)))
+        (sweep / job / "summary.json").write_text(json.dumps(
+            {"status": "completed", "loss": 3.0, "global_batch": 16, "tokens_per_step": 512, "model_params": params}))
+    (sweep / "9").mkdir()
+    (sweep / "9" / "summary.json").write_text(json.dumps({"status": "rejected", "reason": "model.tie_embeddings=True: "
+                                                          "schedule=1f1b ..."}))
+    return sweep
+
+
+def test_jobs_that_differ_in_the_model_are_warned_about(tmp_path):
+    """A layout sweep where one job trains an untied GPT-2 (more parameters): two warnings,
+    each naming the key and every completed job's value."""
+    sweep = fake_sweep(tmp_path, {"0": (["schedule=flush"], 100_000),
+                                  "1": (["schedule=1f1b", "model.tie_embeddings=false"], 108_192)})
+    warnings = fairness_warnings(collect(sweep))
+    assert warnings == [
+        "WARNING: the jobs differ in model.tie_embeddings (job 0: True, job 1: False): they train different models, "
+        "so their throughput and loss are not comparable. Fix: set model.tie_embeddings once for the whole sweep "
+        "(a layout comparison changes only the layout)",
+        "WARNING: the jobs differ in model_params (job 0: 100000, job 1: 108192): they train models of different "
+        "sizes, so their throughput and loss are not comparable. Fix: give every job the same model.* keys and "
+        "vocabulary (model.vocab_size, else the data's tokenizer)"]
+    assert headline(sweep, collect(sweep))[:2] == warnings  # above the table, and in the dashboard
+
+
+def test_jobs_of_one_model_are_not_warned_about(tmp_path):
+    """Layouts and schedules differ, the model does not: no warning."""
+    sweep = fake_sweep(tmp_path, {"0": (["parallelism=single", "model.tie_embeddings=false"], 108_192),
+                                  "1": (["schedule=1f1b", "model.tie_embeddings=false"], 108_192),
+                                  "2": (["parallelism=dp2", "schedule=gpipe", "model.tie_embeddings=false"], 108_192)})
+    assert fairness_warnings(collect(sweep)) == []
+
+
+def test_every_model_key_is_compared():
+    """Any key of the model group, a key one job lacks, and a job without a count."""
+    gpt2 = {"name": "gpt2-tiny", "n_layer": 2, "vocab_size": None}
+    rows = [_row("0", model_config=gpt2, model_params=10), _row("1", model_config={**gpt2, "n_layer": 4}),
+            _row("2", model_config={k: v for k, v in gpt2.items() if k != "vocab_size"}, model_params=10),
+            _row("3", "failed", model_config={**gpt2, "name": "llama-tiny"}, model_params=99)]  # not compared
+    warnings = fairness_warnings(rows)
+    assert [w.split(":")[0] for w in warnings] == ["WARNING"] * 2
+    assert warnings[0].startswith("WARNING: the jobs differ in model.n_layer (job 0: 2, job 1: 4, job 2: 2): ")
+    assert warnings[1].startswith("WARNING: the jobs differ in model.vocab_size (job 0: None, job 1: None, "
+                                  "job 2: (not set)): ")
+    assert fairness_warnings([_row("0", model_config=gpt2, model_params=10),
+                              _row("1", model_config=dict(gpt2), model_params=10)]) == []

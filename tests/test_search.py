@@ -47,6 +47,21 @@ def test_a_three_trial_layout_search_reports_the_best_layout(tmp_path):
                      f"tokens_per_s = {done[winner]['tokens_per_s']:.4g}"]
 
 
+def test_a_trial_that_picks_1f1b_on_a_tied_model_is_rejected_before_launch(tmp_path):
+    """The search never changes the model: schedule=1f1b leaves gpt2-tiny tied, which an
+    asynchronous schedule cannot run, so the trial is rejected before any rank starts and
+    scores search.failed_value."""
+    search = [a for a in SEARCH if not a.startswith(("parallelism.pp=", "hydra.sweeper.n_trials="))]
+    r = run_cli([*search, "parallelism.pp=2", "schedule=choice(1f1b)", "hydra.sweeper.n_trials=1",
+                 f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["status"] == "rejected" and summary["reason"].startswith("model.tie_embeddings=True: schedule=1f1b")
+    assert not (tmp_path / "0" / "config.yaml").exists()  # never launched
+    assert "job 0 did not complete" in r.stderr and "it scores 0.0; the sweep goes on" in r.stderr
+    assert yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())["best_value"] == 0.0
+
+
 def _overrides(sweep, job: int) -> str:
     return next(r["overrides"] for r in collect(sweep) if r["job"] == str(job))
 
