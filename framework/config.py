@@ -199,6 +199,7 @@ def derive_layout(run: RunConfig) -> None:
     default) or trainer.micro_batch_size (null). Sizes that are not positive are left for
     framework.validate to name."""
     p, t, s = run.parallelism, run.trainer, run.schedule
+    _clamp_skip_first(run)
     if p.dp is None:
         if p.world_size is None or p.tp < 1 or p.pp < 1 or p.world_size % (p.tp * p.pp):
             raise ConfigError("parallelism.dp", None, f"null derives dp = world_size / (tp * pp), but world_size = "
@@ -219,6 +220,18 @@ def derive_layout(run: RunConfig) -> None:
     else:
         s.microbatches = _share(g, t.micro_batch_size, p.dp, "micro_batch_size", "schedule.microbatches",
                                 "change trainer.micro_batch_size")
+
+
+def _clamp_skip_first(run: RunConfig) -> None:
+    """A short run (trainer.steps=3 with the default metrics.skip_first=3) summarises its
+    last step instead of failing: one line says so."""
+    m, steps = run.metrics, run.trainer.steps
+    if isinstance(m.skip_first, int) and isinstance(steps, int) and 1 <= steps <= m.skip_first:
+        import sys
+
+        print(f"note: metrics.skip_first={m.skip_first} would leave none of trainer.steps={steps} to summarise; "
+              f"using metrics.skip_first={steps - 1}", file=sys.stderr)
+        m.skip_first = steps - 1
 
 
 def _share(global_batch: int, fixed: int, dp: int, fixed_name: str, derived: str, other_fix: str) -> int:

@@ -29,8 +29,9 @@ PAGE = "report.html"
 LABEL_CHARS = 60
 UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 # Forward light, backward dark (as timeline.png), updates grey, waits pale: idle shows as idle.
-ACTION_COLOURS = {"F": "#9ecae1", "B": "#2171b5", "U": "#969696", "wait": "#f0f0f0"}
-ACTION_NAMES = {"F": "forward", "B": "backward", "U": "update", "wait": "receive wait"}
+ACTION_COLOURS = {"F": "#9ecae1", "B": "#2171b5", "I": "#08519c", "W": "#fd8d3c", "U": "#969696", "wait": "#f0f0f0"}
+ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)", "U": "update",
+                "wait": "receive wait"}
 MEMORY_PARTS = (("params_bytes", "parameters", "#4292c6"), ("grads_bytes", "gradients", "#fd8d3c"),
                 ("optimizer_bytes", "optimizer states", "#74c476"),
                 ("activation_peak_bytes", "activations (peak)", "#9e9ac8"))
@@ -209,7 +210,7 @@ def timeline_figure(job: Job):
         return None
     t0 = min(e["ts"] for e in events)
     fig = go.Figure()
-    for cat in ("wait", "F", "B", "U"):
+    for cat in ("wait", "F", "B", "I", "W", "U"):
         mine = [e for e in events if e.get("cat") == cat]
         if not mine:
             continue

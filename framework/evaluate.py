@@ -102,25 +102,30 @@ def _whole_model(runner, heldout: HeldOut, ctx: ParallelContext) -> list[torch.T
 
 
 def _pipeline(runner, heldout: HeldOut, ctx: ParallelContext) -> list[torch.Tensor]:
-    """Forward-only pipeline in global (micro-batch, stage) order; losses on the last stage."""
-    p, me, peers = ctx.dims.pp, ctx.coords.pp, ctx.group_ranks["pp"]
-    num_stages = p * len(runner.chunks)
+    """Forward-only pipeline in global (micro-batch, stage) order; losses on the last stage.
+    Consecutive stages on this rank (the turn of a V) hand over in memory."""
+    me, peers, smap = ctx.coords.pp, ctx.group_ranks["pp"], runner.smap
+    num_stages = smap.num_stages
     # (mbs, T or T/tp under sequence parallelism, H), in fp32 (fp64 in verification mode)
     shape, dtype = runner.executor.act_shape, runner.executor.act_dtype
+    mine = [g for g in range(num_stages) if smap.rank(g) == me]  # this rank's stages, in order
     losses = []
     for j, (x, y) in enumerate(heldout.microbatches()):
-        for g in range(me, num_stages, p):  # this rank's stages, in order
-            chunk = runner.chunks[g // p]
+        h = None
+        for g in mine:
+            chunk = runner.chunks[smap.chunk(g)]
             if g == 0:
                 h = x
-            else:
+            elif smap.rank(g - 1) != me:
                 h = torch.empty(shape, dtype=dtype, device=ctx.device)
-                ctx.recorder.note(f"evaluate: recv mb{j} stage {g} <- pp{(g - 1) % p}", wait=True)
-                dist.recv(h, src=peers[(g - 1) % p], group=ctx.pp_group)
+                ctx.recorder.note(f"evaluate: recv mb{j} stage {g} <- pp{smap.rank(g - 1)}", wait=True)
+                dist.recv(h, src=peers[smap.rank(g - 1)], group=ctx.pp_group)
             ctx.recorder.note(f"evaluate: forward mb{j} stage {g}")
             if g == num_stages - 1:
                 losses.append(chunk(h, y))
-            else:
-                ctx.recorder.note(f"evaluate: send mb{j} stage {g} -> pp{(g + 1) % p}", wait=True)
-                dist.send(chunk(h).to(dtype).contiguous(), dst=peers[(g + 1) % p], group=ctx.pp_group)
+                continue
+            h = chunk(h).to(dtype)
+            if smap.rank(g + 1) != me:
+                ctx.recorder.note(f"evaluate: send mb{j} stage {g} -> pp{smap.rank(g + 1)}", wait=True)
+                dist.send(h.contiguous(), dst=peers[smap.rank(g + 1)], group=ctx.pp_group)
     return losses

@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .files import write_atomic
+from .metrics.bubble import analytic_bubble, measured_op_times
 from .metrics.flops import mfu
+from .parallel.pipeline.schedules import get as get_schedule
 from .metrics.timeline import render_timeline, write_trace
 from .progress import Progress
 from .records import StepRecord
@@ -119,7 +121,7 @@ class RunLogger:
             # pp = 1: no stage waits on another, so no bubble by definition (runners report 0).
             "bubble_fraction": sum(r.bubble for r in per_rank) / len(per_rank),
             "bubble_fraction_max": max(r.bubble for r in per_rank),
-            "bubble_fraction_analytic": self.info.bubble_fraction_analytic,
+            "bubble_fraction_analytic": self._analytic([rec for r in per_rank for rec in r.actions]),
             "activation_peak_bytes": max(r.activation_peak_bytes for r in per_rank),
             "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
@@ -132,6 +134,16 @@ class RunLogger:
             # only in the rows of steps after which the held-out set was evaluated
             **({"val_loss": r0.val_loss, "eval_s": max(r.eval_s for r in per_rank)} if r0.val_loss is not None else {}),
         }
+
+    def _analytic(self, records) -> float:
+        """The schedule's analytic bubble at these action records' median op times (the
+        equal-times value before launch when there are none, e.g. pp = 1)."""
+        times, _ = measured_op_times(records) if records else (None, {})
+        if times is None:
+            return self.info.bubble_fraction_analytic
+        s = self.run.schedule
+        return analytic_bubble(s.name, self.run.parallelism.pp, s.microbatches, s.virtual_stages,
+                               self.run.trainer.steps, times)
 
     def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
         """(TFLOP/s per rank, MFU) with this rank's resolved peak; (None, None) without one."""
@@ -167,7 +179,9 @@ class RunLogger:
         self.progress.gathered(r, f"step {r['step']:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} "
                                f"| lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
                                f"| {r['step_time_s'] * 1e3:.0f} ms/step "
-                               f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}")
+                               f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}"
+                               + (f" | bubble {r['bubble_fraction']:.2f} (analytic {r['bubble_fraction_analytic']:.2f})"
+                                  if self.run.parallelism.pp > 1 else ""))
 
     def step_started(self, k: int) -> None:
         if self.progress is not None:
@@ -206,17 +220,22 @@ class RunLogger:
         med = {k: _median([r[k] for r in measured]) for k in MEDIAN_KEYS}
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
-        if self.run.schedule.name in ("1f1b", "2bw") and self.busy_window:
+        if not get_schedule(self.run.schedule.name).flushes and self.busy_window:
             per_rank = [1 - sum(s[i][0] for s in self.busy_window) / sum(s[i][1] for s in self.busy_window)
                         for i in range(n_ranks)]  # whole run: fill and drain are the async bubble
             med["bubble_fraction"], med["bubble_fraction_max"] = sum(per_rank) / n_ranks, max(per_rank)
         for r, b in zip(ranks, per_rank, strict=True):
             r["bubble_fraction"] = b
         run, info = self.run, self.info
+        records = [rec for r in measured for per in self.actions.get(r["step"], []) for rec in per]
+        _, op_times = measured_op_times(records) if records else (None, {})
         return {
             "status": "completed", "loss": self.records[-1]["loss"], "loss_first": self.records[0]["loss"],
             **med, "steps": run.trainer.steps, "measured_steps": len(measured),
-            "bubble_fraction_analytic": info.bubble_fraction_analytic,
+            # the schedule's analytic bubble at this run's median op times (op_time_s), and at
+            # T_F = T_I = T_W (what the dry run and the banner show before launch)
+            "bubble_fraction_analytic": self._analytic(records),
+            "bubble_fraction_analytic_equal_times": info.bubble_fraction_analytic, "op_time_s": op_times,
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
             "virtual_stages": run.schedule.virtual_stages,
             "weight_version_bytes_max": max(r["weight_version_bytes"] for r in ranks),

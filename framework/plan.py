@@ -20,8 +20,8 @@ from .metrics.bubble import analytic_bubble
 from .models import ARCHS
 from .metrics.memory import optimizer_state_ratio, zero_model_states
 from .parallel.tensor_parallel import shard_numels
-from .parallel.pipeline.check import grid
-from .parallel.pipeline.schedules import build_schedule
+from .parallel.pipeline.schedules import build_schedule, get as get_schedule
+from .parallel.pipeline.simulate import grid
 from .topology import ParallelDims
 
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
@@ -42,13 +42,14 @@ def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> lis
     tied = run.model.tie_embeddings
     if tied:  # lm_head shares the embedding weight: parameters() of head already counted it
         head -= out_w
-    stages, pp = [], run.parallelism.pp
+    stages = []
+    smap = get_schedule(run.schedule.name).stage_map(run.parallelism.pp, run.schedule.virtual_stages)
     for s, r in enumerate(ranges):
         first, last = s == 0, s == len(ranges) - 1
         n = sum(count(split.blocks[i].parameters()) for i in r) + (emb if first else 0)
-        if last:
-            n += head + (out_w if tied and not first else 0)
-        stages.append({"stage": s, "pp_rank": s % pp, "chunk": s // pp, "blocks": [r.start, r.stop - 1],
+        if last:  # a tied weight on a rank that also holds the first stage (a V) is counted there
+            n += head + (out_w if tied and not first and smap.rank(s) != 0 else 0)
+        stages.append({"stage": s, "pp_rank": smap.rank(s), "chunk": smap.chunk(s), "blocks": [r.start, r.stop - 1],
                        "embedding": first, "head": last, "params": n})
     return stages
 
@@ -85,7 +86,8 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
         memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})
     lists = build_schedule(s.name, p.pp, s.microbatches, s.virtual_stages, steps=2)
-    schedule_grid = grid(lists, p.pp, s.virtual_stages) if p.pp > 1 else ""  # async: its first two steps
+    smap = get_schedule(s.name).stage_map(p.pp, s.virtual_stages)
+    schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
     return {
         "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp}, "zero": p.zero,
         "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp")}, "layout": draw_layout(dims),

@@ -39,6 +39,7 @@ from .parallel.tensor_parallel import sync_replicated_grads
 from .parallel.tp_comm import TPComm
 from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
+from .parallel.pipeline.schedules import Op
 from .parallel.pipeline.stage import stage_state_dict
 from .records import StateBytes, StepRecord, StepResult
 from .signals import Stopped, StopSignals
@@ -169,7 +170,7 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
     """Which micro-batches a step needs, and how the runner names them."""
     if runner.is_async:  # the run's micro-batch ids, possibly of the next step (warm-up runs ahead)
         first = runner.first_step  # a resumed run's list counts from its first step
-        ids = sorted({a.microbatch for a in runner.step_actions(step) if a.op == "F"})
+        ids = sorted({a.microbatch for a in runner.step_actions(step) if a.op is Op.F})
         return [(first + j // m, j % m) for j in ids], lambda j: (first + j // m, j % m)
     return [(step, j) for j in range(m)], lambda j: (step, j)
 

@@ -19,6 +19,7 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.metrics.memory import ActivationTracker
 from framework.models import build_model
+from framework.parallel.pipeline.schedules import StageMap
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges
 
 from .distributed import run_ranks
@@ -86,7 +87,7 @@ def test_the_independent_count_matches_the_tracker_without_freed_parameters():
 
 def _stage0(full):
     """Stage 0 of pp = 2 built as PipelineRunner builds it (stage 1's parameters freed)."""
-    chunks = build_chunks(full, stage_ranges("uniform", full, 2), pp=2, pp_rank=0, v=1)
+    chunks = build_chunks(full, stage_ranges("uniform", full, 2), StageMap(2), pp_rank=0)
     return chunks[0], nn.ModuleList(chunks)
 
 

@@ -11,6 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from framework.config import ModelConfig
 from framework.models import ARCHS, build_hf_model, build_model
 from framework.models.materialise import PretrainedWeights
+from framework.parallel.pipeline.schedules import StageMap
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges
 from framework.parallel.tensor_parallel import shard_tensor
 from framework.parallel.tp_comm import TPComm
@@ -50,7 +51,7 @@ def test_a_pipeline_rank_materialises_only_its_stage():
     whole = dict(build_hf_model(cfg, 50, seed=1).named_parameters())
     meta = build_model(cfg, 50, seed=1, on_meta=True)
     assert all(p.is_meta for p in meta.parameters())
-    chunks = build_chunks(meta, stage_ranges("uniform", meta, 2), pp=2, pp_rank=1, v=1)
+    chunks = build_chunks(meta, stage_ranges("uniform", meta, 2), StageMap(2), pp_rank=1)
     kept = {id(p) for c in chunks for p in c.parameters()}
     for n, p in meta.hf_model.named_parameters():
         assert not p.is_meta, n

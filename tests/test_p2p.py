@@ -14,40 +14,41 @@ import pytest
 import torch
 from torch import nn
 
-from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulate, simulate
-from framework.parallel.pipeline.p2p import Message, P2POp, RankPlan, comm_plan, needs, produces, rank_of_stage, sender_of
-from framework.parallel.pipeline.schedules import Action, build_schedule
+from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulate
+from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
+from framework.parallel.pipeline.p2p import P2POp, RankPlan, comm_plan
+from framework.parallel.pipeline.schedules import Action, StageMap, build_schedule
+from framework.parallel.pipeline.simulate import simulate
 
 from .conftest import TINY, read_metrics, run_local
 from .distributed import run_ranks
 
 
-def next_action_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, RankPlan]:
+def next_action_plan(lists: dict[int, list[Action]], smap: StageMap) -> dict[int, RankPlan]:
     """The first executor's batching (until 2026-11-22), to show what the NCCL model
     rejects: each action's send goes out with the receive of the rank's next action."""
-    stages = pp * v
     plans = {}
     for r, acts in lists.items():
         plan = RankPlan(list(acts), [[] for _ in range(len(acts) + 1)])
         for k, a in enumerate(acts):
-            need = needs(a, r, pp, stages)
+            need = needs(a, r, smap)
             if need is not None:
-                plan.batches[k].append(P2POp("recv", sender_of(need, pp), need))
-            out = produces(a, r, pp, stages)
+                plan.batches[k].append(P2POp("recv", sender_of(need, smap), need))
+            out = produces(a, r, smap)
             if out is not None:
-                plan.batches[k + 1].insert(0, P2POp("send", rank_of_stage(out.stage, pp), out))
+                plan.batches[k + 1].insert(0, P2POp("send", receiver_of(out, smap), out))
         plans[r] = plan
     return plans
 
 
 def test_the_first_executors_pairing_deadlocks_interleaved_under_nccl_and_the_plan_does_not():
-    lists = build_schedule("interleaved", 2, 4, 2)
-    simulate(lists, 2, 2)  # valid lists: gloo's rules never see the problem
+    lists, smap = build_schedule("interleaved", 2, 4, 2), StageMap(2, 2)
+    simulate(lists, smap)  # valid lists: gloo's rules never see the problem
     with pytest.raises(ScheduleError, match="deadlock under NCCL's rules"):
-        nccl_simulate(next_action_plan(lists, 2, 2), 2, 2)
-    nccl_simulate(comm_plan(lists, 2, 2), 2, 2)
+        nccl_simulate(next_action_plan(lists, smap), smap)
+    nccl_simulate(comm_plan(lists, smap), smap)
     # flush survives even the old pairing: the model is not rejecting everything
-    nccl_simulate(next_action_plan(build_schedule("flush", 4, 8), 4, 1), 4, 1)
+    nccl_simulate(next_action_plan(build_schedule("flush", 4, 8), StageMap(4)), StageMap(4))
 
 
 def _plan(actions, batches):
@@ -62,7 +63,7 @@ def test_nccl_mode_rejects_a_hand_made_deadlock():
              1: _plan([Action("F", 0), Action("B", 0)], [[P2POp("send", 0, b)], [P2POp("recv", 0, a)], []])}
     # actions that need no message: the deadlock is in the batches alone
     with pytest.raises(ScheduleError, match="never completes"):
-        nccl_simulate(_without_needs(plans), 2, 1)
+        nccl_simulate(_without_needs(plans), StageMap(2))
 
 
 def _without_needs(plans):
@@ -74,7 +75,7 @@ def test_nccl_mode_rejects_messages_matched_out_of_order():
     plans = {0: _plan([Action("U", 0)], [[P2POp("send", 1, m0), P2POp("send", 1, m1)], []]),
              1: _plan([Action("U", 0)], [[P2POp("recv", 0, m1), P2POp("recv", 0, m0)], []])}
     with pytest.raises(ScheduleError, match="would land in the buffer of"):
-        nccl_simulate(plans, 2, 1)
+        nccl_simulate(plans, StageMap(2))
 
 
 @pytest.mark.parametrize("name,p,m,v", [("interleaved", 4, 8, 3), ("2bw", 8, 16, 1), ("flush", 8, 3, 1)])
@@ -83,9 +84,11 @@ def test_check_runs_the_nccl_model_on_the_executors_plan(name, p, m, v, monkeypa
 
     seen = []
     real = chk.nccl_simulate
-    monkeypatch.setattr(chk, "nccl_simulate", lambda plans, pp, vv: seen.append(plans) or real(plans, pp, vv))
+    monkeypatch.setattr(chk, "nccl_simulate", lambda plans, smap: seen.append(plans) or real(plans, smap))
     check(name, p, m, v, steps=2)
-    assert seen and seen[0].keys() == comm_plan(build_schedule(name, p, m, v, 2), p, v).keys()
+    want = comm_plan(build_schedule(name, p, m, v, 2), StageMap(p, v))
+    assert len(seen) == 1 and seen[0] == want  # the very batches the executor issues, op by op
+    assert sum(len(b) for plan in want.values() for b in plan.batches) > 0
 
 
 class _Stage(nn.Module):
@@ -114,9 +117,10 @@ def _run_executor(rank, world, name, m, v, coalesced):
 
     ex.dist.batch_isend_irecv = recording
     torch.manual_seed(0)
-    plan = comm_plan(build_schedule(name, world, m, v), world, v)[rank]
+    plan = comm_plan(build_schedule(name, world, m, v), StageMap(world, v))[rank]
     chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
-    executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, v), torch.device("cpu"),
+    executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v)),
+                                   torch.device("cpu"),
                                    (2, 3, 4), lambda j, c: contextlib.nullcontext(), lambda j, c: None,
                                    torch.float32, plan, HostClock(), coalesced_p2p=coalesced)
     batch = (torch.randn(2, 3, 4), None)
@@ -129,7 +133,7 @@ def _run_executor(rank, world, name, m, v, coalesced):
 def test_the_executor_issues_exactly_the_checked_batches(coalesced):
     name, p, m, v = "interleaved", 2, 4, 2
     results = run_ranks(_run_executor, p, name, m, v, coalesced)
-    plans = comm_plan(build_schedule(name, p, m, v), p, v)
+    plans = comm_plan(build_schedule(name, p, m, v), StageMap(p, v))
     for rank, (calls, actions) in enumerate(results):
         want = [[(op.op, op.peer) for op in b] for b in plans[rank].batches if b]
         assert [[(o, peer) for o, peer, _ in c] for c in calls] == want

@@ -6,6 +6,7 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.models import build_model
 from framework.parallel.pipeline.partition import PartitionError, balanced, partition, uniform
+from framework.parallel.pipeline.schedules import StageMap
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges
 
 
@@ -44,7 +45,7 @@ def test_explicit_balance_like_torchgpipe():
 def test_chunks_own_their_blocks_and_free_the_rest():
     full = build_model(ModelConfig(arch="gpt2", n_layer=4, n_embd=16, n_head=2, max_positions=8), 50, 0)
     ranges = stage_ranges("uniform", full, 4)  # pp = 2, v = 2: rank 1 holds stages 1 and 3
-    chunks = build_chunks(full, ranges, pp=2, pp_rank=1, v=2)
+    chunks = build_chunks(full, ranges, StageMap(2, 2), pp_rank=1)
     assert [len(c.blocks) for c in chunks] == [1, 1] and chunks[0].embedding is None and chunks[1].head is not None
     owned = {id(p) for c in chunks for p in c.parameters()}
     freed = [p for p in full.hf_model.parameters() if id(p) not in owned]

@@ -47,6 +47,7 @@ def _peer_worker(rank: int, schedule: str, port: int, result_path: str) -> None:
     from framework.data import ShardedSampler, TokenData
     from framework.models import build_model, lm_loss
     from framework.optim import build_optimizer, lr_at, set_lr
+    from framework.parallel.pipeline.schedules import StageMap
     from framework.parallel.pipeline.stage import build_chunks, stage_ranges
     from tests.conftest import compose
 
@@ -56,7 +57,7 @@ def _peer_worker(rank: int, schedule: str, port: int, result_path: str) -> None:
     v = 2 if schedule == "interleaved" else 1
     run = compose(*COMMON, f"schedule={schedule}", f"schedule.virtual_stages={v}")
     full = build_model(run.model, run.data.vocab_size, run.trainer.seed)
-    chunks = build_chunks(full, stage_ranges("uniform", full, 2 * v), 2, rank, v)
+    chunks = build_chunks(full, stage_ranges("uniform", full, 2 * v), StageMap(2, v), rank)
     stages = [pipelining.PipelineStage(c, k * 2 + rank, 2 * v, torch.device("cpu")) for k, c in enumerate(chunks)]
     m = run.schedule.microbatches
     cls = getattr(pipelining, PAIRS[schedule])

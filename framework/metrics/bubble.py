@@ -1,44 +1,73 @@
-"""Pipeline bubble: the analytic share of idle time for a schedule.
+"""Pipeline bubble: the analytic share of idle time for a schedule, beside the measured one.
 
-Convention: bubble = idle / step time per pipeline rank. For p stages, m micro-batches
-and v model chunks per rank, with forward+backward of one micro-batch on one stage as the
-time unit: gpipe and flush idle (p-1) units out of (m+p-1); interleaved (p-1)/(v·m+p-1)
-(Narayanan et al., 2021). The asynchronous schedules (1f1b, 2bw) never flush: only the
-run's start-up and drain idle, (p-1)/(N+p-1) for N micro-batches in all. One stage has no
-pipeline, so no bubble.
+Convention: bubble = idle / step time per pipeline rank. Each schedule declares its
+analytic bubble in the registry (framework/parallel/pipeline/schedules/) as a function of
+p, m, v and the op times T_F, T_I, T_W (T_B = T_I + T_W): gpipe and flush idle (p-1) of
+(m+p-1) units; interleaved (p-1)/(v·m+p-1) (Narayanan et al., 2021); the asynchronous
+ones, never flushed, (p-1)/(N+p-1) over the run's N micro-batches; zbh1 the paper's
+(p-1)(T_F+T_I-T_W) idle per rank; schedules without a closed form (zbh2, interleaved-zb,
+zbv, dualpipev) the idle share of their own dependency graph run with those op times and
+no communication cost (framework/parallel/pipeline/simulate.py). A run reports it for its
+own measured op times (`measured_op_times`: medians of the actions' compute). One stage
+has no pipeline, so no bubble.
 
 The measured counterpart, per rank and step, is 1 - busy / window
 (framework/parallel/pipeline/runner.py), with per-action marks from
 framework/metrics/clock.py:
-- busy: the sum of the rank's compute (forward, backward; for 1f1b / 2bw also the
-  updates), each from the moment its input was received to the end of its compute. The
+- busy: the sum of the rank's compute (F, B, I, W; for the asynchronous schedules also
+  the updates), each from the moment its input was received to the end of its compute. The
   receive wait and the issuing of sends are outside it.
   CPU (gloo): host timestamps; the host runs every op to completion, so they are exact.
   CUDA (NCCL): CUDA events on the compute stream, one recorded after `work.wait()` (it
   fires when the stream has really received) and one after the compute, read once after
   the step; no action synchronises the host. A send's transfer runs on NCCL's stream,
   overlapped; its completion shows up as the peer's receive wait.
-- window: from the step's first action (host time at the start of the step; on CUDA the
-  stream is idle then, after the previous step's synchronisation) to the flush: a pp-group
-  all-reduce issued once every send of the step is waited for, after which the host waits
-  for the stream (CUDA), so the window ends when every stage has finished its compute. For
-  1f1b / 2bw (never flushed) it ends at the rank's last action of the step.
-The dp all-reduce, clipping and optimizer step after the flush are in neither.
+- window: from the first mark of the rank's first action of the step (before its receive
+  wait; on CUDA the stream is idle then, after the previous step's synchronisation) to the
+  flush: a pp-group all-reduce issued once every send of the step is waited for, after
+  which the host waits for the stream (CUDA), so the window ends when every stage has
+  finished its compute. For the asynchronous schedules (never flushed) it ends at the
+  rank's last action of the step.
+Neither busy nor idle: the learning-rate update and ZeRO's buffer reset before the first
+action; the dp all-reduce, clipping and optimizer step after the flush.
 """
 
 from __future__ import annotations
 
+import re
+import statistics
+from typing import Optional
 
-def analytic_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1) -> float:
-    """Idle share per step (flushing schedules) or over the whole run (asynchronous ones)."""
-    p, m, v = pp, microbatches, virtual_stages
-    if p == 1:
+from ..parallel.pipeline.schedules import OpTimes, get
+
+_ACTION = re.compile(r"^(\d*)([FBIWU])(\d+)$")
+
+
+def analytic_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1,
+                    times: Optional[OpTimes] = None) -> float:
+    """The schedule's declared idle share per rank (flushing schedules: per step; the
+    asynchronous ones: over the whole run), for op times `times` (default: T_F = T_I = T_W,
+    the papers' assumption; the classics' formulas hold for any times)."""
+    if pp == 1:
         return 0.0
-    if schedule in ("gpipe", "flush"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if schedule in ("1f1b", "2bw"):
-        # Never flushed: the pipeline fills once and drains once over all steps * m micro-batches.
-        return (p - 1) / (steps * m + p - 1)
-    raise ValueError(f"no analytic bubble for schedule {schedule!r}")
+    return get(schedule).bubble(pp, microbatches, virtual_stages, times or OpTimes(), steps)
+
+
+def op_of(action: str) -> str:
+    """`1I3` -> `I`."""
+    return _ACTION.match(action).group(2)
+
+
+def measured_op_times(records) -> tuple[Optional[OpTimes], dict[str, float]]:
+    """Median compute seconds per op over action records (name, start, compute_start, end),
+    and OpTimes for the analytic bubble: T_F, T_I, T_W as measured; a schedule without a
+    split backward has only B, which stands in as T_I with T_W = 0 (T_B = T_I + T_W)."""
+    by_op: dict[str, list[float]] = {}
+    for name, _start, cstart, end in records:
+        by_op.setdefault(op_of(name), []).append(end - cstart)
+    med = {op: statistics.median(v) for op, v in by_op.items() if op != "U"}
+    if "F" not in med:
+        return None, med
+    if "I" in med:
+        return OpTimes(med["F"], med["I"], med.get("W", 0.0)), med
+    return OpTimes(med["F"], med.get("B", 0.0), 0.0), med

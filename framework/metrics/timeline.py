@@ -15,7 +15,7 @@ Record = tuple[str, float, float, float]  # action, start, compute_start, end
 
 
 def _microbatch(action: str) -> int:
-    return int(re.search(r"[FBU](\d+)$", action).group(1))
+    return int(re.search(r"[FBIWU](\d+)$", action).group(1))
 
 
 def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
@@ -30,7 +30,7 @@ def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
                 if cstart - start > 0:
                     events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
                                    "ts": (start - t0) * 1e6, "dur": (cstart - start) * 1e6, "args": {"step": step}})
-                op = re.search(r"[FBU]", name).group(0)
+                op = re.search(r"[FBIWU]", name).group(0)
                 events.append({"name": name, "cat": op, "ph": "X", "pid": 0, "tid": rank, "ts": (cstart - t0) * 1e6,
                                "dur": (end - cstart) * 1e6, "args": {"step": step, "microbatch": _microbatch(name)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -42,7 +42,8 @@ def write_trace(steps: dict[int, list[list[Record]]], path: str) -> None:
 
 
 def render_timeline(per_rank: list[list[Record]], path: str, title: str) -> None:
-    """Gantt chart of one step: forwards light, backwards dark, both coloured by micro-batch."""
+    """Gantt chart of one step, coloured by micro-batch: forwards light, backwards (B) dark,
+    a split backward's I dark and hatched `//`, its W light and hatched `..`; updates grey."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a training node
@@ -53,10 +54,11 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str) -> None
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
     for rank, recs in enumerate(per_rank):
         for name, _start, cstart, end in recs:
-            mb, op = _microbatch(name), re.search(r"[FBU]", name).group(0)
-            color = "0.5" if op == "U" else cmap((2 * mb + (op == "F")) % 20)
+            mb, op = _microbatch(name), re.search(r"[FBIWU]", name).group(0)
+            color = "0.5" if op == "U" else cmap((2 * mb + (op in "FW")) % 20)
             x, w = (cstart - t0) * 1e3, (end - cstart) * 1e3
-            ax.barh(rank, w, left=x, height=0.8, color=color, edgecolor="black", linewidth=0.4)
+            ax.barh(rank, w, left=x, height=0.8, color=color, edgecolor="black", linewidth=0.4,
+                    hatch={"I": "//", "W": ".."}.get(op))
             if w > 0:
                 ax.text(x + w / 2, rank, name, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])

@@ -14,7 +14,7 @@ import re
 
 from ..config import ConfigError, DataConfig, RunConfig
 from ..parallel.pipeline.partition import PartitionError, uniform
-from ..parallel.pipeline.schedules import ASYNC_SCHEDULES, SCHEDULES, interleaved_check
+from ..parallel.pipeline.schedules import get as get_schedule, names as schedule_names
 from .common import choice, first_line, number, positive
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .heldout import check_eval
@@ -63,11 +63,12 @@ def _zero(run: RunConfig) -> None:
                           "set parallelism.zero=1 (or 2, 3), or offload_optimizer=false")
     if p.zero == 0:
         return
-    if run.schedule.name in ASYNC_SCHEDULES:
+    if run.schedule.name in schedule_names() and not get_schedule(run.schedule.name).flushes:
         raise ConfigError("parallelism.zero", p.zero,
-                          f"schedule={run.schedule.name} is asynchronous: each stage updates after every micro-batch "
-                          "with dp = 1, so there is no dp group to shard over and no step-wide update to shard",
-                          "use parallelism.zero=0 with 1f1b / 2bw, or a flushing schedule (gpipe, flush, interleaved)")
+                          f"schedule={run.schedule.name} is asynchronous: each stage updates on its own with dp = 1, "
+                          "so there is no dp group to shard over and no step-wide update to shard",
+                          f"use parallelism.zero=0 with {run.schedule.name}, or a flushing schedule "
+                          f"({', '.join(_flushing())})")
     if p.zero >= 2 and p.pp > 1:
         raise ConfigError("parallelism.zero", p.zero,
                           "ZeRO-2/3 shard gradients, which a pipeline accumulates over its micro-batches: each "
@@ -95,23 +96,22 @@ def _tensor_parallel(run: RunConfig) -> None:
                           f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
 
 
+def _flushing() -> list[str]:
+    return [n for n in schedule_names() if get_schedule(n).flushes]
+
+
 def _schedule(run: RunConfig) -> None:
     s, pp = run.schedule, run.parallelism.pp
-    choice("schedule.name", s.name, SCHEDULES)
+    choice("schedule.name", s.name, schedule_names())
     positive("schedule.microbatches", s.microbatches)
     positive("schedule.virtual_stages", s.virtual_stages)
-    if pp == 1 and s.name not in ("gpipe", "flush"):
-        raise ConfigError("schedule.name", s.name,
-                          "with pp = 1 only the synchronous gpipe / flush (gradient accumulation) run",
-                          "use schedule=flush, or set parallelism.pp > 1")
-    if s.virtual_stages != 1 and (pp == 1 or s.name != "interleaved"):
-        raise ConfigError("schedule.virtual_stages", s.virtual_stages,
-                          "several model chunks per rank need schedule=interleaved and pp > 1",
-                          "set schedule.virtual_stages=1, or schedule=interleaved with parallelism.pp > 1")
-    if s.name == "interleaved" and pp > 1 and interleaved_check(pp, s.microbatches, s.virtual_stages):
-        raise ConfigError("schedule.microbatches", s.microbatches, interleaved_check(pp, s.microbatches, s.virtual_stages),
-                          f"use a multiple of {pp}, e.g. schedule.microbatches={pp * max(1, s.microbatches // pp)}")
-    if s.name in ASYNC_SCHEDULES:
+    sched = get_schedule(s.name)
+    bad = sched.why_not(pp, s.microbatches, s.virtual_stages)
+    if bad is not None:
+        value = {"schedule.name": s.name, "schedule.microbatches": s.microbatches,
+                 "schedule.virtual_stages": s.virtual_stages}[bad.key]
+        raise ConfigError(bad.key, value, bad.reason, bad.fix)
+    if not sched.flushes:
         _async_schedule(run)
     stages = pp * s.virtual_stages
     if stages > run.model.n_layer and not run.model.pretrained:
@@ -142,17 +142,12 @@ def _async_schedule(run: RunConfig) -> None:
     s, p = run.schedule, run.parallelism
     if p.dp > 1:
         raise ConfigError("parallelism.dp", p.dp, f"schedule={s.name} is asynchronous; its per-update gradient "
-                          "all-reduce over dp is not implemented", "use parallelism.dp=1 with 1f1b / 2bw")
+                          "all-reduce over dp is not implemented", f"use parallelism.dp=1 with {s.name}")
     if run.model.tie_embeddings and p.pp > 1:
         raise ConfigError("model.tie_embeddings", True,
                           f"schedule={s.name} updates the first and last stage at different times from different "
                           "weight versions, so their two copies of a tied embedding cannot stay one weight",
-                          "set model.tie_embeddings=false (the schedule=1f1b / schedule=2bw presets do)")
-    if s.name == "2bw" and s.microbatches < p.pp:
-        raise ConfigError("schedule.microbatches", s.microbatches,
-                          f"2bw keeps two weight versions only when microbatches >= pp={p.pp} (a stage must "
-                          "finish a step's backward before the step after next starts)",
-                          f"use schedule.microbatches >= {p.pp}")
+                          "set model.tie_embeddings=false")
 
 
 def _partition(run: RunConfig, stages: int) -> None:

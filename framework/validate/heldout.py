@@ -12,6 +12,12 @@ from ..config import ConfigError, RunConfig
 from .common import number, positive
 
 
+def _never_flushes(name: str) -> bool:
+    from ..parallel.pipeline.schedules import REGISTRY
+
+    return name in REGISTRY and not REGISTRY[name].flushes
+
+
 def check_eval(run: RunConfig) -> None:
     t, d = run.trainer, run.data
     if isinstance(t.eval_interval, bool) or not isinstance(t.eval_interval, int) or t.eval_interval < 0:
@@ -24,13 +30,13 @@ def check_eval(run: RunConfig) -> None:
     number("data.val_fraction", d.val_fraction, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
            "e.g. data.val_fraction=0.05 (the last 5% of the documents), or 0.0 to hold none out")
     evaluating = t.eval_interval > 0
-    if evaluating and run.parallelism.pp > 1 and run.schedule.name in ("1f1b", "2bw"):
+    if evaluating and run.parallelism.pp > 1 and _never_flushes(run.schedule.name):
         # Never flushed: between steps, activations of the next step's micro-batches are in
         # flight between stages, and a forward-only pass's messages would match them (NCCL
         # matches a pair's messages in issue order).
         raise ConfigError("trainer.eval_interval", t.eval_interval, f"schedule={run.schedule.name} never flushes the "
                           "pipeline, so there is no point between steps where a held-out forward pass can run",
-                          "use a flushing schedule (flush, gpipe, interleaved) to evaluate, or trainer.eval_interval=0")
+                          "use a flushing schedule (e.g. schedule=flush) to evaluate, or trainer.eval_interval=0")
     if d.name == "pycode" and evaluating and d.val_files < 1:
         raise ConfigError("data.val_files", d.val_files, "evaluation (trainer.eval_interval > 0) on pycode needs "
                           "held-out stdlib files", "e.g. data.val_files=20, or trainer.eval_interval=0")

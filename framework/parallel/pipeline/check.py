@@ -1,12 +1,15 @@
-"""Prove a schedule valid, and draw it as a rank x time grid.
+"""Prove a schedule valid before any rank runs it.
 
-`check` proves a schedule twice:
-1. Its action lists, in a simulation where a send never blocks and a receive waits for
-   its message (gloo's behaviour). ScheduleError when an action repeats or is missing, a
-   backward precedes its forward, the ranks deadlock, a channel's messages are consumed
-   in another order than sent, or an asynchronous schedule runs a forward before the
-   weight version it needs exists.
-2. The batches the executor really issues (`p2p.comm_plan`, the one shared description)
+`check` (a registered schedule) and `prove` (lists from anywhere, e.g. a CSV) prove:
+1. The lists on their own: every (micro-batch, chunk) has one F and one backward per rank
+   (B, or I and W, each W after its I on the same rank), a backward never precedes its
+   forward, only the ops the schedule declares appear, and no rank holds more activations
+   at once than the schedule's declared bound (F to its B or W).
+2. The lists run together in a simulation where a send never blocks and a receive waits
+   for its message (gloo's behaviour, `simulate.py`): ScheduleError when the ranks
+   deadlock, a channel's messages are consumed in another order than sent, or an
+   asynchronous schedule runs a forward before the weight version it needs exists.
+3. The batches the executor really issues (`p2p.comm_plan`, the one shared description)
    under NCCL's rules (`nccl_simulate`): each rank's p2p ops run in issue order on one
    stream (a batch starts when the previous one completed and the compute issued before
    it is done); a send completes only together with its matching receive, i.e. once both
@@ -21,79 +24,82 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .p2p import RankPlan, comm_plan, needs, produces, rank_of_stage, sender_of
-from .schedules import ASYNC_SCHEDULES, Action, build_schedule, version_of
+from .messages import needs, sender_of
+from .p2p import RankPlan, comm_plan
+from .schedules.base import Action, Op, Schedule, StageMap, get
+from .simulate import ScheduleError, simulate
+
+__all__ = ["ScheduleError", "check", "prove", "nccl_simulate", "alive_peak"]
 
 
-class ScheduleError(ValueError):
-    pass
-
-
-def _check_lists(lists: dict[int, list[Action]], pp: int, v: int, n: int, async_: bool) -> None:
+def _check_lists(sched: Schedule, lists: dict[int, list[Action]], v: int, n: int) -> None:
+    """Each (micro-batch, chunk) runs F once and its backward once per rank: B, or I then W
+    (W after its I); only the ops the schedule declares; U only in asynchronous schedules."""
+    want = {(j, c) for j in range(n) for c in range(v)}
     for r, acts in lists.items():
-        seen = set()
+        seen: set[Action] = set()
         for a in acts:
+            if a.op not in sched.ops:
+                raise ScheduleError(f"rank {r}: {a} uses op {a.op.value}, which {sched.name} does not declare "
+                                    f"(its ops: {''.join(sorted(o.value for o in sched.ops))})")
             if a in seen:
                 raise ScheduleError(f"rank {r}: {a} appears twice")
-            if a.op == "B" and Action("F", a.microbatch, a.chunk) not in seen:
+            if (a.microbatch, a.chunk) not in want and a.op is not Op.U:
+                raise ScheduleError(f"rank {r}: {a} names micro-batch {a.microbatch} / chunk {a.chunk}, outside "
+                                    f"{n} micro-batches x {v} chunks")
+            if a.op in (Op.B, Op.I) and Action(Op.F, a.microbatch, a.chunk) not in seen:
                 raise ScheduleError(f"rank {r}: {a} before its forward")
+            if a.op is Op.W and Action(Op.I, a.microbatch, a.chunk) not in seen:
+                raise ScheduleError(f"rank {r}: {a} before its I (W after its I on the same rank)")
+            if a.op is Op.B and Action(Op.I, a.microbatch, a.chunk) in seen or \
+                    a.op is Op.I and Action(Op.B, a.microbatch, a.chunk) in seen:
+                raise ScheduleError(f"rank {r}: {a}: micro-batch {a.microbatch} runs both B and I")
             seen.add(a)
-        want = {Action(op, j, c) for op in "FB" for j in range(n) for c in range(v)}
-        missing = want - {a for a in seen if a.op in "FB"}
-        if missing:
-            raise ScheduleError(f"rank {r}: missing {sorted(map(str, missing))[:5]}")
-        if not async_ and any(a.op == "U" for a in acts):
+        dangling = [a for a in seen if a.op is Op.I and Action(Op.W, a.microbatch, a.chunk) not in seen]
+        if dangling:
+            raise ScheduleError(f"rank {r}: {dangling[0]} has no W (I and W counts differ)")
+        for op, label in ((Op.F, "F"), (None, "backward")):
+            done = {(a.microbatch, a.chunk) for a in seen
+                    if (a.op is op if op else (a.op is Op.B or a.op is Op.W))}
+            if done != want:
+                missing = sorted(f"{c}:{j}" for j, c in want - done)
+                raise ScheduleError(f"rank {r}: {label} missing for (chunk:micro-batch) {missing[:5]}")
+        if sched.flushes and any(a.op is Op.U for a in acts):
             raise ScheduleError(f"rank {r}: update action in a synchronous schedule")
 
 
-def simulate(lists: dict[int, list[Action]], pp: int, v: int, durations=None):
-    """Run the ranks together; returns {rank: [(start, end, action)]} with unit-ish times."""
-    stages = pp * v
-    durations = durations or {"F": 1, "B": 1, "U": 0}
-    pos = {r: 0 for r in lists}
-    clock = {r: 0 for r in lists}
-    arrived: dict[tuple, int] = {}  # message -> time it was sent
-    sent_order, recv_order = defaultdict(list), defaultdict(list)
-    timeline = {r: [] for r in lists}
-    remaining = sum(len(x) for x in lists.values())
-    while remaining:
-        progressed = False
-        for r, acts in lists.items():
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                need = needs(a, r, pp, stages)
-                if need is not None and need not in arrived:
-                    break
-                start = max(clock[r], arrived.get(need, 0))
-                if need is not None:
-                    recv_order[(sender_of(need, pp), r)].append(need)
-                clock[r] = start + durations[a.op]
-                timeline[r].append((start, clock[r], a))
-                out = produces(a, r, pp, stages)
-                if out is not None:
-                    arrived[out] = clock[r]
-                    sent_order[(r, rank_of_stage(out.stage, pp))].append(out)
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(lists[r][pos[r]]) for r in lists if pos[r] < len(lists[r])}
-            raise ScheduleError(f"deadlock: ranks wait at {stuck}")
-    for channel, order in sent_order.items():
-        if recv_order[channel] != order:
-            raise ScheduleError(f"channel {channel[0]}->{channel[1]} receives out of send order")
-    return timeline
+def alive_peak(acts: list[Action]) -> int:
+    """The most (micro-batch, chunk) pairs whose activations a rank holds at once: from F
+    to the end of its backward (B, or W: a W still needs the stage's saved tensors)."""
+    alive = peak = 0
+    for a in acts:
+        if a.op is Op.F:
+            alive += 1
+            peak = max(peak, alive)
+        elif a.op.ends_backward:
+            alive -= 1
+    return peak
 
 
-def _check_versions(name: str, lists: dict[int, list[Action]], pp: int, m: int) -> None:
+def _check_memory(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: int) -> None:
+    for r, acts in lists.items():
+        bound, peak = sched.memory_bound(pp, m, v, r), alive_peak(acts)
+        if peak > bound:
+            raise ScheduleError(f"rank {r}: holds {peak} (micro-batch, chunk) activations at once, over "
+                                f"{sched.name}'s declared bound {bound}")
+
+
+def _check_versions(sched: Schedule, lists: dict[int, list[Action]], smap: StageMap, m: int) -> None:
+    rule = sched.asynchronous
     for r, acts in lists.items():
         updates = 0
         for a in acts:
-            if a.op == "U":
+            if a.op is Op.U:
                 updates += 1
-            elif a.op == "F" and version_of(name, a.microbatch, r, pp, m) > updates:
-                raise ScheduleError(f"rank {r}: {a} needs weight version "
-                                    f"{version_of(name, a.microbatch, r, pp, m)} before it exists")
+            elif a.op is Op.F:
+                want = rule.version_of(a.microbatch, smap.stage(r, a.chunk), smap.num_stages, m)
+                if want > updates:
+                    raise ScheduleError(f"rank {r}: {a} needs weight version {want} before it exists")
 
 
 def _match_pairs(plans: dict[int, RankPlan]) -> dict[tuple, tuple]:
@@ -117,24 +123,25 @@ def _match_pairs(plans: dict[int, RankPlan]) -> dict[tuple, tuple]:
     return match
 
 
-def _recv_batch(plan: RankPlan, rank: int, pp: int, stages: int) -> list:
+def _recv_batch(plan: RankPlan, rank: int, smap: StageMap) -> list:
     """For each action, the index of the batch holding the receive it waits for, or None."""
     where = {op.msg: k for k, batch in enumerate(plan.batches) for op in batch if op.op == "recv"}
     out = []
     for k, a in enumerate(plan.actions):
-        msg = needs(a, rank, pp, stages)
+        msg = needs(a, rank, smap)
+        if msg is not None and sender_of(msg, smap) == rank:
+            msg = None  # from this rank's other chunk: in memory, produced by an earlier action
         if msg is not None and (msg not in where or where[msg] > k):
             raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives")
         out.append(None if msg is None else where[msg])
     return out
 
 
-def nccl_simulate(plans: dict[int, RankPlan], pp: int, v: int) -> None:
+def nccl_simulate(plans: dict[int, RankPlan], smap: StageMap) -> None:
     """Run every rank's batches and computes under NCCL's rules (module docstring) until
     nothing can move; anything left is a deadlock."""
-    stages = pp * v
     match = _match_pairs(plans)
-    wait_on = {r: _recv_batch(plan, r, pp, stages) for r, plan in plans.items()}
+    wait_on = {r: _recv_batch(plan, r, smap) for r, plan in plans.items()}
     started = {r: 0 for r in plans}  # batches started (a prefix: the stream is ordered)
     done = {r: 0 for r in plans}  # batches completed (a prefix)
     computed = {r: 0 for r in plans}  # actions whose compute is done (a prefix)
@@ -171,40 +178,27 @@ def _stuck(plan: RankPlan, started: int, done: int, computed: int) -> str:
     return f"{plan.actions[computed]} waits" if computed < len(plan.actions) else "batch never starts"
 
 
-def check(name: str, pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
-    """Build and prove a schedule (its lists, and the executor's batches under NCCL's
-    rules); returns the lists."""
-    lists = build_schedule(name, pp, m, v, steps)
-    async_ = name in ASYNC_SCHEDULES
-    n = m * steps if async_ else m
+def prove(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: int = 1, steps: int = 1) -> None:
+    """Prove given lists for a schedule's declarations: the rules above, the declared
+    activation-memory bound, and the executor's batches under gloo's and NCCL's rules."""
+    smap = sched.stage_map(pp, v)
+    n = m * steps if not sched.flushes else m
     if sorted(lists) != list(range(pp)):
         raise ScheduleError(f"lists for ranks {sorted(lists)}, expected 0..{pp - 1}")
-    _check_lists(lists, pp, v, n, async_)
-    simulate(lists, pp, v)
-    nccl_simulate(comm_plan(lists, pp, v), pp, v)
-    if async_:
-        _check_versions(name, lists, pp, m)
+    _check_lists(sched, lists, v, n)
+    _check_memory(sched, lists, pp, n if not sched.flushes else m, v)
+    simulate(lists, smap)
+    nccl_simulate(comm_plan(lists, smap), smap)
+    if not sched.flushes:
+        _check_versions(sched, lists, smap, m)
+
+
+def check(name: str, pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
+    """Build and prove a registered schedule; returns the lists."""
+    sched = get(name)
+    bad = sched.why_not(pp, m, v)
+    if bad is not None:
+        raise ScheduleError(f"{bad.key}: {bad.reason}")
+    lists = sched.generate(pp, m, v, steps if not sched.flushes else 1)
+    prove(sched, lists, pp, m, v, steps)
     return lists
-
-
-def grid(lists: dict[int, list[Action]], pp: int, v: int = 1, backward_cost: int = 1) -> str:
-    """Rank x time: one column per time unit, `.` where the rank idles."""
-    timeline = simulate(lists, pp, v, {"F": 1, "B": backward_cost, "U": 0})
-    end = max((t for r in timeline for _, t, _ in timeline[r]), default=0)
-    width = max((len(str(a)) for r in lists for a in lists[r]), default=2)
-    rows = []
-    for r in sorted(timeline):
-        cells = ["." * width] * end
-        for s, e, a in timeline[r]:
-            for t in range(s, e):
-                cells[t] = f"{str(a):<{width}}"
-        rows.append(f"rank {r}: " + " ".join(cells))
-    return "\n".join(rows)
-
-
-def simulated_bubble(lists: dict[int, list[Action]], pp: int, v: int = 1, backward_cost: int = 2) -> float:
-    """Idle share averaged over ranks in the unit-time simulation (for cross-checking formulas)."""
-    timeline = simulate(lists, pp, v, {"F": 1, "B": backward_cost, "U": 0})
-    end = max(t for r in timeline for _, t, _ in timeline[r])
-    busy = [sum(e - s for s, e, _ in timeline[r]) for r in timeline]
-    return sum(1 - b / end for b in busy) / len(busy)

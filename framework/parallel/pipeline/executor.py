@@ -1,11 +1,14 @@
 """Runs one pipeline rank's action list: receive, compute, send; timestamps every action.
 
-Sharded: the model's blocks, by stage (`stage.py`); each rank holds v chunks.
+Sharded: the model's blocks, by stage (`stage.py`); each rank holds v chunks, placed by
+the schedule's `StageMap` (loop or V).
 Forward of F(j, c): receive the activation of micro-batch j from the previous stage (none
 on stage 0, which embeds the tokens), run the chunk, send the output to the next stage.
 Backward of B(j, c): receive the gradient of that output from the next stage (the last
 stage starts from its loss), backpropagate, send the input's gradient to the previous
-stage.
+stage. I(j, c) is the part of B that gives the input's gradient (sent at once); W(j, c)
+the weight gradients, later (`split_backward.py`). A message between two stages of the
+same rank (the turn of a V) is handed over in memory, never through p2p.
 
 Point-to-point: exactly the batches of `p2p.comm_plan` (the description `check.py` proves
 under gloo's and NCCL's rules): batch k goes out in one `batch_isend_irecv` after action
@@ -33,8 +36,10 @@ from torch import nn
 
 from ...flight import NullRecorder
 from ...metrics.memory import tensor_bytes
-from .p2p import Message, RankPlan, needs, produces
-from .schedules import Action, stage_of
+from .messages import Message, needs, produces
+from .p2p import RankPlan
+from .schedules.base import Action, Op, StageMap
+from .split_backward import PendingWeight, backward_input, backward_weight
 
 
 @dataclass
@@ -55,7 +60,7 @@ class PipelinePeers:
 
     pp_ranks: list[int]  # the pp group: global rank of pipeline rank 0..p-1
     pp_rank: int
-    virtual_stages: int
+    smap: StageMap
 
     @property
     def pp(self) -> int:
@@ -63,7 +68,7 @@ class PipelinePeers:
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
+        return self.smap.num_stages
 
 
 def _tag(msg: Message, num_stages: int) -> int:
@@ -139,6 +144,8 @@ class PipelineExecutor:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.produced: dict[Message, torch.Tensor] = {}  # computed, not yet handed to a batch
         self.posted: dict[Message, tuple[BatchWork, torch.Tensor]] = {}  # receives issued, not consumed
+        self.local: dict[Message, torch.Tensor] = {}  # from a stage of this rank to another (a V's turn)
+        self.pending_w: dict[tuple[int, int], PendingWeight] = {}  # I done, W not yet
         self.inflight: list[BatchWork] = []
         self.segment = 0  # run() calls so far
         self.losses: dict[int, torch.Tensor] = {}
@@ -171,21 +178,27 @@ class PipelineExecutor:
         self.p2p_peak_bytes = max(self.p2p_peak_bytes, tensor_bytes(held))
 
     def _received(self, a: Action) -> Optional[torch.Tensor]:
-        msg = needs(a, self.peers.pp_rank, self.peers.pp, self.peers.num_stages)
+        msg = needs(a, self.peers.pp_rank, self.peers.smap)
         if msg is None:
             return None
+        if msg in self.local:
+            return self.local.pop(msg)
         work, buf = self.posted.pop(msg)
         self.recorder.note(f"{a}: wait for its receive ({msg.kind} mb{msg.microbatch})", wait=True)
         work.wait()  # CPU: the host waits; CUDA: the compute stream waits for the batch
         return buf
 
     def _produce(self, a: Action, t: torch.Tensor) -> None:
-        msg = produces(a, self.peers.pp_rank, self.peers.pp, self.peers.num_stages)
-        if msg is not None:
+        msg = produces(a, self.peers.pp_rank, self.peers.smap)
+        if msg is None:
+            return
+        if self.peers.smap.rank(msg.stage) == self.peers.pp_rank:
+            self.local[msg] = t.detach().clone()  # a fresh leaf, as a received buffer would be
+        else:
             self.produced[msg] = t
 
     def forward(self, a: Action, x, y, loss_scale: float, params: Optional[dict] = None) -> None:
-        g = stage_of(self.peers.pp_rank, a.chunk, self.peers.pp)
+        g = self.peers.smap.stage(self.peers.pp_rank, a.chunk)
         chunk = self.chunks[a.chunk]
         last = g == self.peers.num_stages - 1
         if g > 0:
@@ -208,6 +221,18 @@ class PipelineExecutor:
             self._produce(a, self.inputs.pop((a.microbatch, a.chunk)).grad)
         self.on_backward_done(a.microbatch, a.chunk)
 
+    def backward_input(self, a: Action, grad: Optional[torch.Tensor], params: list) -> None:
+        """I: the input's gradient, sent at once; the weight gradients wait for W."""
+        key = (a.microbatch, a.chunk)
+        out, x = self.outputs.pop(key), self.inputs.pop(key, None)
+        dx, self.pending_w[key] = backward_input(out, grad, x, params)
+        if dx is not None:
+            self._produce(a, dx)
+
+    def backward_weight(self, a: Action) -> None:
+        backward_weight(self.pending_w.pop((a.microbatch, a.chunk)))
+        self.on_backward_done(a.microbatch, a.chunk)
+
     def run(self, first: int, last: int, batch_of, loss_scale: float, params_of=None,
             update: Optional[Callable[[int], None]] = None) -> list:
         """Actions first..last-1 of the plan, each followed by its batch; `batch_of(j)` gives
@@ -223,15 +248,19 @@ class PipelineExecutor:
             received = self._received(a)
             compute_start = self.clock.mark()
             self.recorder.note(str(a))
-            if a.op == "F":
+            if a.op is Op.F:
                 x, y = batch_of(a.microbatch)
                 x = received.requires_grad_(True) if received is not None else x
                 self.forward(a, x, y, loss_scale, params_of(a.microbatch, a.chunk) if params_of else None)
-            elif a.op == "B":
+            elif a.op is Op.B:
                 self.backward(a, received)
+            elif a.op is Op.I:
+                self.backward_input(a, received, [q for q in self.chunks[a.chunk].parameters() if q.requires_grad])
+            elif a.op is Op.W:
+                self.backward_weight(a)
             else:
                 update(a.microbatch)
-            if a.op in "FB":
+            if a.op.is_compute:
                 stage_delay(self.device, self.delay_s)
             marks.append((str(a), start, compute_start, self.clock.mark()))
             self._issue(k + 1)
@@ -239,7 +268,8 @@ class PipelineExecutor:
 
     def wait_sends(self) -> None:
         """End of a flushing step: every message of the step has been received by now."""
-        assert not self.posted and not self.produced, "a flushing step ended with messages in flight"
+        assert not self.posted and not self.produced and not self.local and not self.pending_w, \
+            "a flushing step ended with messages in flight or weight gradients pending"
         self.recorder.note("wait for this step's sends", wait=True)
         for work in self.inflight:
             work.wait()

@@ -14,8 +14,8 @@ executor's first design, Megatron's send_forward_recv_backward pairing) deadlock
 interleaved 1F1B: the sender's stream stalls on a send whose receive the peer posts only
 much later, behind receives that need that very sender's later sends.
 
-Placement rule ("lockstep"): run all ranks' lists in the unit-time simulation (F = B = 1,
-U = 0). A message is sent in the batch after the action that produced it, at that
+Placement rule ("lockstep"): run all ranks' lists in the unit-time simulation (F = B = I =
+W = 1, U = 0). A message is sent in the batch after the action that produced it, at that
 action's end time t. The receiver posts it in its latest batch issued at a time <= t,
 i.e. about when the sender sends it, in the sender's send order. Each batch then holds
 receives of messages sent in [its time, the rank's next batch time), and sends whose
@@ -29,17 +29,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from .schedules import Action, stage_of
-
-
-@dataclass(frozen=True)
-class Message:
-    kind: str  # "act" (forward output) | "grad" (gradient of a stage's input)
-    microbatch: int
-    stage: int  # the receiving stage
-
-    def __str__(self) -> str:
-        return f"{self.kind}(mb {self.microbatch} -> stage {self.stage})"
+from .messages import Message, needs, produces, receiver_of, sender_of
+from .schedules.base import Action, StageMap
+from .simulate import simulate
 
 
 @dataclass(frozen=True)
@@ -58,60 +50,29 @@ class RankPlan:
     batches: list[list[P2POp]] = field(default_factory=list)
 
 
-def needs(a: Action, rank: int, pp: int, num_stages: int) -> Message | None:
-    """The message action `a` must receive before it computes, or None."""
-    g = stage_of(rank, a.chunk, pp)
-    if a.op == "F" and g > 0:
-        return Message("act", a.microbatch, g)
-    if a.op == "B" and g < num_stages - 1:
-        return Message("grad", a.microbatch, g)
-    return None
-
-
-def produces(a: Action, rank: int, pp: int, num_stages: int) -> Message | None:
-    """The message action `a` sends when it is done, or None."""
-    g = stage_of(rank, a.chunk, pp)
-    if a.op == "F" and g < num_stages - 1:
-        return Message("act", a.microbatch, g + 1)
-    if a.op == "B" and g > 0:
-        return Message("grad", a.microbatch, g - 1)
-    return None
-
-
-def rank_of_stage(g: int, pp: int) -> int:
-    return g % pp
-
-
-def sender_of(msg: Message, pp: int) -> int:
-    return rank_of_stage(msg.stage - 1 if msg.kind == "act" else msg.stage + 1, pp)
-
-
-def comm_plan(lists: dict[int, list[Action]], pp: int, v: int) -> dict[int, RankPlan]:
+def comm_plan(lists: dict[int, list[Action]], smap: StageMap) -> dict[int, RankPlan]:
     """Every rank's batches under the lockstep rule (module docstring)."""
-    from .check import simulate  # the unit-time simulation the grid printer also uses
-
-    stages = pp * v
-    timeline = simulate(lists, pp, v, {"F": 1, "B": 1, "U": 0})
+    timeline = simulate(lists, smap, "unit")
     plans = {r: RankPlan(list(acts), [[] for _ in range(len(acts) + 1)]) for r, acts in lists.items()}
     sent_at: dict[Message, float] = {}
     for r, acts in lists.items():
         for k, a in enumerate(acts):
-            msg = produces(a, r, pp, stages)
-            if msg is not None:
-                plans[r].batches[k + 1].append(P2POp("send", rank_of_stage(msg.stage, pp), msg))
+            msg = produces(a, r, smap)
+            if msg is not None and receiver_of(msg, smap) != r:  # same rank: handed over in memory
+                plans[r].batches[k + 1].append(P2POp("send", receiver_of(msg, smap), msg))
                 sent_at[msg] = timeline[r][k][1]
     for r, acts in lists.items():
         # batch k's issue time: the end of action k-1 (batch 0 at the start)
         issue = [0] + [end for _, end, _ in timeline[r]]
         recvs = []
         for k, a in enumerate(acts):
-            msg = needs(a, r, pp, stages)
-            if msg is not None:
+            msg = needs(a, r, smap)
+            if msg is not None and sender_of(msg, smap) != r:
                 latest = bisect_right(issue, sent_at[msg]) - 1
                 recvs.append((min(latest, k), sent_at[msg], msg))
         # within a batch, receives follow the senders' order (a pair matches in issue order)
         for k, _, msg in sorted(recvs, key=lambda x: (x[0], x[1], _order(x[2]))):
-            plans[r].batches[k].append(P2POp("recv", sender_of(msg, pp), msg))
+            plans[r].batches[k].append(P2POp("recv", sender_of(msg, smap), msg))
     return plans
 
 

@@ -1,18 +1,22 @@
 """A pipeline rank's training step: the executor's actions plus what surrounds them.
 
-Synchronous schedules (gpipe, flush, interleaved): run the step's action list (loss of
-each micro-batch scaled by 1/m), wait for the sends, then dp all-reduce, tied-embedding
-sum, global clip and one optimizer step.
-Asynchronous schedules (1f1b, 2bw): the run is one never-flushed action list, cut into
-steps at the update after each step's last micro-batch; each update applies this stage's
-gradients on its own (clipping by this stage's norm, since other stages update at other
-times; the single-process reference in reference.py does the same).
+Flushing schedules (the registry's `flushes`): run the step's action list (loss of each
+micro-batch scaled by 1/m), wait for the sends, then dp all-reduce, tied-embedding sum,
+global clip and one optimizer step.
+Asynchronous schedules (an `AsyncRule`): the run is one never-flushed action list, cut
+into steps at the update after each step's last micro-batch; each update applies this
+stage's gradients on its own (clipping by this stage's norm, since other stages update at
+other times; the single-process reference in reference.py does the same).
 
 Measured bubble per rank and step = 1 - busy / window, where busy is the sum of the
-rank's compute (forward, backward and, for async, updates; receive waits excluded) and
-the window runs from the step's first action to the flush (flushing schedules: when every
-stage has finished the step's compute; the dp all-reduce and optimizer come after and are
-excluded from both) or to the end of the rank's last action (asynchronous schedules).
+rank's compute (F, B, I, W and, for async, updates; receive waits excluded) and the window
+runs from the start of the rank's first action of the step (its first mark, before any
+receive wait) to the flush (flushing schedules: a pp all-reduce after the step's sends are
+waited for, so it ends when every stage has finished the step's compute) or to the end of
+the rank's last action (asynchronous schedules). Outside the window, counted neither busy
+nor idle: the learning-rate update and ZeRO's buffer reset before the first action, and
+the dp all-reduce, clipping and optimizer step after the flush. Inside it every gap is a
+wait on a peer: a receive, the step's sends, or the flush.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ...metrics.clock import clock_for
 from .executor import ActionRecord, PipelineExecutor, PipelinePeers
 from .check import nccl_simulate
 from .p2p import comm_plan
-from .schedules import ASYNC_SCHEDULES, build_schedule, stage_of, version_of
+from .schedules import Op, get
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
 from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
@@ -44,7 +48,7 @@ from .weights import WeightVersions
 def _segments(actions, m: int, steps: int) -> list[range]:
     """Cut a whole-run async list after the update of each step's last micro-batch: the
     index range of each step's actions."""
-    cuts = [k + 1 for k, a in enumerate(actions) if a.op == "U" and (a.microbatch + 1) % m == 0]
+    cuts = [k + 1 for k, a in enumerate(actions) if a.op is Op.U and (a.microbatch + 1) % m == 0]
     assert len(cuts) == steps
     cuts[-1] = len(actions)
     return [range(a, b) for a, b in zip([0] + cuts[:-1], cuts)]
@@ -64,10 +68,11 @@ class PipelineRunner:
         p, v, m = run.parallelism.pp, run.schedule.virtual_stages, run.schedule.microbatches
         self.run, self.ctx, self.m, self.p, self.tp_comm = run, ctx, m, p, tp_comm
         self.first_step, steps = first_step, run.trainer.steps - first_step
-        self.name = run.schedule.name
-        self.is_async = self.name in ASYNC_SCHEDULES
+        self.schedule = get(run.schedule.name)
+        self.is_async = not self.schedule.flushes
+        self.smap = self.schedule.stage_map(p, v)
         self.ranges = stage_ranges(run.parallelism.partition, full, p * v)
-        self.chunks = build_chunks(full, self.ranges, p, ctx.coords.pp, v)
+        self.chunks = build_chunks(full, self.ranges, self.smap, ctx.coords.pp)
         self.module = nn.ModuleList(self.chunks)  # what this rank owns, for memory accounting
         self.tied = tied_weight(full, self.chunks)
         self.zero = None
@@ -81,16 +86,16 @@ class PipelineRunner:
         self.is_last = any(ch.head is not None for ch in self.chunks)
         self.tracker = tracker
         tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened
-        self.stage = stage_of(ctx.coords.pp, 0, p)
-        peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, v)
+        self.stage = self.smap.stage(ctx.coords.pp, 0)
+        peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, self.smap)
         # Sequence parallelism: stages exchange their sequence shard (B, T/tp, H).
         seq = run.data.seq_len // (tp_comm.size if run.parallelism.sequence_parallel else 1)
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
         act_dtype = torch.float64 if run.trainer.precision == "fp64" else torch.float32
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.
-        plans = comm_plan(build_schedule(self.name, p, m, v, steps=steps), p, v)
+        plans = comm_plan(self.schedule.generate(p, m, v, steps), self.smap)
         if self.is_async:  # validate proved two steps; this whole never-flushed run is proved here
-            nccl_simulate(plans, p, v)
+            nccl_simulate(plans, self.smap)
         plan = plans[ctx.coords.pp]
         self.clock = clock_for(ctx.device)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
@@ -117,7 +122,7 @@ class PipelineRunner:
             self.versions = WeightVersions(self.chunks[0], self._uses, self.tracker)
 
     def _version(self, j: int) -> int:
-        return version_of(self.name, j, self.stage, self.p, self.m)
+        return self.schedule.asynchronous.version_of(j, self.stage, self.smap.num_stages, self.m)
 
     def _backward_done(self, mb: int, chunk: int) -> None:
         self.tracker.backward_done((mb, chunk))
@@ -126,10 +131,9 @@ class PipelineRunner:
 
     def step(self, step: int, batch_of: Callable) -> StepResult:
         self.clock.begin_step()
-        start = time.time()
         if self.is_async:
             span = self.bounds[step - self.first_step]
-            marks = self.executor.run(span.start, span.stop, batch_of, 1.0 if self.name == "1f1b" else 1.0 / self.m,
+            marks = self.executor.run(span.start, span.stop, batch_of, self.schedule.asynchronous.loss_scale(self.m),
                                       params_of=lambda j, c: self.versions.params(self._version(j)),
                                       update=self._async_update)
             if step - self.first_step == len(self.bounds) - 1:
@@ -141,6 +145,7 @@ class PipelineRunner:
             pipe_end = time.time()
             norm = self._last_norm
             window_end = max(r.end for r in records)
+            start = min(r.start for r in records)
         else:
             set_lr(self.optimizer, lr_at(step, self.run))
             if self.zero:
@@ -149,6 +154,7 @@ class PipelineRunner:
             self.executor.wait_sends()
             window_end = pipe_end = self._flush()
             records = self._records(marks)
+            start = min(r.start for r in records)  # the first action's first mark
             norm = self._sync_update()
         done = time.time()
         busy = sum(r.compute_s for r in records)

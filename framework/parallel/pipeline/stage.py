@@ -1,7 +1,8 @@
 """Pipeline stages: this rank's model chunks, and the collectives around a pipeline step.
 
-Sharded: transformer blocks over the pp group (stage g = chunk * pp + pp_rank holds the
-blocks `partition` gives it); the embedding on stage 0, the head on the last stage.
+Sharded: transformer blocks over the pp group (stage g, placed by the schedule's StageMap,
+holds the blocks `partition` gives it); the embedding on stage 0, the head on the last
+stage (in a V both on pp rank 0, so a tied embedding needs no embedding-group sum there).
 Each rank builds the model on the meta device and materialises only its chunks, with
 exactly the weights of the single-process run (framework/models/materialise.py); every
 other parameter stays an empty tensor under its name.
@@ -36,12 +37,13 @@ def stage_ranges(method, full: SplitLM, num_stages: int) -> list[range]:
     return partition(method, list(full.blocks), num_stages, _numel(full.embedding), _numel(full.head))
 
 
-def build_chunks(full: SplitLM, ranges: list[range], pp: int, pp_rank: int, v: int) -> list[SplitLM]:
-    """This rank's chunks (chunk c is stage c*pp + pp_rank); unowned parameters are freed."""
-    num_stages = pp * v
+def build_chunks(full: SplitLM, ranges: list[range], smap, pp_rank: int) -> list[SplitLM]:
+    """This rank's chunks (chunk c is stage smap.stage(pp_rank, c): c*pp + pp_rank in a loop,
+    pp_rank and 2pp-1-pp_rank in a V); unowned parameters are freed."""
+    num_stages = smap.num_stages
     chunks = []
-    for c in range(v):
-        g = c * pp + pp_rank
+    for c in range(smap.v):
+        g = smap.stage(pp_rank, c)
         chunks.append(full.stage(ranges[g], first=g == 0, last=g == num_stages - 1))
     kept = [p for ch in chunks for p in ch.parameters()]
     if hasattr(full, "fill"):

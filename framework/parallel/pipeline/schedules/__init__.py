@@ -1,0 +1,14 @@
+"""Pipeline schedules as data: the registry (`base.py`) and one module per schedule family.
+
+A schedule maps (pp, microbatches, virtual_stages) to each pipeline rank's ordered list of
+`Action`s (`F3`, `1I3`, `W3`, `B3`, `U7`); asynchronous schedules give a whole run's list.
+Importing this package registers every built-in schedule; `get(name)` returns what one
+declares (placement, ops, constraints, analytic bubble, memory bound, update rule).
+"""
+
+from .base import (REGISTRY, Action, AsyncRule, Op, OpTimes, Schedule, StageMap, Violation, build_schedule, get,
+                   names, register, unregister)
+from . import classic, pipedream, zero_bubble, interleaved_zb, zbv, dualpipev  # noqa: F401  (they register)
+
+__all__ = ["REGISTRY", "Action", "AsyncRule", "Op", "OpTimes", "Schedule", "StageMap", "Violation",
+           "build_schedule", "get", "names", "register", "unregister"]

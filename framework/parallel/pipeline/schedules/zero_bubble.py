@@ -1,0 +1,138 @@
+"""Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024, arXiv 2401.10241), one chunk per rank.
+
+The backward is split into I (the stage input's gradient, sent at once) and W (the weight
+gradients, which nothing downstream waits for), so W can fill 1F1B's bubble.
+- zbh1: 1F1B's warm-up and activation memory (p micro-batches on rank 0); rank r defers
+  its first r W's, filling the cool-down. Paper, Table 2: idle (p-1)(T_F+T_I-T_W) per rank
+  (here floored by the flush's fill, (p-1)T_F: `flushed_idle`).
+- zbh2: up to 2p-1 micro-batches alive, more forwards in the warm-up; built by the paper's
+  greedy rule in unit time (at each free moment: I if its gradient is there, else F if
+  the memory limit allows, else the oldest pending W). Paper: idle (p-1)(T_F+T_I-2T_W),
+  floored likewise; the order is the same for any times (it is built once, in unit time).
+Both flush: one synchronous update per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .base import Action, Op, OpTimes, Schedule, StageMap, register
+
+
+def zbh1(pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
+    """Warm-up, steady F-I(-W), cool-down I-W, then the deferred W's; W in I's order."""
+    out = {}
+    for r in range(pp):
+        w = min(pp - 1 - r, m)
+        acts = [Action(Op.F, j) for j in range(w)]
+        i_done = w_done = 0
+        for k in range(m):  # the k-th backward input, with a forward before it while any is left
+            if k + w < m:
+                acts.append(Action(Op.F, k + w))
+            acts.append(Action(Op.I, k))
+            i_done += 1
+            if k >= r:  # rank r defers its first r W's
+                acts.append(Action(Op.W, w_done))
+                w_done += 1
+        acts += [Action(Op.W, j) for j in range(w_done, m)]
+        out[r] = acts
+    return out
+
+
+def greedy(pp: int, m: int, limit: int, times: OpTimes = OpTimes()) -> dict[int, list[Action]]:
+    """One chunk per rank: each rank, when free, runs I if its gradient has arrived, else F
+    if its activation has arrived and fewer than `limit` micro-batches are alive, else its
+    oldest pending W, else waits for the first message. Decisions are committed in global
+    time order, so a rank decides knowing every message that has arrived by then."""
+    free = [0.0] * pp
+    lists = {r: [] for r in range(pp)}
+    f_next, i_next, alive = [0] * pp, [0] * pp, [0] * pp
+    pending: list[deque] = [deque() for _ in range(pp)]
+    act_at = {(0, j): 0.0 for j in range(m)}  # (rank, mb) -> when its input is there
+    grad_at: dict = {}  # (rank, mb) -> when the gradient of its output is there
+    left = 3 * pp * m
+    while left:
+        best = None
+        for r in range(pp):
+            options = []
+            if i_next[r] < f_next[r] and (r, i_next[r]) in grad_at:
+                options.append((max(free[r], grad_at[r, i_next[r]]), 0, Op.I))
+            if f_next[r] < m and alive[r] < limit and (r, f_next[r]) in act_at:
+                options.append((max(free[r], act_at[r, f_next[r]]), 1, Op.F))
+            if pending[r]:
+                options.append((free[r], 2, Op.W))
+            now = [o for o in options if o[0] <= free[r]]
+            pick = min(now or options, key=lambda o: (o[1], o[0]) if now else (o[0], o[1]), default=None)
+            if pick is not None and (best is None or (pick[0], r) < (best[0][0], best[1])):
+                best = (pick, r)
+        (start, _, op), r = best
+        if op is Op.F:
+            j = f_next[r]
+            f_next[r] += 1
+            alive[r] += 1
+            end = start + times.F
+            if r + 1 < pp:
+                act_at[r + 1, j] = end
+            else:
+                grad_at[r, j] = end  # the last stage starts its backward from its loss
+        elif op is Op.I:
+            j = i_next[r]
+            i_next[r] += 1
+            pending[r].append(j)
+            end = start + times.I
+            if r > 0:
+                grad_at[r - 1, j] = end
+        else:
+            j = pending[r].popleft()
+            alive[r] -= 1
+            end = start + times.W
+        lists[r].append(Action(op, j))
+        free[r] = end
+        left -= 1
+    return lists
+
+
+def zbh2(pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
+    return greedy(pp, m, 2 * pp - 1)
+
+
+def simulated(generate, placement: str = "loop"):
+    """An analytic bubble from the schedule's own dependency graph and the given op times
+    (no communication cost): for schedules without a closed form."""
+    def bubble(p: int, m: int, v: int = 1, times: OpTimes = OpTimes(), steps: int = 1) -> float:
+        from ..simulate import simulated_bubble  # simulate imports this package's base
+        return simulated_bubble(generate(p, m, v, steps), StageMap(p, v, placement), times) if p > 1 else 0.0
+    return bubble
+
+
+def flushed_idle(p: int, t: OpTimes, w_per_fill: int) -> float:
+    """Idle time per rank: the paper's Table 2, (p-1)(T_F + T_I - k T_W) with k = 1 (ZB-H1)
+    or 2 (ZB-H2), floored by (p-1) T_F: in a flushing step the last rank cannot start
+    before p-1 forwards, and the paper goes below that only by starting the next
+    iteration before the optimizer step (its post-validation), which a flush forbids."""
+    return (p - 1) * max(t.F + t.I - w_per_fill * t.W, t.F)
+
+
+def _closed_form(w_per_fill: int, min_m, generate):
+    """The closed form where it equals the schedule's dependency graph (m >= min_m(p),
+    tests/test_schedules.py), the graph itself below that."""
+    graph = simulated(generate)
+
+    def bubble(p: int, m: int, v: int = 1, times: OpTimes = OpTimes(), steps: int = 1) -> float:
+        if p == 1:
+            return 0.0
+        if m < min_m(p):
+            return graph(p, m, v, times, steps)
+        idle = flushed_idle(p, times, w_per_fill)
+        return idle / (m * (times.F + times.I + times.W) + idle)
+    return bubble
+
+
+register(Schedule(
+    name="zbh1", generate=zbh1, ops=frozenset({Op.F, Op.I, Op.W}),
+    doc="ZB-H1: 1F1B's memory, W fills the cool-down; idle (p-1)(T_F+T_I-T_W)",
+    bubble=_closed_form(1, lambda p: p, zbh1), memory_bound=lambda pp, m, v, r: min(pp, m)))
+register(Schedule(
+    name="zbh2", generate=zbh2, ops=frozenset({Op.F, Op.I, Op.W}),
+    doc="ZB-H2: 2p-1 micro-batches alive, W fills warm-up and cool-down; idle (p-1)(T_F+T_I-2T_W)",
+    bubble=_closed_form(2, lambda p: 2 * p - 1, zbh2), memory_bound=lambda pp, m, v, r: min(2 * pp - 1, m)))
