@@ -15,6 +15,9 @@ step runs, so a slow step shows its time growing; the gathered rows print as lin
 stay. Not interactive (a file, a pipe, a scheduler's log): one line per gather, plus a
 `still in step k` line when a step has run `heartbeat_s` without any line, so a log never
 falls silent for minutes. Progress lines are never written to metrics.jsonl.
+
+Every duration is read from `now` (time.monotonic: a wall-clock jump does not move elapsed
+or ETA); tests pass a fake clock so the printed times do not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 RUN_LOG = "run.log"
 
@@ -38,26 +41,29 @@ def clock(seconds: float) -> str:
 
 class Progress:
     def __init__(self, total_steps: int, first_step: int, job_dir: Optional[str], stream: Optional[TextIO] = None,
-                 interactive: Optional[bool] = None, refresh_s: float = 2.0, heartbeat_s: float = 60.0):
-        """`first_step`: the first step this process runs (1, or k + 1 after resuming step_k)."""
-        self.total, self.first = total_steps, first_step
+                 interactive: Optional[bool] = None, refresh_s: float = 2.0, heartbeat_s: float = 60.0,
+                 now: Callable[[], float] = time.monotonic):
+        """`first_step`: the first step this process runs (1, or k + 1 after resuming step_k).
+        `now`: the clock every duration is read from (seconds; only differences matter)."""
+        self.total, self.first, self.now = total_steps, first_step, now
         self.stream = stream or sys.stdout
         self.interactive = self.stream.isatty() if interactive is None else interactive
         self.refresh_s, self.heartbeat_s = refresh_s, heartbeat_s
         self.log = open(os.path.join(job_dir, RUN_LOG), "a", buffering=1) if job_dir else None
         self.lock = threading.Lock()
         self.current: Optional[int] = None  # the step running now
-        self.step_start = self.t0 = 0.0
+        self.step_start = 0.0
+        self.t0: Optional[float] = None  # when the first step started
         self.durations: list[float] = []
         self.last_row: Optional[dict] = None
-        self.last_line_at = time.time()
+        self.last_line_at = self.now()
         self.drawn = False  # an interactive status line is on screen
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._tick, name="progress", daemon=True)
 
     # -- events from the training loop ---------------------------------------------------
     def step_started(self, k: int) -> None:
-        now = time.time()
+        now = self.now()
         with self.lock:
             if not self.durations and self.current is None:
                 self.t0 = now
@@ -92,7 +98,7 @@ class Progress:
 
     # -- numbers -------------------------------------------------------------------------
     def _elapsed(self) -> float:
-        return time.time() - self.t0 if self.t0 else 0.0
+        return self.now() - self.t0 if self.t0 is not None else 0.0
 
     def _eta(self, done: int, running: float = 0.0) -> str:
         """Steps left after `done` at the mean step time, less what the running step has had."""
@@ -104,7 +110,7 @@ class Progress:
     def status(self) -> str:
         """The live line: the running step, how long it has run, the last gathered numbers."""
         k = self.current
-        running = time.time() - self.step_start
+        running = self.now() - self.step_start
         last = self.last_row
         known = (f" | loss {last['loss']:.4f} | {last['tokens_per_s']:,.0f} tok/s (step {last['step']})"
                  if last else "")
@@ -118,7 +124,7 @@ class Progress:
         print(text, file=self.stream, flush=True)
         if self.log is not None:
             self.log.write(text + "\n")
-        self.last_line_at = time.time()
+        self.last_line_at = self.now()
 
     def _clear(self) -> None:
         if self.drawn:
@@ -136,7 +142,7 @@ class Progress:
                     self.stream.write("\r\x1b[2K" + self.status())
                     self.stream.flush()
                     self.drawn = True
-                elif time.time() - self.last_line_at >= self.heartbeat_s:
+                elif self.now() - self.last_line_at >= self.heartbeat_s:
                     self._line("still in " + self.status())
 
 

@@ -1,7 +1,11 @@
 """PipeDream 1F1B and 2BW match, step by step, a single-process run of their update rule
-(framework/parallel/pipeline/reference.py), hold the weight versions they should, and learn.
+(framework/parallel/pipeline/reference.py), hold the weight versions they should, and learn;
+a resumed 1f1b run equals a fresh asynchronous run from its checkpoint.
 
-Both sides run in fp64 and agree to rtol 1e-9 (per-step losses and final parameters;
+The reference derives its weight versions from the papers' definitions (a simulated 1F1B
+pipeline; 2BW's double buffer), not from the registry's `version_of` that the executor
+runs: the two derivations are compared over a grid here, in-process. Both sides of the
+end-to-end tests run in fp64 and agree to rtol 1e-9 (per-step losses and final parameters;
 tolerances in conftest.py). The reference has no global gradient norm to compare: each of
 its stages clips by its own.
 """
@@ -10,9 +14,39 @@ import pytest
 import torch
 
 from framework.job import run_info
+from framework.launch import RankFailure
+from framework.parallel.pipeline.reference import derived_versions, double_buffer_versions, pipedream_versions
 from framework.parallel.pipeline.reference import run_async_reference
+from framework.parallel.pipeline.schedules import get, names
 
 from .conftest import FP64, FP64_TOL, TINY, compose, final_params, read_metrics, run_local
+
+
+def test_the_references_weight_versions_equal_the_executors_rule():
+    """Two independent derivations of which weight version micro-batch j runs on, stage by
+    stage: the reference's (simulated pipeline, double buffer) and the registry's closed
+    form `version_of`, for every asynchronous schedule over a grid of p, m and steps."""
+    rules = {n: get(n) for n in names() if not get(n).flushes}
+    assert {s.asynchronous.updates_per_step(4) for s in rules.values()} == {1, 4}  # both cadences are covered
+    checked = 0
+    for name, sched in rules.items():
+        rule = sched.asynchronous
+        for p in range(2, 7):
+            for m in range(1, 10):
+                if sched.why_not(p, m, 1) is not None:
+                    continue
+                for steps in (1, 2, 3):
+                    want = [[rule.version_of(j, s, p, m) for j in range(m * steps)] for s in range(p)]
+                    assert derived_versions(rule.updates_per_step(m), p, m, steps) == want, (name, p, m, steps)
+                    checked += 1
+    assert checked > 150
+    # the two definitions are not one table twice: at p = 4, m = 4 they differ on every stage
+    per_mb, per_step = pipedream_versions(4, 8), double_buffer_versions(4, 4, 2)
+    assert all(a != b for a, b in zip(per_mb, per_step, strict=True))
+    # stage s's forwards run p - s - 1 updates behind (PipeDream's figure: p = 4, stage 0
+    # runs micro-batch 4 on the weights after micro-batch 0's update)
+    assert per_mb[0][:6] == [0, 0, 0, 0, 1, 2] and per_mb[3][:6] == [0, 1, 2, 3, 4, 5]
+    assert per_step[0] == [0] * 4 + [0] * 4 and double_buffer_versions(4, 4, 3)[2][8:] == [1] * 4
 
 CASES = {"1f1b_pp2": ["parallelism=pp2", "schedule=1f1b", "schedule.microbatches=3"],
          # NCCL's return shape on gloo (one merged Work per batch, in-order matching)
@@ -90,3 +124,41 @@ def test_1f1b_is_not_gradient_accumulation(tmp_path, data_cache):
     # the two differ by far less (observed 8 KiB of 530 KiB, from the functional_call path).
     gap = abs(sa["ranks"][1]["activation_peak_bytes"] - ss["ranks"][1]["activation_peak_bytes"])
     assert gap < 0.25 * sa["ranks"][1]["weight_version_bytes"]
+
+
+def test_a_resumed_1f1b_run_equals_a_fresh_asynchronous_run_from_its_checkpoint(tmp_path, data_cache):
+    """docs/checkpoints.md: a never-flushed run resumed from step_k refills its pipeline
+    from the checkpoint's weights and optimizer states, so steps k+1.. equal a fresh
+    asynchronous run started from that checkpoint, not the uninterrupted run. The fresh run
+    is the reference started from the checkpoint (`start`: it reads the DCP files itself, in
+    one process, and fills its own pipeline); fp64, FP64_TOL, losses step by step and the
+    final parameters. (A trainer run with model.pretrained would not do: it starts with
+    fresh optimizer states and the lr and data of step 1.)"""
+    args = [*_args(data_cache, "1f1b_pp2"), FP64, "trainer.checkpoint_interval=2"]
+    job = tmp_path / "job"
+    with pytest.raises(RankFailure):  # rank 1 fails at the start of step 3, after step_2 was saved
+        run_local(job, *args, "debug.fail_rank=1", "debug.fail_step=3")
+    checkpoint = job / "checkpoints" / "step_2"
+    summary = run_local(job, *args, "trainer.resume=auto")
+    assert summary["resumed_from"] == str(checkpoint) and summary["first_step"] == 3
+    rows = read_metrics(job)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+
+    run = compose(*args)
+    info = run_info(run, "cpu")
+    fresh_losses, fresh_params = run_async_reference(run, info.vocab_size, info.tokens_path, start=str(checkpoint))
+    assert len(fresh_losses) == 2
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in rows[2:]], dtype=torch.float64),
+                               torch.tensor(fresh_losses, dtype=torch.float64), **FP64_TOL)
+    params = final_params(job)
+    assert params.keys() == fresh_params.keys()
+    for name, ref in fresh_params.items():
+        assert ref.dtype == params[name].dtype == torch.float64, name
+        torch.testing.assert_close(params[name], ref, **FP64_TOL, msg=name)
+
+    # the saving run was the plain asynchronous run, and the refill is a real difference:
+    # the uninterrupted run's steps 3 and 4 differ from the continued run's
+    whole_losses, _ = run_async_reference(run, info.vocab_size, info.tokens_path)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in rows[:2]], dtype=torch.float64),
+                               torch.tensor(whole_losses[:2], dtype=torch.float64), **FP64_TOL)
+    assert all(abs(a - b) > 1e-6 for a, b in zip(whole_losses[2:], fresh_losses, strict=True)), whole_losses

@@ -1,6 +1,10 @@
 """The logging rank's live progress line (framework/progress.py), without a run: the line is
 redrawn in place on a terminal, a heartbeat line keeps a log file alive during a slow step,
-ETA and elapsed follow the steps' times, and run.log gets the lines that stay."""
+ETA and elapsed follow the steps' times, and run.log gets the lines that stay.
+
+The printed times come from a fake clock (Progress's `now`), moved by hand: the exact
+strings do not depend on how loaded the machine is. Only the redraw thread's period is real
+time, and the tests wait (up to 5 s) for the line they expect rather than for a duration."""
 
 from __future__ import annotations
 
@@ -10,6 +14,19 @@ import time
 from framework.progress import RUN_LOG, Progress, clock
 
 ROW = {"step": 1, "loss": 5.25, "tokens_per_s": 12345.0}
+
+
+class FakeClock:
+    """Seconds that move only when a test says so."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
 
 
 class Terminal(io.StringIO):
@@ -29,32 +46,39 @@ def test_clock_reads_like_a_duration():
 
 
 def test_on_a_terminal_a_slow_step_is_redrawn_in_place(tmp_path):
-    out = Terminal()
-    p = Progress(10, 1, str(tmp_path), stream=out, refresh_s=0.05)
+    out, now = Terminal(), FakeClock()
+    p = Progress(10, 1, str(tmp_path), stream=out, refresh_s=0.05, now=now)
     assert p.interactive
     p.step_started(1)
+    now.advance(3.0)
     _wait_for(lambda: out.getvalue().count("\r\x1b[2K") >= 2)  # redrawn while step 1 still runs
-    assert "step    1/10 running 0:00 | elapsed 0:00 | ETA n/a" in out.getvalue()
+    _wait_for(lambda: "\r\x1b[2Kstep    1/10 running 0:03 | elapsed 0:03 | ETA n/a" in out.getvalue())
+    now.advance(1.0)
     p.step_done(4.0)
     p.gathered(ROW, "step    1/10 | loss 5.2500")
     p.step_started(2)
-    _wait_for(lambda: "(step 1)" in out.getvalue())  # the live line now carries the gathered numbers
-    assert "loss 5.2500 | 12,345 tok/s (step 1)" in out.getvalue() and "ETA 0:36" in out.getvalue()  # 9 x 4 s - 0
+    now.advance(1.0)
+    # the live line carries the gathered numbers; ETA = 9 steps x 4 s, less the 1 s step 2 has run
+    _wait_for(lambda: ("step    2/10 running 0:01 | loss 5.2500 | 12,345 tok/s (step 1) | elapsed 0:05 | ETA 0:35"
+                       in out.getvalue()))
     p.close()
     log = (tmp_path / RUN_LOG).read_text()
-    assert log == "step    1/10 | loss 5.2500 | elapsed 0:00 | ETA 0:36\n"  # only the lines that stay
+    assert log == "step    1/10 | loss 5.2500 | elapsed 0:04 | ETA 0:36\n"  # only the lines that stay
 
 
 def test_in_a_log_file_a_slow_step_prints_a_heartbeat(tmp_path):
-    out = io.StringIO()
-    p = Progress(3, 1, str(tmp_path), stream=out, refresh_s=0.05, heartbeat_s=0.2)
+    out, now = io.StringIO(), FakeClock()
+    p = Progress(3, 1, str(tmp_path), stream=out, refresh_s=0.05, heartbeat_s=30.0, now=now)
     assert not p.interactive
     p.step_started(1)
-    _wait_for(lambda: "still in step    1/3 running" in out.getvalue())
+    now.advance(30.0)  # heartbeat_s without any line
+    heartbeat = "still in step    1/3 running 0:30 | elapsed 0:30 | ETA n/a"
+    _wait_for(lambda: heartbeat in out.getvalue())
     p.step_done(1.0)
     p.close()
     assert "\r" not in out.getvalue()  # no cursor tricks in a file
-    assert "still in step    1/3 running" in (tmp_path / RUN_LOG).read_text()
+    assert out.getvalue().count("still in") == 1  # the clock stood still after it: no second heartbeat
+    assert (tmp_path / RUN_LOG).read_text() == heartbeat + "\n"
 
 
 def test_eta_leaves_out_the_first_step_once_there_are_others(tmp_path):

@@ -74,7 +74,8 @@ def pipedream_versions(p: int, n: int, every: int = 1) -> list[list[int]]:
                     applied[s] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"1F1B with p={p}, n={n} deadlocks at forwards {fwd}, backwards {bwd}")
+            raise RuntimeError(f"the pipeline of p={p} stages over n={n} micro-batches deadlocks at forwards "
+                               f"{fwd}, backwards {bwd}")
     return seen
 
 
@@ -90,8 +91,9 @@ def double_buffer_versions(p: int, m: int, steps: int) -> list[list[int]]:
     for s in range(p):
         for j, v in enumerate(out):
             if not held[s][j] - 1 <= v <= held[s][j]:
-                raise ValueError(f"2BW with p={p}, m={m}: stage {s}'s forward of micro-batch {j} needs W({v}), "
-                                 f"but it has applied {held[s][j]} updates (two buffers hold the newest two)")
+                raise ValueError(f"double buffering with p={p}, m={m}: stage {s}'s forward of micro-batch {j} "
+                                 f"needs W({v}), but it has applied {held[s][j]} updates (two buffers hold the "
+                                 "newest two)")
     return [list(out) for _ in range(p)]
 
 
@@ -122,7 +124,8 @@ def _load(path: str, full: SplitLM, stages: list[SplitLM], opts: list) -> int:
     with open(os.path.join(path, "meta.json")) as f:
         step = int(json.load(f)["step"])
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    want = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items() if k.startswith(("model/", "optim/"))}
+    want = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
+            if k.startswith(("model/", "optim/"))}
     with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(want, checkpoint_id=path, no_dist=True)
