@@ -73,9 +73,11 @@ class ParallelismConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "flush"  # gpipe | flush | interleaved | 1f1b | 2bw
-    microbatches: int = 1  # per step per dp rank; with pp = 1 these are accumulation steps
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved)
+    name: str = "flush"  # a name in the schedule registry (framework/parallel/pipeline/schedules/)
+    microbatches: Optional[int] = 1  # per step per dp rank; with pp = 1 accumulation steps (csv: null = the file's)
+    virtual_stages: Optional[int] = 1  # model chunks per pipeline rank (what the schedule accepts; csv: null = the file's)
+    csv: Optional[str] = None  # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)
+    modules: list = field(default_factory=list)  # Python files / modules that register more schedules
 
 
 @dataclass
@@ -186,7 +188,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         value = getattr(e, "value", None)
         reason = str(e).splitlines()[0]  # OmegaConf appends full_key / object_type lines
         raise ConfigError(key, value, f"does not fit the schema ({reason})",
-                          "see the README's config table for the keys and their types") from None
+                          "see docs/configuration.md for the keys and their types") from None
     assert isinstance(run, RunConfig)
     derive_layout(run)
     return run
@@ -200,6 +202,7 @@ def derive_layout(run: RunConfig) -> None:
     framework.validate to name."""
     p, t, s = run.parallelism, run.trainer, run.schedule
     _clamp_skip_first(run)
+    _sizes_from_csv(s)
     if p.dp is None:
         if p.world_size is None or p.tp < 1 or p.pp < 1 or p.world_size % (p.tp * p.pp):
             raise ConfigError("parallelism.dp", None, f"null derives dp = world_size / (tp * pp), but world_size = "
@@ -220,6 +223,21 @@ def derive_layout(run: RunConfig) -> None:
     else:
         s.microbatches = _share(g, t.micro_batch_size, p.dp, "micro_batch_size", "schedule.microbatches",
                                 "change trainer.micro_batch_size")
+
+
+def _sizes_from_csv(s: ScheduleConfig) -> None:
+    """schedule=csv: micro-batches and chunks left null are the file's (a file that cannot be
+    read is left for framework.validate to name)."""
+    if s.name != "csv" or not s.csv or (s.microbatches is not None and s.virtual_stages is not None):
+        return
+    from .parallel.pipeline.schedules import csv_schedule
+
+    try:
+        extra = csv_schedule(s.csv)[0].extra
+    except (OSError, ValueError):
+        return
+    s.microbatches = extra["microbatches"] if s.microbatches is None else s.microbatches
+    s.virtual_stages = extra["virtual_stages"] if s.virtual_stages is None else s.virtual_stages
 
 
 def _clamp_skip_first(run: RunConfig) -> None:

@@ -294,14 +294,11 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
             f"<body>{''.join(parts)}</body></html>")
 
 
-def write_dashboard(sweep: Path, rows: list[dict], notes: Optional[list[str]] = None) -> Path:
+def write_dashboard(sweep: Path, rows: list[dict], notes: list[str]) -> Path:
     """Write <sweep>/report.html (atomically: a half-written page never looks like a report).
-    `notes`: the lines above the table; None = the report's headline (its warnings, the best job)."""
+    `notes`: the lines above the table (framework.report's headline: its warnings, the best job)."""
     from .files import write_atomic
-    from .report import headline
 
     path = Path(sweep) / PAGE
-    if notes is None:
-        notes = headline(Path(sweep), rows)
     write_atomic(str(path), render(Path(sweep), rows, list(notes)))
     return path

@@ -27,6 +27,7 @@ from .files import write_report
 from .launch import RankFailure, launch_local
 from .logging import RunInfo
 from .metrics.bubble import analytic_bubble
+from .parallel.pipeline.schedules import resolve
 from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, with_pretrained_sizes
@@ -73,7 +74,7 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
     fpt = flops_per_token(matmul_params(model), c.num_hidden_layers, c.hidden_size, run.data.seq_len)
     peak, source = _peak(run, device_type)
     s = run.schedule
-    bubble = analytic_bubble(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
+    bubble = analytic_bubble(resolve(s), run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
     if resume is not None:
         checkpoint.check_compatible(run, resume, vocab)
     if job_dir:

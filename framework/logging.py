@@ -37,15 +37,19 @@ from .config import RunConfig
 from .files import write_atomic
 from .metrics.bubble import analytic_bubble, measured_op_times
 from .metrics.flops import mfu
-from .parallel.pipeline.schedules import get as get_schedule
+from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import render_timeline, write_trace
 from .progress import Progress
 from .records import StepRecord
 from .topology import ParallelContext
-from .wandb_sink import init_run, wandb_mode  # wandb_mode also stays importable from here
+from .wandb_sink import (declare_metrics, init_run, layout_keys, wandb_config,  # noqa: F401 (wandb_mode: also imported from here)
+                         wandb_mode, wandb_row)
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
+# W&B's own summary of a metric defaults to its last value; summary.json's medians (after
+# warm-up) and last loss are written by finish() instead, so W&B computes none for these.
+SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
 
 
 @dataclass
@@ -99,7 +103,7 @@ class RunLogger:
                        name=lg.run_name, config=wandb_config(self.run), reinit="finish_previous")
         if run is None:
             return None
-        declare_metrics(run)
+        declare_metrics(run, SUMMARY_FROM_FINISH)
         return run
 
     def _merge(self, per_rank: list[StepRecord]) -> dict:
@@ -142,7 +146,7 @@ class RunLogger:
         if times is None:
             return self.info.bubble_fraction_analytic
         s = self.run.schedule
-        return analytic_bubble(s.name, self.run.parallelism.pp, s.microbatches, s.virtual_stages,
+        return analytic_bubble(resolve(s), self.run.parallelism.pp, s.microbatches, s.virtual_stages,
                                self.run.trainer.steps, times)
 
     def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
@@ -171,7 +175,7 @@ class RunLogger:
                 self.busy_window.append([(r.busy_s, r.window_s) for r in per_rank])
             self.jsonl.write(json.dumps(rec) + "\n")
             if self.wandb is not None:
-                self.wandb.log(_wandb_row(rec), step=rec["step"])
+                self.wandb.log(wandb_row(rec), step=rec["step"])
         self.jsonl.flush()
         self._print(self.records[-1])
 
@@ -220,7 +224,7 @@ class RunLogger:
         med = {k: _median([r[k] for r in measured]) for k in MEDIAN_KEYS}
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
-        if not get_schedule(self.run.schedule.name).flushes and self.busy_window:
+        if not resolve(self.run.schedule).flushes and self.busy_window:
             per_rank = [1 - sum(s[i][0] for s in self.busy_window) / sum(s[i][1] for s in self.busy_window)
                         for i in range(n_ranks)]  # whole run: fill and drain are the async bubble
             med["bubble_fraction"], med["bubble_fraction_max"] = sum(per_rank) / n_ranks, max(per_rank)
@@ -295,50 +299,6 @@ class RunLogger:
             self.wandb.finish(exit_code=0 if self.completed else 1)
 
 
-def layout_keys(run: RunConfig) -> dict:
-    """The layout as flat keys: what W&B's filters, grouping and parallel-coordinates views
-    (and framework.report) compare runs by, with no nesting to dig through."""
-    p, s, t = run.parallelism, run.schedule, run.trainer
-    return {
-        "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
-        "virtual_stages": s.virtual_stages, "world_size": run.world_size, "micro_batch_size": t.micro_batch_size,
-        "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step, "seq_len": run.data.seq_len,
-        "sequence_parallel": p.sequence_parallel and p.tp > 1, "offload_optimizer": p.offload_optimizer,
-        "activation_checkpointing": t.activation_checkpointing, "precision": t.precision,
-        "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
-        "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-z{p.zero}-{s.name}-m{s.microbatches}"
-                  + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else ""),
-    }
-
-
-def wandb_config(run: RunConfig) -> dict:
-    """The flat layout keys, then every config group nested under its name (`parallelism`,
-    `trainer`, ...) for the rest. `schedule` is the flat schedule name: the schedule group's
-    three keys are all flat (schedule, microbatches, virtual_stages)."""
-    nested = {k: v for k, v in asdict(run).items() if k != "schedule"}
-    return {**layout_keys(run), **nested}
-
-
-# W&B's own summary of a metric defaults to its last value; summary.json's medians (after
-# warm-up) and last loss are written by finish() instead, so W&B computes none for these.
-SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
-
-
-def declare_metrics(run) -> None:
-    """Every logged metric is plotted against `step` (1-based, the framework's numbering),
-    and the summary is summary.json's, not W&B's last value."""
-    run.define_metric("step", hidden=True)
-    run.define_metric("*", step_metric="step")
-    for key in SUMMARY_FROM_FINISH:
-        run.define_metric(key, step_metric="step", summary="none")
-
-
 def _median(values: list) -> Optional[float]:
     """None when the metric is undefined for the run (tflops / mfu under fp64)."""
     return None if None in values else statistics.median(values)
-
-
-def _wandb_row(rec: dict) -> dict:
-    row = {k: v for k, v in rec.items() if not k.startswith("rank_") and v is not None}  # fp64: no mfu
-    row.update({f"bubble_fraction/rank{i}": b for i, b in enumerate(rec["rank_bubble_fraction"])})
-    return row

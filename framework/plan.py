@@ -20,7 +20,7 @@ from .metrics.bubble import analytic_bubble
 from .models import ARCHS
 from .metrics.memory import optimizer_state_ratio, zero_model_states
 from .parallel.tensor_parallel import shard_numels
-from .parallel.pipeline.schedules import build_schedule, get as get_schedule
+from .parallel.pipeline.schedules import resolve
 from .parallel.pipeline.simulate import grid
 from .topology import ParallelDims
 
@@ -43,7 +43,7 @@ def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> lis
     if tied:  # lm_head shares the embedding weight: parameters() of head already counted it
         head -= out_w
     stages = []
-    smap = get_schedule(run.schedule.name).stage_map(run.parallelism.pp, run.schedule.virtual_stages)
+    smap = resolve(run.schedule).stage_map(run.parallelism.pp, run.schedule.virtual_stages)
     for s, r in enumerate(ranges):
         first, last = s == 0, s == len(ranges) - 1
         n = sum(count(split.blocks[i].parameters()) for i in r) + (emb if first else 0)
@@ -85,15 +85,16 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
         bf16 = sum(zero_model_states(p.zero, n, p.dp, ratio, bf16=True).values())
         memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})
-    lists = build_schedule(s.name, p.pp, s.microbatches, s.virtual_stages, steps=2)
-    smap = get_schedule(s.name).stage_map(p.pp, s.virtual_stages)
+    sched = resolve(s)
+    lists = sched.generate(p.pp, s.microbatches, s.virtual_stages, 2)
+    smap = sched.stage_map(p.pp, s.virtual_stages)
     schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
     return {
         "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp}, "zero": p.zero,
         "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp")}, "layout": draw_layout(dims),
         "stages": stages, "schedule": {"name": s.name, "microbatches": s.microbatches,
                                        "virtual_stages": s.virtual_stages},
-        "bubble_fraction_analytic": analytic_bubble(s.name, p.pp, s.microbatches, s.virtual_stages,
+        "bubble_fraction_analytic": analytic_bubble(sched, p.pp, s.microbatches, s.virtual_stages,
                                                     run.trainer.steps),
         "schedule_grid": schedule_grid,
         "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step,

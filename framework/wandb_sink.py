@@ -24,8 +24,12 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 from urllib.parse import urlsplit
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"
@@ -138,3 +142,43 @@ def init_run(mode: str, run_dir: str, *, probe_timeout_s: float = PROBE_TIMEOUT_
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def layout_keys(run: RunConfig) -> dict:
+    """The layout as flat keys: what W&B's filters, grouping and parallel-coordinates views
+    (and framework.report) compare runs by, with no nesting to dig through."""
+    p, s, t = run.parallelism, run.schedule, run.trainer
+    return {
+        "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
+        "virtual_stages": s.virtual_stages, "world_size": run.world_size, "micro_batch_size": t.micro_batch_size,
+        "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step, "seq_len": run.data.seq_len,
+        "sequence_parallel": p.sequence_parallel and p.tp > 1, "offload_optimizer": p.offload_optimizer,
+        "activation_checkpointing": t.activation_checkpointing, "precision": t.precision,
+        "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
+        "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-z{p.zero}-{s.name}-m{s.microbatches}"
+                  + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else ""),
+    }
+
+
+def wandb_config(run: RunConfig) -> dict:
+    """The flat layout keys, then every config group nested under its name (`parallelism`,
+    `trainer`, ...) for the rest. `schedule` is the flat schedule name: the schedule group's
+    three keys are all flat (schedule, microbatches, virtual_stages)."""
+    nested = {k: v for k, v in asdict(run).items() if k != "schedule"}
+    return {**layout_keys(run), **nested}
+
+
+def declare_metrics(run, summary_keys: tuple) -> None:
+    """Every logged metric is plotted against `step` (1-based, the framework's numbering),
+    and the summary of `summary_keys` is summary.json's (medians after warm-up, the last
+    loss: written at the end), not W&B's default last value."""
+    run.define_metric("step", hidden=True)
+    run.define_metric("*", step_metric="step")
+    for key in summary_keys:
+        run.define_metric(key, step_metric="step", summary="none")
+
+
+def wandb_row(rec: dict) -> dict:
+    row = {k: v for k, v in rec.items() if not k.startswith("rank_") and v is not None}  # fp64: no mfu
+    row.update({f"bubble_fraction/rank{i}": b for i, b in enumerate(rec["rank_bubble_fraction"])})
+    return row

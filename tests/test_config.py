@@ -24,7 +24,8 @@ GROUPS = {
     "data": ["pycode", "synthetic", "hf"],
     "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2",
                     "zero1", "zero2", "zero3", "3d_zero1"],
-    "schedule": ["flush", "gpipe", "interleaved", "1f1b", "2bw", "zbh1", "zbh2", "interleaved-zb", "zbv", "dualpipev"],
+    "schedule": ["flush", "gpipe", "interleaved", "1f1b", "2bw", "zbh1", "zbh2", "interleaved-zb", "zbv", "dualpipev",
+                 "csv"],
     "optimizer": ["adamw", "sgd"],
     "logger": ["wandb", "none"],
     "experiment": ["smoke", "gpt2_squad", "dp_scaling"],
@@ -39,12 +40,17 @@ def test_conf_folder_matches_the_groups_under_test():
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_option_composes_and_validates(group, option, monkeypatch):
+def test_every_option_composes_and_validates(group, option, monkeypatch, tmp_path):
     # data=hf names hub files (the gpt2 tokenizer): resolving them needs the network or the
     # HF cache, which this test of composition must not; test_unresolvable_hub_name_* covers it.
     monkeypatch.setattr("framework.validate.paths._hub_name", lambda *args: None)
     # 1f1b / 2bw cannot keep gpt2-tiny's tied embedding, and their presets leave the model alone
     untie = ["model.tie_embeddings=false"] if group == "schedule" and option in ("1f1b", "2bw") else []
+    if option == "csv":  # the schedule from a file: one the framework dumps
+        from framework.parallel.pipeline.schedules import build_schedule, dump_csv, get
+
+        dump_csv(build_schedule("zbh1", 2, 4), get("zbh1").stage_map(2, 1), str(tmp_path / "s.csv"))
+        untie = [f"schedule.csv={tmp_path / 's.csv'}"]
     run = compose(f"{group}={option}", *untie)
     validate(run)
     if group == "parallelism":

@@ -92,7 +92,7 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
 
 def test_the_dashboard_shows_the_report_s_model_warnings(tmp_path):
     """Jobs that train different models: report.md and report.html carry the report's
-    warnings above the table (also when the page is written without notes), and the table
+    warnings above the table (as `python -m framework.report` writes them), and the table
     gives each job's parameter count. No browser needed: the notes are plain HTML."""
     sweep = fake_sweep(tmp_path, {"0": (["schedule=flush"], 100_000),
                                   "1": (["schedule=1f1b", "model.tie_embeddings=false"], 108_192)})
@@ -109,5 +109,5 @@ def test_the_dashboard_shows_the_report_s_model_warnings(tmp_path):
     assert report_main([str(sweep)]) == 0
     assert (sweep / "report.md").read_text().startswith(f"{warnings[0]}\n\n{warnings[1]}\n\n")
     check_page()
-    write_dashboard(sweep, collect(sweep))  # no notes given: the report's headline
+    write_dashboard(sweep, collect(sweep), headline(sweep, collect(sweep)))  # the page alone, as report writes it
     check_page()

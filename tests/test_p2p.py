@@ -233,11 +233,11 @@ def test_the_configured_schedule_is_proved_before_launch(monkeypatch):
 
     asked = []
 
-    def failing(name, pp, m, v=1, steps=1):
-        asked.append((name, pp, m, v))
+    def failing(sched, lists, pp, m, v=1, steps=1):
+        asked.append((sched.name, pp, m, v))
         raise ScheduleError("deadlock under NCCL's rules: {0: 'batch [...] never completes'}")
 
-    monkeypatch.setattr(chk, "check", failing)
+    monkeypatch.setattr(chk, "prove", failing)
     with pytest.raises(ConfigError, match="schedule.name='interleaved': fails the schedule checker at pp=2"):
         validate(compose("parallelism=pp2", "schedule=interleaved", "schedule.microbatches=6"))
     assert asked == [("interleaved", 2, 6, 2)]

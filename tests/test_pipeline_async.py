@@ -72,6 +72,16 @@ def _args(data_cache, case):
             *CASES[case]]
 
 
+def _assert_equal(rows: list[dict], params: dict, ref_losses: list[float], ref_params: dict) -> None:
+    """A pipelined fp64 run against the reference: every step's loss and every final parameter."""
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in rows], dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), **FP64_TOL)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        assert ref.dtype == params[name].dtype == torch.float64, name
+        torch.testing.assert_close(params[name], ref, **FP64_TOL, msg=name)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_async_pipeline_matches_its_update_rule(case, tmp_path, data_cache):
     args = [*_args(data_cache, case), FP64]
@@ -79,13 +89,7 @@ def test_async_pipeline_matches_its_update_rule(case, tmp_path, data_cache):
     run = compose(*args)
     info = run_info(run, "cpu")
     ref_losses, ref_params = run_async_reference(run, info.vocab_size, info.tokens_path)
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in read_metrics(tmp_path)], dtype=torch.float64),
-                               torch.tensor(ref_losses, dtype=torch.float64), **FP64_TOL)
-    params = final_params(tmp_path)
-    assert params.keys() == ref_params.keys()
-    for name, ref in ref_params.items():
-        assert ref.dtype == params[name].dtype == torch.float64, name
-        torch.testing.assert_close(params[name], ref, **FP64_TOL, msg=name)
+    _assert_equal(read_metrics(tmp_path), final_params(tmp_path), ref_losses, ref_params)
     # the rule is not the synchronous one: 1f1b must differ from plain accumulation
     stage_bytes = [r["params_bytes"] for r in summary["ranks"]]
     versions = [r["weight_version_bytes"] / b for r, b in zip(summary["ranks"], stage_bytes, strict=True)]
@@ -148,13 +152,8 @@ def test_a_resumed_1f1b_run_equals_a_fresh_asynchronous_run_from_its_checkpoint(
     info = run_info(run, "cpu")
     fresh_losses, fresh_params = run_async_reference(run, info.vocab_size, info.tokens_path, start=str(checkpoint))
     assert len(fresh_losses) == 2
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in rows[2:]], dtype=torch.float64),
-                               torch.tensor(fresh_losses, dtype=torch.float64), **FP64_TOL)
     params = final_params(job)
-    assert params.keys() == fresh_params.keys()
-    for name, ref in fresh_params.items():
-        assert ref.dtype == params[name].dtype == torch.float64, name
-        torch.testing.assert_close(params[name], ref, **FP64_TOL, msg=name)
+    _assert_equal(rows[2:], params, fresh_losses, fresh_params)
 
     # the saving run was the plain asynchronous run, and the refill is a real difference:
     # the uninterrupted run's steps 3 and 4 differ from the continued run's

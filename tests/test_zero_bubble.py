@@ -77,3 +77,28 @@ def test_zero_bubble_llama_reproduces_the_single_process(name, pp, m, tmp_path, 
 @pytest.fixture(scope="module")
 def llama_single(tmp_path_factory, data_cache):
     return _job(tmp_path_factory.mktemp("llama_single"), *_common(data_cache, *LLAMA), *SINGLE)
+
+
+def test_a_csv_torch_dumped_runs_and_equals_the_single_process(gpt2_single, tmp_path, data_cache):
+    """torch 2.13's ScheduleZBVZeroBubble written with `_dump_csv` (compute only) runs here as
+    `schedule=csv` and trains as the single process does (that it reads as our zbv's lists:
+    tests/test_csv_schedules.py)."""
+    import logging
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, 2, None, 4
+    path = tmp_path / "torch_zbv.csv"
+    logging.disable(logging.WARNING)
+    try:
+        ScheduleZBVZeroBubble([stage, stage], 4)._dump_csv(str(path), format="compute_only")
+    finally:
+        logging.disable(logging.NOTSET)
+    _, ref_metrics, ref_params = gpt2_single
+    summary, metrics, params = _job(tmp_path / "run", *_common(data_cache), "parallelism=pp2", "schedule=csv",
+                                    f"schedule.csv={path}")
+    assert (summary["schedule"], summary["microbatches"], summary["virtual_stages"]) == ("csv", 4, 2)
+    assert_same_training(metrics, params, ref_metrics, ref_params)

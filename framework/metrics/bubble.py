@@ -2,12 +2,11 @@
 
 Convention: bubble = idle / step time per pipeline rank. Each schedule declares its
 analytic bubble in the registry (framework/parallel/pipeline/schedules/) as a function of
-p, m, v and the op times T_F, T_I, T_W (T_B = T_I + T_W): gpipe and flush idle (p-1) of
-(m+p-1) units; interleaved (p-1)/(v·m+p-1) (Narayanan et al., 2021); the asynchronous
-ones, never flushed, (p-1)/(N+p-1) over the run's N micro-batches; zbh1 the paper's
-(p-1)(T_F+T_I-T_W) idle per rank; schedules without a closed form (zbh2, interleaved-zb,
-zbv, dualpipev) the idle share of their own dependency graph run with those op times and
-no communication cost (framework/parallel/pipeline/simulate.py). A run reports it for its
+p, m, v and the op times T_F, T_I, T_W (T_B = T_I + T_W): a closed form where one is known
+(GPipe and 1F1B: (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v·m+p-1); ZB-H1 / ZB-H2: the
+zero-bubble paper's idle time), else the idle share of the schedule's own dependency graph
+run with those op times and no communication cost (framework/parallel/pipeline/simulate.py);
+docs/schedules.md lists them. A run reports it for its
 own measured op times (`measured_op_times`: medians of the actions' compute). One stage
 has no pipeline, so no bubble.
 
@@ -34,28 +33,21 @@ action; the dp all-reduce, clipping and optimizer step after the flush.
 
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Optional
 
-from ..parallel.pipeline.schedules import OpTimes, get
-
-_ACTION = re.compile(r"^(\d*)([FBIWU])(\d+)$")
+from ..parallel.pipeline.schedules import Action, OpTimes, get
 
 
-def analytic_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1,
+def analytic_bubble(schedule, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1,
                     times: Optional[OpTimes] = None) -> float:
     """The schedule's declared idle share per rank (flushing schedules: per step; the
     asynchronous ones: over the whole run), for op times `times` (default: T_F = T_I = T_W,
     the papers' assumption; the classics' formulas hold for any times)."""
     if pp == 1:
         return 0.0
-    return get(schedule).bubble(pp, microbatches, virtual_stages, times or OpTimes(), steps)
-
-
-def op_of(action: str) -> str:
-    """`1I3` -> `I`."""
-    return _ACTION.match(action).group(2)
+    schedule = get(schedule) if isinstance(schedule, str) else schedule  # a name or a resolved Schedule
+    return schedule.bubble(pp, microbatches, virtual_stages, times or OpTimes(), steps)
 
 
 def measured_op_times(records) -> tuple[Optional[OpTimes], dict[str, float]]:
@@ -64,7 +56,7 @@ def measured_op_times(records) -> tuple[Optional[OpTimes], dict[str, float]]:
     split backward has only B, which stands in as T_I with T_W = 0 (T_B = T_I + T_W)."""
     by_op: dict[str, list[float]] = {}
     for name, _start, cstart, end in records:
-        by_op.setdefault(op_of(name), []).append(end - cstart)
+        by_op.setdefault(Action.parse(name).op.value, []).append(end - cstart)
     med = {op: statistics.median(v) for op, v in by_op.items() if op != "U"}
     if "F" not in med:
         return None, med

@@ -9,13 +9,10 @@ close as the hosts' time sync. A receive wait (start -> compute_start) is drawn 
 from __future__ import annotations
 
 import json
-import re
+
+from ..parallel.pipeline.schedules import Action
 
 Record = tuple[str, float, float, float]  # action, start, compute_start, end
-
-
-def _microbatch(action: str) -> int:
-    return int(re.search(r"[FBIWU](\d+)$", action).group(1))
 
 
 def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
@@ -30,9 +27,10 @@ def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
                 if cstart - start > 0:
                     events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": 0, "tid": rank,
                                    "ts": (start - t0) * 1e6, "dur": (cstart - start) * 1e6, "args": {"step": step}})
-                op = re.search(r"[FBIWU]", name).group(0)
+                action = Action.parse(name)
+                op = action.op.value
                 events.append({"name": name, "cat": op, "ph": "X", "pid": 0, "tid": rank, "ts": (cstart - t0) * 1e6,
-                               "dur": (end - cstart) * 1e6, "args": {"step": step, "microbatch": _microbatch(name)}})
+                               "dur": (end - cstart) * 1e6, "args": {"step": step, "microbatch": action.microbatch}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -54,7 +52,8 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str) -> None
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
     for rank, recs in enumerate(per_rank):
         for name, _start, cstart, end in recs:
-            mb, op = _microbatch(name), re.search(r"[FBIWU]", name).group(0)
+            action = Action.parse(name)
+            mb, op = action.microbatch, action.op.value
             color = "0.5" if op == "U" else cmap((2 * mb + (op in "FW")) % 20)
             x, w = (cstart - t0) * 1e3, (end - cstart) * 1e3
             ax.barh(rank, w, left=x, height=0.8, color=color, edgecolor="black", linewidth=0.4,

@@ -10,15 +10,15 @@ partition), `validate_prepared` on the tokenized data (vocabulary, enough sample
 
 from __future__ import annotations
 
-import re
 
 from ..config import ConfigError, DataConfig, RunConfig
-from ..parallel.pipeline.partition import PartitionError, uniform
-from ..parallel.pipeline.schedules import get as get_schedule, names as schedule_names
+from ..parallel.pipeline.partition import PartitionError
+from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .heldout import check_eval
 from .optimizer import check_optimizer
+from .schedule import check_schedule, flushing, load_schedule_modules
 from .paths import check_job_dir, check_model_type, check_paths, local_data_files, safetensors_problem
 
 __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
@@ -35,8 +35,8 @@ OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes",
 
 
 def validate(run: RunConfig) -> None:
-    for check in (_parallelism, _model, _schedule, _trainer, _data, check_eval, check_optimizer, check_logger, _misc,
-                  check_node_capacity, check_paths):
+    for check in (load_schedule_modules, _parallelism, _model, check_schedule, _trainer, _data, check_eval,
+                  check_optimizer, check_logger, _misc, check_node_capacity, check_paths):
         check(run)
 
 
@@ -63,12 +63,12 @@ def _zero(run: RunConfig) -> None:
                           "set parallelism.zero=1 (or 2, 3), or offload_optimizer=false")
     if p.zero == 0:
         return
-    if run.schedule.name in schedule_names() and not get_schedule(run.schedule.name).flushes:
+    if never_flushes(run.schedule):
         raise ConfigError("parallelism.zero", p.zero,
                           f"schedule={run.schedule.name} is asynchronous: each stage updates on its own with dp = 1, "
                           "so there is no dp group to shard over and no step-wide update to shard",
                           f"use parallelism.zero=0 with {run.schedule.name}, or a flushing schedule "
-                          f"({', '.join(_flushing())})")
+                          f"({', '.join(flushing())})")
     if p.zero >= 2 and p.pp > 1:
         raise ConfigError("parallelism.zero", p.zero,
                           "ZeRO-2/3 shard gradients, which a pipeline accumulates over its micro-batches: each "
@@ -94,81 +94,6 @@ def _tensor_parallel(run: RunConfig) -> None:
         raise ConfigError("data.seq_len", run.data.seq_len,
                           f"sequence parallelism splits the sequence over tp={p.tp}",
                           f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
-
-
-def _flushing() -> list[str]:
-    return [n for n in schedule_names() if get_schedule(n).flushes]
-
-
-def _schedule(run: RunConfig) -> None:
-    s, pp = run.schedule, run.parallelism.pp
-    choice("schedule.name", s.name, schedule_names())
-    positive("schedule.microbatches", s.microbatches)
-    positive("schedule.virtual_stages", s.virtual_stages)
-    sched = get_schedule(s.name)
-    bad = sched.why_not(pp, s.microbatches, s.virtual_stages)
-    if bad is not None:
-        value = {"schedule.name": s.name, "schedule.microbatches": s.microbatches,
-                 "schedule.virtual_stages": s.virtual_stages}[bad.key]
-        raise ConfigError(bad.key, value, bad.reason, bad.fix)
-    if not sched.flushes:
-        _async_schedule(run)
-    stages = pp * s.virtual_stages
-    if stages > run.model.n_layer and not run.model.pretrained:
-        raise ConfigError("parallelism.pp", pp, f"{stages} stages (pp * virtual_stages) for model.n_layer="
-                          f"{run.model.n_layer} blocks: a stage would hold no block",
-                          f"use pp * virtual_stages <= {run.model.n_layer}")
-    _partition(run, stages)
-    if pp > 1:
-        _prove_schedule(run)
-
-
-def _prove_schedule(run: RunConfig) -> None:
-    """The exact (pp, m, v) the ranks will run, proved under gloo's and NCCL's rules before
-    launch (tests cover pp <= 8, m <= 16; this covers whatever a user asks for). Two steps
-    show an asynchronous schedule's steady state across a step boundary."""
-    from ..parallel.pipeline.check import ScheduleError, check
-
-    s = run.schedule
-    try:
-        check(s.name, run.parallelism.pp, s.microbatches, s.virtual_stages, steps=min(2, run.trainer.steps))
-    except ScheduleError as e:
-        raise ConfigError("schedule.name", s.name, f"fails the schedule checker at pp={run.parallelism.pp}, "
-                          f"microbatches={s.microbatches}, virtual_stages={s.virtual_stages}: {e}",
-                          "choose another schedule or micro-batch count, and report this as a bug") from None
-
-
-def _async_schedule(run: RunConfig) -> None:
-    s, p = run.schedule, run.parallelism
-    if p.dp > 1:
-        raise ConfigError("parallelism.dp", p.dp, f"schedule={s.name} is asynchronous; its per-update gradient "
-                          "all-reduce over dp is not implemented", f"use parallelism.dp=1 with {s.name}")
-    if run.model.tie_embeddings and p.pp > 1:
-        raise ConfigError("model.tie_embeddings", True,
-                          f"schedule={s.name} updates the first and last stage at different times from different "
-                          "weight versions, so their two copies of a tied embedding cannot stay one weight",
-                          "set model.tie_embeddings=false")
-
-
-def _partition(run: RunConfig, stages: int) -> None:
-    method = run.parallelism.partition
-    if isinstance(method, (list, tuple)):
-        if len(method) != stages or any(not isinstance(b, int) or b < 1 for b in method) \
-                or (not run.model.pretrained and sum(method) != run.model.n_layer):
-            raise ConfigError("parallelism.partition", list(method),
-                              f"an explicit balance lists {stages} positive block counts summing to model.n_layer",
-                              f"e.g. parallelism.partition={[len(r) for r in uniform(run.model.n_layer, stages)]}")
-        return
-    if method in ("uniform", "parameters"):
-        return
-    if isinstance(method, str) and method.startswith("type:"):
-        try:
-            re.compile(method[5:])
-            return
-        except re.error as e:
-            raise ConfigError("parallelism.partition", method, f"bad regular expression ({e})", "e.g. type:Block") from None
-    raise ConfigError("parallelism.partition", method, "unknown partition method",
-                      "use uniform, parameters, type:<regex> or a list of blocks per stage")
 
 
 def _trainer(run: RunConfig) -> None:

@@ -9,13 +9,8 @@ documents training leaves out, and that must not depend on evaluation being on.
 from __future__ import annotations
 
 from ..config import ConfigError, RunConfig
+from ..parallel.pipeline.schedules import never_flushes
 from .common import number, positive
-
-
-def _never_flushes(name: str) -> bool:
-    from ..parallel.pipeline.schedules import REGISTRY
-
-    return name in REGISTRY and not REGISTRY[name].flushes
 
 
 def check_eval(run: RunConfig) -> None:
@@ -30,7 +25,7 @@ def check_eval(run: RunConfig) -> None:
     number("data.val_fraction", d.val_fraction, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
            "e.g. data.val_fraction=0.05 (the last 5% of the documents), or 0.0 to hold none out")
     evaluating = t.eval_interval > 0
-    if evaluating and run.parallelism.pp > 1 and _never_flushes(run.schedule.name):
+    if evaluating and run.parallelism.pp > 1 and never_flushes(run.schedule):
         # Never flushed: between steps, activations of the next step's micro-batches are in
         # flight between stages, and a forward-only pass's messages would match them (NCCL
         # matches a pair's messages in issue order).

@@ -41,29 +41,29 @@ def _check_lists(sched: Schedule, lists: dict[int, list[Action]], v: int, n: int
         for a in acts:
             if a.op not in sched.ops:
                 raise ScheduleError(f"rank {r}: {a} uses op {a.op.value}, which {sched.name} does not declare "
-                                    f"(its ops: {''.join(sorted(o.value for o in sched.ops))})")
+                                    f"(its ops: {''.join(sorted(o.value for o in sched.ops))})", [(r, a)])
             if a in seen:
-                raise ScheduleError(f"rank {r}: {a} appears twice")
+                raise ScheduleError(f"rank {r}: {a} appears twice", [(r, a)])
             if (a.microbatch, a.chunk) not in want and a.op is not Op.U:
                 raise ScheduleError(f"rank {r}: {a} names micro-batch {a.microbatch} / chunk {a.chunk}, outside "
-                                    f"{n} micro-batches x {v} chunks")
+                                    f"{n} micro-batches x {v} chunks", [(r, a)])
             if a.op in (Op.B, Op.I) and Action(Op.F, a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"rank {r}: {a} before its forward")
+                raise ScheduleError(f"rank {r}: {a} before its forward", [(r, a)])
             if a.op is Op.W and Action(Op.I, a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"rank {r}: {a} before its I (W after its I on the same rank)")
+                raise ScheduleError(f"rank {r}: {a} before its I (W after its I on the same rank)", [(r, a)])
             if a.op is Op.B and Action(Op.I, a.microbatch, a.chunk) in seen or \
                     a.op is Op.I and Action(Op.B, a.microbatch, a.chunk) in seen:
-                raise ScheduleError(f"rank {r}: {a}: micro-batch {a.microbatch} runs both B and I")
+                raise ScheduleError(f"rank {r}: {a}: micro-batch {a.microbatch} runs both B and I", [(r, a)])
             seen.add(a)
         dangling = [a for a in seen if a.op is Op.I and Action(Op.W, a.microbatch, a.chunk) not in seen]
         if dangling:
-            raise ScheduleError(f"rank {r}: {dangling[0]} has no W (I and W counts differ)")
+            raise ScheduleError(f"rank {r}: {dangling[0]} has no W (I and W counts differ)", [(r, dangling[0])])
         for op, label in ((Op.F, "F"), (None, "backward")):
             done = {(a.microbatch, a.chunk) for a in seen
                     if (a.op is op if op else (a.op is Op.B or a.op is Op.W))}
             if done != want:
                 missing = sorted(f"{c}:{j}" for j, c in want - done)
-                raise ScheduleError(f"rank {r}: {label} missing for (chunk:micro-batch) {missing[:5]}")
+                raise ScheduleError(f"rank {r}: {label} missing for (chunk:micro-batch) {missing[:5]}", [(r, None)])
         if sched.flushes and any(a.op is Op.U for a in acts):
             raise ScheduleError(f"rank {r}: update action in a synchronous schedule")
 
@@ -86,7 +86,7 @@ def _check_memory(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: i
         bound, peak = sched.memory_bound(pp, m, v, r), alive_peak(acts)
         if peak > bound:
             raise ScheduleError(f"rank {r}: holds {peak} (micro-batch, chunk) activations at once, over "
-                                f"{sched.name}'s declared bound {bound}")
+                                f"{sched.name}'s declared bound {bound}", [(r, None)])
 
 
 def _check_versions(sched: Schedule, lists: dict[int, list[Action]], smap: StageMap, m: int) -> None:
@@ -99,7 +99,7 @@ def _check_versions(sched: Schedule, lists: dict[int, list[Action]], smap: Stage
             elif a.op is Op.F:
                 want = rule.version_of(a.microbatch, smap.stage(r, a.chunk), smap.num_stages, m)
                 if want > updates:
-                    raise ScheduleError(f"rank {r}: {a} needs weight version {want} before it exists")
+                    raise ScheduleError(f"rank {r}: {a} needs weight version {want} before it exists", [(r, a)])
 
 
 def _match_pairs(plans: dict[int, RankPlan]) -> dict[tuple, tuple]:
@@ -132,7 +132,7 @@ def _recv_batch(plan: RankPlan, rank: int, smap: StageMap) -> list:
         if msg is not None and sender_of(msg, smap) == rank:
             msg = None  # from this rank's other chunk: in memory, produced by an earlier action
         if msg is not None and (msg not in where or where[msg] > k):
-            raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives")
+            raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives", [(rank, a)])
         out.append(None if msg is None else where[msg])
     return out
 

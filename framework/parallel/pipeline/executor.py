@@ -146,6 +146,7 @@ class PipelineExecutor:
         self.posted: dict[Message, tuple[BatchWork, torch.Tensor]] = {}  # receives issued, not consumed
         self.local: dict[Message, torch.Tensor] = {}  # from a stage of this rank to another (a V's turn)
         self.pending_w: dict[tuple[int, int], PendingWeight] = {}  # I done, W not yet
+        self.trainable = [[q for q in c.parameters() if q.requires_grad] for c in chunks]  # what W computes
         self.inflight: list[BatchWork] = []
         self.segment = 0  # run() calls so far
         self.losses: dict[int, torch.Tensor] = {}
@@ -255,7 +256,7 @@ class PipelineExecutor:
             elif a.op is Op.B:
                 self.backward(a, received)
             elif a.op is Op.I:
-                self.backward_input(a, received, [q for q in self.chunks[a.chunk].parameters() if q.requires_grad])
+                self.backward_input(a, received, self.trainable[a.chunk])
             elif a.op is Op.W:
                 self.backward_weight(a)
             else:

@@ -11,7 +11,7 @@ Why the placement matters: under NCCL a rank's p2p ops run in issue order on one
 send completes only when the peer's matching receive runs, and a pair's messages match in
 issue order (tags are ignored). Posting each receive with the *receiver's* next action (the
 executor's first design, Megatron's send_forward_recv_backward pairing) deadlocks
-interleaved 1F1B: the sender's stream stalls on a send whose receive the peer posts only
+Megatron's interleaved 1F1B: the sender's stream stalls on a send whose receive the peer posts only
 much later, behind receives that need that very sender's later sends.
 
 Placement rule ("lockstep"): run all ranks' lists in the unit-time simulation (F = B = I =

@@ -46,7 +46,7 @@ from ...config import RunConfig
 from ...data import ShardedSampler, TokenData
 from ...models import SplitLM, build_model
 from ...optim import build_optimizer, lr_at, set_lr
-from .schedules import get
+from .schedules import resolve
 from ..grads import clip_grad_norm
 from .stage import stage_ranges, stage_state_dict
 
@@ -146,13 +146,13 @@ def run_async_reference(run: RunConfig, vocab_size: int, tokens_path, start: Opt
                         ) -> tuple[list[float], dict]:
     """Per-step losses and the final parameters (transformers names) of the update rule;
     with `start`, of the steps after that checkpoint's."""
-    name, p, m = run.schedule.name, run.parallelism.pp, run.schedule.microbatches
+    p, m = run.parallelism.pp, run.schedule.microbatches
     full = build_model(run.model, vocab_size, run.trainer.seed, precision=run.trainer.precision)
     stages = _stages(full, stage_ranges(run.parallelism.partition, full, p))
     opts = [build_optimizer(run.optimizer, s.parameters()) for s in stages]
     first = _load(start, full, stages, opts) if start else 0
     steps = run.trainer.steps - first
-    rule = get(name).asynchronous
+    rule = resolve(run.schedule).asynchronous
     table = derived_versions(rule.updates_per_step(m), p, m, steps)
     versions = [{0: _snapshot(s)} for s in stages]
     applied = [0] * p

@@ -37,7 +37,7 @@ from ...metrics.clock import clock_for
 from .executor import ActionRecord, PipelineExecutor, PipelinePeers
 from .check import nccl_simulate
 from .p2p import comm_plan
-from .schedules import Op, get
+from .schedules import Op, resolve
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
 from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
@@ -68,7 +68,7 @@ class PipelineRunner:
         p, v, m = run.parallelism.pp, run.schedule.virtual_stages, run.schedule.microbatches
         self.run, self.ctx, self.m, self.p, self.tp_comm = run, ctx, m, p, tp_comm
         self.first_step, steps = first_step, run.trainer.steps - first_step
-        self.schedule = get(run.schedule.name)
+        self.schedule = resolve(run.schedule)
         self.is_async = not self.schedule.flushes
         self.smap = self.schedule.stage_map(p, v)
         self.ranges = stage_ranges(run.parallelism.partition, full, p * v)

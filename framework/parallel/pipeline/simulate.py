@@ -16,7 +16,12 @@ from .schedules.base import Action, Op, OpTimes, StageMap
 
 
 class ScheduleError(ValueError):
-    pass
+    """A rule a schedule breaks; `where`: the (rank, action) pairs it concerns (action None:
+    the rank as a whole), so a schedule file's error can name its row and cell."""
+
+    def __init__(self, message: str, where: tuple = ()):
+        super().__init__(message)
+        self.where = tuple(where)
 
 
 def _duration(durations, op: Op) -> float:
@@ -61,7 +66,8 @@ def simulate(lists: dict[int, list[Action]], smap: StageMap, durations=None) -> 
                 progressed = True
         if not progressed:
             stuck = {r: str(lists[r][pos[r]]) for r in lists if pos[r] < len(lists[r])}
-            raise ScheduleError(f"deadlock: ranks wait at {stuck}")
+            raise ScheduleError(f"deadlock: ranks wait at {stuck}",
+                                [(r, lists[r][pos[r]]) for r in lists if pos[r] < len(lists[r])])
     for channel, order in sent_order.items():
         if recv_order[channel] != order:
             raise ScheduleError(f"channel {channel[0]}->{channel[1]} receives its {channel[2]} messages out of "

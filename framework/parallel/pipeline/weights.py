@@ -1,13 +1,13 @@
 """Weight versions for the asynchronous schedules (PipeDream 1F1B weight stashing, 2BW).
 
 The chunk's own parameters are the master copy: only the optimizer writes them. A
-micro-batch's forward and backward run on a frozen snapshot of the version it is due
-(`schedules.version_of`), taken right after the update that produced it, through
+micro-batch's forward and backward run on a frozen snapshot of the version it is due (the
+schedule's `AsyncRule.version_of`), taken right after the update that produced it, through
 `torch.func.functional_call`. Autograd then keeps exactly that snapshot for the backward,
 and the optimizer's in-place update of the master never touches a tensor a pending
 backward saved. Gradients land on the snapshot and are moved to the master at the update.
 A snapshot is freed after the backward of the last micro-batch that uses it, so stage s
-holds at most p - s snapshots under 1f1b and 2 under 2bw (plus the master); their bytes
+holds at most p - s snapshots when it updates after every micro-batch (PipeDream 1F1B) and 2 when it updates once a step (PipeDream-2BW), plus the master; their bytes
 are reported as `weight_version_bytes` (peak).
 """
 

@@ -15,6 +15,7 @@ logging, evaluation, timeline, async reference) reads these declarations.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -57,6 +58,17 @@ class Action:
         return f"{self.chunk}{self.op.value}{self.microbatch}" if self.chunk else f"{self.op.value}{self.microbatch}"
 
     __repr__ = __str__
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """`1I3` -> Action(I, 3, chunk 1): the inverse of str (action records, traces)."""
+        m = _ACTION_TEXT.match(text)
+        if m is None:
+            raise ValueError(f"not an action: {text!r} (e.g. F3, 1I3, W0, U7)")
+        return Action(Op(m.group(2)), int(m.group(3)), int(m.group(1) or 0))
+
+
+_ACTION_TEXT = re.compile(r"^(\d*)([FBIWU])(\d+)$")
 
 
 @dataclass(frozen=True)

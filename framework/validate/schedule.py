@@ -1,0 +1,139 @@
+"""The pipeline schedule a run asks for (schedule.*, on the config alone): a registered
+name, or a CSV file; schedule modules that register more; the schedule's own constraints;
+and the exact (pp, m, v) proved by the checker under gloo's and NCCL's rules. A schedule
+file's error names its row (pipeline rank), its cell and the rule broken."""
+
+from __future__ import annotations
+
+import re
+
+from ..config import ConfigError, RunConfig
+from ..parallel.pipeline.partition import uniform
+from ..parallel.pipeline.schedules import CSV, CsvError, csv_schedule, get, load_modules, names
+from .common import choice, positive
+
+
+def load_schedule_modules(run: RunConfig) -> None:
+    """schedule.modules: imported here, before any name is checked (and again in each rank)."""
+    for name in run.schedule.modules:
+        try:
+            load_modules([name])
+        except Exception as e:  # noqa: BLE001 - whatever the module raised, named with the key
+            raise ConfigError("schedule.modules", list(run.schedule.modules),
+                              f"importing {name} failed ({type(e).__name__}: {e})",
+                              "give a Python file (path ending .py) or an importable module that calls "
+                              "framework.parallel.pipeline.schedules.register") from None
+
+
+def flushing() -> list[str]:
+    return [n for n in names() if get(n).flushes]
+
+
+def check_schedule(run: RunConfig) -> None:
+    s, pp = run.schedule, run.parallelism.pp
+    choice("schedule.name", s.name, [*names(), CSV])
+    where = _csv(run) if s.name == CSV else None
+    positive("schedule.microbatches", s.microbatches)
+    positive("schedule.virtual_stages", s.virtual_stages)
+    sched = csv_schedule(s.csv)[0] if where is not None else get(s.name)
+    bad = sched.why_not(pp, s.microbatches, s.virtual_stages)
+    if bad is not None:
+        value = {"schedule.name": s.name, "schedule.microbatches": s.microbatches,
+                 "schedule.virtual_stages": s.virtual_stages}[bad.key]
+        raise ConfigError(bad.key, value, bad.reason, bad.fix)
+    if not sched.flushes:
+        _async_schedule(run)
+    stages = pp * s.virtual_stages
+    if stages > run.model.n_layer and not run.model.pretrained:
+        raise ConfigError("parallelism.pp", pp, f"{stages} stages (pp * virtual_stages) for model.n_layer="
+                          f"{run.model.n_layer} blocks: a stage would hold no block",
+                          f"use pp * virtual_stages <= {run.model.n_layer}")
+    _partition(run, stages)
+    if pp > 1:
+        _prove(run, sched, where)
+
+
+def _csv(run: RunConfig) -> dict:
+    """schedule=csv: the file is readable, well formed, and sized like the run."""
+    s = run.schedule
+    if not s.csv:
+        raise ConfigError("schedule.csv", s.csv, "schedule=csv reads its schedule from a file",
+                          "set schedule.csv=<path> (torch's compute-only CSV: one row per pipeline rank)")
+    try:
+        sched, where = csv_schedule(s.csv)
+    except (CsvError, OSError) as e:
+        raise ConfigError("schedule.csv", s.csv, str(e), "fix that cell (python -m framework.schedules dump "
+                          "writes any registered schedule in this format)") from None
+    for key, have, want in (("parallelism.pp", run.parallelism.pp, sched.extra["pp"]),
+                            ("schedule.microbatches", s.microbatches, sched.extra["microbatches"]),
+                            ("schedule.virtual_stages", s.virtual_stages, sched.extra["virtual_stages"])):
+        if have != want:
+            raise ConfigError(key, have, f"{s.csv} is a schedule for {key.split('.')[1]}={want}",
+                              f"set {key}={want}, or use another file")
+    return where
+
+
+def _prove(run: RunConfig, sched, where) -> None:
+    """The exact (pp, m, v) the ranks will run, proved under gloo's and NCCL's rules before
+    launch (tests cover pp <= 8, m <= 16; this covers whatever a user asks for). Two steps
+    show an asynchronous schedule's steady state across a step boundary."""
+    from ..parallel.pipeline.check import ScheduleError, prove
+
+    s, pp = run.schedule, run.parallelism.pp
+    steps = min(2, run.trainer.steps) if not sched.flushes else 1
+    try:
+        prove(sched, sched.generate(pp, s.microbatches, s.virtual_stages, steps), pp, s.microbatches,
+              s.virtual_stages, steps)
+    except ScheduleError as e:
+        if where is not None:
+            raise ConfigError("schedule.csv", s.csv, f"{_cells(e, where)}breaks a rule: {e}",
+                              "reorder or fix the named cell(s); the rules are in docs/schedules.md") from None
+        raise ConfigError("schedule.name", s.name, f"fails the schedule checker at pp={pp}, "
+                          f"microbatches={s.microbatches}, virtual_stages={s.virtual_stages}: {e}",
+                          "choose another schedule or micro-batch count, and report this as a bug") from None
+
+
+def _cells(e, where: dict) -> str:
+    """`row 2 (pp rank 1), cell 5 '3W0': ` for each (rank, action) the error concerns."""
+    out = []
+    for rank, action in getattr(e, "where", ()):
+        if action is not None and (rank, action) in where:
+            col, text = where[rank, action]
+            out.append(f"row {rank + 1} (pp rank {rank}), cell {col + 1} {text!r}")
+        else:
+            out.append(f"row {rank + 1} (pp rank {rank})")
+    return "; ".join(out) + ": " if out else ""
+
+
+def _async_schedule(run: RunConfig) -> None:
+    s, p = run.schedule, run.parallelism
+    if p.dp > 1:
+        raise ConfigError("parallelism.dp", p.dp, f"schedule={s.name} is asynchronous; its per-update gradient "
+                          "all-reduce over dp is not implemented", f"use parallelism.dp=1 with {s.name}")
+    if run.model.tie_embeddings and p.pp > 1:
+        raise ConfigError("model.tie_embeddings", True,
+                          f"schedule={s.name} updates the first and last stage at different times from different "
+                          "weight versions, so their two copies of a tied embedding cannot stay one weight",
+                          "set model.tie_embeddings=false (schedule presets set only schedule keys: pass it on "
+                          "the command line, for every trial of a layout search)")
+
+
+def _partition(run: RunConfig, stages: int) -> None:
+    method = run.parallelism.partition
+    if isinstance(method, (list, tuple)):
+        if len(method) != stages or any(not isinstance(b, int) or b < 1 for b in method) \
+                or (not run.model.pretrained and sum(method) != run.model.n_layer):
+            raise ConfigError("parallelism.partition", list(method),
+                              f"an explicit balance lists {stages} positive block counts summing to model.n_layer",
+                              f"e.g. parallelism.partition={[len(r) for r in uniform(run.model.n_layer, stages)]}")
+        return
+    if method in ("uniform", "parameters"):
+        return
+    if isinstance(method, str) and method.startswith("type:"):
+        try:
+            re.compile(method[5:])
+            return
+        except re.error as e:
+            raise ConfigError("parallelism.partition", method, f"bad regular expression ({e})", "e.g. type:Block") from None
+    raise ConfigError("parallelism.partition", method, "unknown partition method",
+                      "use uniform, parameters, type:<regex> or a list of blocks per stage")
