@@ -228,9 +228,10 @@ def derive_layout(run: RunConfig) -> None:
 def _sizes_from_csv(s: ScheduleConfig) -> None:
     """schedule=csv: micro-batches and chunks left null are the file's (a file that cannot be
     read is left for framework.validate to name)."""
-    if s.name != "csv" or not s.csv or (s.microbatches is not None and s.virtual_stages is not None):
+    from .parallel.pipeline.schedules import CSV, csv_schedule
+
+    if s.name != CSV or not s.csv or (s.microbatches is not None and s.virtual_stages is not None):
         return
-    from .parallel.pipeline.schedules import csv_schedule
 
     try:
         extra = csv_schedule(s.csv)[0].extra

@@ -1,13 +1,14 @@
-"""Zero-bubble schedules reproduce the single process in fp64, and their split backward is
-the fused backward bit for bit.
+"""Zero-bubble schedules reproduce the single process in fp64 (the split backward's bitwise
+unit tests are in tests/test_split_backward.py).
 
 Every new schedule (zbh1, zbh2, interleaved-zb, zbv, dualpipev) runs GPT-2 (tied
 embedding: in a V both copies sit on pp rank 0, in a loop they are summed between the
 first and last stage) and Llama (untied) against one process accumulating the same global
 batch of 8 sequences: per-step losses, gradient norms and final parameters agree to rtol
 1e-9 (conftest.FP64_TOL). Compositions, each covered by two schedules: dp (zbh1, zbv),
-tp + sequence parallelism (interleaved-zb, dualpipev), ZeRO-1 (zbh1, interleaved-zb),
-NCCL's coalesced p2p emulated on gloo (zbh2, zbv).
+tp + sequence parallelism (interleaved-zb, dualpipev), ZeRO-1 (zbh1, interleaved-zb; and
+zbv, with both uses of the tied embedding in rank 0's two chunks), NCCL's coalesced p2p
+emulated on gloo (zbh2, zbv).
 """
 
 import pytest
@@ -28,6 +29,8 @@ LAYOUTS = {
     "zbv_dp2_pp2": ["parallelism=dp2_pp2", "schedule=zbv", "schedule.microbatches=2"],
     "interleaved_zb_dp2_pp2_zero1": ["parallelism=dp2_pp2", "schedule=interleaved-zb", "schedule.microbatches=2",
                                      "parallelism.zero=1"],
+    # a V puts both uses of GPT-2's tied embedding on pp rank 0, in two chunks' ZeRO buffers
+    "zbv_dp2_pp2_zero1": ["parallelism=dp2_pp2", "schedule=zbv", "schedule.microbatches=2", "parallelism.zero=1"],
     "interleaved_zb_tp2_pp2_sp": ["parallelism=tp2_pp2", "schedule=interleaved-zb", "schedule.microbatches=4", *SP],
     "dualpipev_tp2_pp2_sp": ["parallelism=tp2_pp2", "schedule=dualpipev", "schedule.microbatches=4", *SP],
 }
