@@ -14,6 +14,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key, the value and the fix."""
@@ -73,7 +75,7 @@ class ParallelismConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "flush"  # a name in the schedule registry (framework/parallel/pipeline/schedules/)
+    name: str = DEFAULT_SCHEDULE  # a name in the schedule registry (framework/parallel/pipeline/schedules/)
     microbatches: Optional[int] = 1  # per step per dp rank; with pp = 1 accumulation steps (csv: null = the file's)
     virtual_stages: Optional[int] = 1  # model chunks per pipeline rank (what the schedule accepts; csv: null = the file's)
     csv: Optional[str] = None  # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)

@@ -16,9 +16,9 @@ from ..parallel.pipeline.partition import PartitionError
 from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
-from .heldout import check_eval
+from .heldout import check_eval, flushing
 from .optimizer import check_optimizer
-from .schedule import check_schedule, flushing, load_schedule_modules
+from .schedule import check_schedule, load_schedule_modules
 from .paths import check_job_dir, check_model_type, check_paths, local_data_files, safetensors_problem
 
 __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",

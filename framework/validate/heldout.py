@@ -9,8 +9,12 @@ documents training leaves out, and that must not depend on evaluation being on.
 from __future__ import annotations
 
 from ..config import ConfigError, RunConfig
-from ..parallel.pipeline.schedules import never_flushes
+from ..parallel.pipeline.schedules import get, names, never_flushes
 from .common import number, positive
+
+
+def flushing() -> list[str]:
+    return [n for n in names() if get(n).flushes]
 
 
 def check_eval(run: RunConfig) -> None:
@@ -31,7 +35,7 @@ def check_eval(run: RunConfig) -> None:
         # matches a pair's messages in issue order).
         raise ConfigError("trainer.eval_interval", t.eval_interval, f"schedule={run.schedule.name} never flushes the "
                           "pipeline, so there is no point between steps where a held-out forward pass can run",
-                          "use a flushing schedule (e.g. schedule=flush) to evaluate, or trainer.eval_interval=0")
+                          f"use a flushing schedule ({', '.join(flushing())}) to evaluate, or trainer.eval_interval=0")
     if d.name == "pycode" and evaluating and d.val_files < 1:
         raise ConfigError("data.val_files", d.val_files, "evaluation (trainer.eval_interval > 0) on pycode needs "
                           "held-out stdlib files", "e.g. data.val_files=20, or trainer.eval_interval=0")

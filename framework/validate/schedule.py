@@ -25,10 +25,6 @@ def load_schedule_modules(run: RunConfig) -> None:
                               "framework.parallel.pipeline.schedules.register") from None
 
 
-def flushing() -> list[str]:
-    return [n for n in names() if get(n).flushes]
-
-
 def check_schedule(run: RunConfig) -> None:
     s, pp = run.schedule, run.parallelism.pp
     choice("schedule.name", s.name, [*names(), CSV])

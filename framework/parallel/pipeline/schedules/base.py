@@ -183,6 +183,7 @@ class Schedule:
 
 
 REGISTRY: dict[str, Schedule] = {}
+DEFAULT = "flush"  # the schema's default (conf/config.yaml picks it too): Megatron's 1F1B
 
 
 def register(schedule: Schedule) -> Schedule:
