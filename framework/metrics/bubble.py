@@ -50,6 +50,20 @@ def analytic_bubble(schedule, pp: int, microbatches: int, virtual_stages: int = 
     return schedule.bubble(pp, microbatches, virtual_stages, times or OpTimes(), steps)
 
 
+def timed_records(per_rank: list, pp_of: list[int], smap) -> list:
+    """Every rank's action records for the op times, less the first stage's I and W: that
+    stage has no input gradient, so its I computes nothing and its W the whole backward
+    (split_backward.py), which would pull the median T_I down and T_W up. `per_rank[i]` are
+    global rank i's records, `pp_of[i]` its pipeline rank."""
+    out = []
+    for records, pp in zip(per_rank, pp_of, strict=True):
+        for rec in records:
+            a = Action.parse(rec[0])
+            if not (a.op.value in "IW" and smap.stage(pp, a.chunk) == 0):
+                out.append(rec)
+    return out
+
+
 def measured_op_times(records) -> tuple[Optional[OpTimes], dict[str, float]]:
     """Median compute seconds per op over action records (name, start, compute_start, end),
     and OpTimes for the analytic bubble: T_F, T_I, T_W as measured; a schedule without a

@@ -127,7 +127,12 @@ class ActivationTracker:
                 return t
             if key not in self._param_keys and key not in self._extra_keys:
                 saved[key] = nbytes
-            return t
+            # The graph keeps what pack returns. `t` itself, when it is the op's output, points
+            # back at the node holding it: a cycle through C++ that Python's collector cannot
+            # see, freed only when a backward releases the graph. A split backward keeps the
+            # graph (retain_graph) past I and W, so it leaked every micro-batch; a detached
+            # alias shares the storage (same bytes, same key) without the reference.
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
