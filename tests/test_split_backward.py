@@ -151,3 +151,35 @@ def test_w_frees_the_graph_and_i_computes_no_weight_gradient():
     assert pending.groups and all(g.grads for g in pending.groups)
     backward_weight(pending)
     assert all(p.grad is not None for p in params) and not pending.groups
+
+
+def test_the_graph_is_freed_after_w_under_the_activation_tracker():
+    """Memory grows with the work, not the run: I and W keep the graph (retain_graph) until
+    W ends, so nothing may hold it after that. The activation tracker's saved-tensor hook
+    once did (it returned the saved output itself, a cycle through the node): every
+    micro-batch's graph stayed alive. Counted as live tensors, after 5 and after 40."""
+    import gc
+
+    from framework.metrics.memory import ActivationTracker
+
+    full = _model("gpt2")
+    stage = full.stage(range(2, 4), first=False, last=True)
+    params, tracker = list(stage.parameters()), ActivationTracker(stage)
+
+    def live() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    counts = {}
+    for j in range(40):
+        x = torch.randn(B, T, 32).requires_grad_(True)
+        with tracker.forward((j, 0)):
+            out = stage(x, torch.randint(0, VOCAB, (B, T))) * 0.25
+        _, pending = backward_input(out, None, x, params)
+        del out, x
+        backward_weight(pending)
+        tracker.backward_done((j, 0))
+        del pending
+        if j in (4, 39):
+            counts[j] = live()
+    assert counts[39] == counts[4], counts
