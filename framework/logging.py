@@ -287,7 +287,7 @@ class RunLogger:
         png = os.path.join(self.job_dir, "timeline.png")
         title = (f"{self.run.schedule.name}, pp={self.run.parallelism.pp}, m={self.run.schedule.microbatches}, "
                  f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time) | bubble measured "
-                 f"{median_row['bubble_fraction']:.3f}, analytic {self.info.bubble_fraction_analytic:.3f}")
+                 f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} (at its op times)")
         render_timeline(self.actions[chosen], png, title)
         summary["timeline_step"] = chosen
         if self.wandb is not None:

@@ -59,6 +59,17 @@ def test_every_option_composes_and_validates(group, option, monkeypatch, tmp_pat
         assert run.model.name == option
 
 
+def test_a_short_run_summarises_its_last_step(capsys):
+    """`trainer.steps=3` alone (metrics.skip_first defaults to 3) runs: the warm-up is cut to
+    2 with one line saying so; a run long enough is left alone."""
+    run = compose("trainer.steps=3")
+    validate(run)
+    assert run.metrics.skip_first == 2
+    assert "note: metrics.skip_first=3 would leave none of trainer.steps=3 to summarise; using " \
+           "metrics.skip_first=2" in capsys.readouterr().err
+    assert compose("trainer.steps=4").metrics.skip_first == 3 and "note:" not in capsys.readouterr().err
+
+
 def test_defaults_are_the_main_job():
     run = compose()
     assert (run.model.name, run.data.name, run.device) == ("gpt2-tiny", "pycode", "auto")

@@ -54,6 +54,11 @@ def test_main_job_writes_config_metrics_and_summary(main_job):
     assert summary["memory_peak_bytes"] == max(x["memory_peak_bytes"] for x in summary["ranks"])
     assert not list(job.glob("*.partial")) and not list(job.glob("*.tmp"))
     assert "loss" in r.stdout and "tokens/s" in r.stdout and "rank 1" in r.stdout
+    # a pipeline's console shows its bubble: every step line, and the summary with the op times
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert steps and all(re.search(r" \| bubble 0\.\d\d \(analytic 0\.20\)", line) for line in steps), steps
+    assert re.search(r"^bubble 0\.\d{3} measured \(max rank 0\.\d{3}\) \| 0\.200 analytic \(flush at the measured "
+                     r"op times: T_F [\d.]+ ms, T_B [\d.]+ ms\)$", r.stdout, re.M), r.stdout[-2000:]
 
 
 def test_the_console_shows_the_first_step_and_run_log_holds_it(main_job):

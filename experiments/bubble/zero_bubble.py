@@ -6,7 +6,7 @@ at the run's own measured op times (`bubble_fraction_analytic`, from `op_time_s`
 F, I, W or B compute), the same at T_F = T_I = T_W, the measured bubble, and the op times.
 gpt2-tiny widths, 8 blocks, synthetic data, micro-batch 4, 12 steps (3 warm-up).
 
-    python experiments/bubble/zero_bubble.py [sweep_dir]
+    python experiments/bubble/zero_bubble.py [sweep_dir] [--table]
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ def _ms(s: dict, op: str) -> str:
 
 
 def main() -> None:
-    sweep_root = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "outputs" / "bubble_zero_bubble")
+    """`--table`: only the table, from an earlier sweep (e.g. after re-running some jobs)."""
+    args = [a for a in sys.argv[1:] if a != "--table"]
+    sweep_root = Path(args[0] if args else ROOT / "outputs" / "bubble_zero_bubble")
     rows = []
     for pp in (2, 4):
         sweep = sweep_root / f"pp{pp}"
-        subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", f"parallelism=pp{pp}",
-                        f"schedule={','.join(SCHEDULES)}", f"schedule.microbatches={','.join(map(str, MICROBATCHES))}",
-                        *ARGS, f"hydra.sweep.dir={sweep}"], cwd=ROOT, check=True, capture_output=True, text=True)
+        if "--table" not in sys.argv:
+            subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", f"parallelism=pp{pp}",
+                            f"schedule={','.join(SCHEDULES)}", f"schedule.microbatches={','.join(map(str, MICROBATCHES))}",
+                            *ARGS, f"hydra.sweep.dir={sweep}"], cwd=ROOT, check=True, capture_output=True, text=True)
         for job in sweep.iterdir():
             summary = job / "summary.json"
             if summary.exists() and json.loads(summary.read_text()).get("status") == "completed":
