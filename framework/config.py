@@ -77,7 +77,7 @@ class ParallelismConfig:
 class ScheduleConfig:
     name: str = DEFAULT_SCHEDULE  # a name in the schedule registry (framework/parallel/pipeline/schedules/)
     microbatches: Optional[int] = 1  # per step per dp rank; with pp = 1 accumulation steps (csv: null = the file's)
-    virtual_stages: Optional[int] = 1  # model chunks per pipeline rank (what the schedule accepts; csv: null = the file's)
+    virtual_stages: Optional[int] = 1  # model chunks per pipeline rank (as the schedule declares; csv: null = file's)
     csv: Optional[str] = None  # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)
     modules: list = field(default_factory=list)  # Python files / modules that register more schedules
 

@@ -172,7 +172,8 @@ def summary_lines(summary: dict) -> str:
              f"{summary['steps'] - summary['first_step'] + 1 - summary['measured_steps']} warm-up)"]
     if summary.get("pp", 1) > 1:
         ops = ", ".join(f"T_{op} {t * 1e3:.2f} ms" for op, t in summary.get("op_time_s", {}).items())
-        lines.append(f"bubble {summary['bubble_fraction']:.3f} measured (max rank {summary['bubble_fraction_max']:.3f}) | "
+        lines.append(f"bubble {summary['bubble_fraction']:.3f} measured "
+                     f"(max rank {summary['bubble_fraction_max']:.3f}) | "
                      f"{summary['bubble_fraction_analytic']:.3f} analytic ({summary['schedule']} at the measured op "
                      f"times: {ops or 'none'})")
     for r in summary["ranks"]:

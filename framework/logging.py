@@ -42,8 +42,8 @@ from .metrics.timeline import render_timeline, write_trace
 from .progress import Progress
 from .records import StepRecord
 from .topology import ParallelContext
-from .wandb_sink import (declare_metrics, init_run, layout_keys, wandb_config,  # noqa: F401 (wandb_mode: also imported from here)
-                         wandb_mode, wandb_row)
+from .wandb_sink import wandb_mode  # noqa: F401 (also imported from here)
+from .wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
@@ -287,7 +287,8 @@ class RunLogger:
         png = os.path.join(self.job_dir, "timeline.png")
         title = (f"{self.run.schedule.name}, pp={self.run.parallelism.pp}, m={self.run.schedule.microbatches}, "
                  f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time) | bubble measured "
-                 f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} (at its op times)")
+                 f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
+                 "(at its op times)")
         render_timeline(self.actions[chosen], png, title)
         summary["timeline_step"] = chosen
         if self.wandb is not None:

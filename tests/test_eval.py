@@ -243,8 +243,11 @@ LAYOUTS = {"single": ["parallelism=single", "schedule.microbatches=4"],
            "pp2_flush": ["parallelism=pp2", "schedule=flush", "schedule.microbatches=4"],
            "single_4_layers": ["parallelism=single", "schedule.microbatches=4", "model.n_layer=4"],
            "pp2_interleaved": ["parallelism=pp2", "schedule=interleaved", "schedule.microbatches=4",
-                               "schedule.virtual_stages=2", "model.n_layer=4"]}
-REFERENCE = {"dp2": "single", "tp2": "single", "pp2_flush": "single", "pp2_interleaved": "single_4_layers"}
+                               "schedule.virtual_stages=2", "model.n_layer=4"],
+           # a V: pp rank 1 holds stages 1 and 2, handed over in memory; rank 0 the first and the last
+           "pp2_zbv": ["parallelism=pp2", "schedule=zbv", "schedule.microbatches=4", "model.n_layer=4"]}
+REFERENCE = {"dp2": "single", "tp2": "single", "pp2_flush": "single", "pp2_interleaved": "single_4_layers",
+             "pp2_zbv": "single_4_layers"}
 
 
 @pytest.fixture(scope="module")

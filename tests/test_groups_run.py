@@ -28,6 +28,11 @@ def _overrides(group: str, option: str, tmp_path) -> list[str]:
         args = [a for a in args if a not in ("parallelism=single", "schedule.microbatches=1")] + ["parallelism=pp2"]
         if option in ("1f1b", "2bw"):  # asynchronous: no tied embedding, and the preset leaves the model alone
             args += ["model.tie_embeddings=false"]
+        if option == "csv":  # a schedule file: the framework's own dump of zbv
+            from framework.parallel.pipeline.schedules import build_schedule, dump_csv, get
+
+            dump_csv(build_schedule("zbv", 2, 4, 2), get("zbv").stage_map(2, 2), str(tmp_path / "zbv.csv"))
+            args += [f"schedule.csv={tmp_path / 'zbv.csv'}"]
     if group == "data" and option == "pycode":
         args += ["data.max_files=10", f"data.cache_dir={tmp_path / 'cache'}"]
     if (group == "data" and option == "hf") or (group == "experiment" and option == "gpt2_squad"):

@@ -222,11 +222,11 @@ class PipelineExecutor:
             self._produce(a, self.inputs.pop((a.microbatch, a.chunk)).grad)
         self.on_backward_done(a.microbatch, a.chunk)
 
-    def backward_input(self, a: Action, grad: Optional[torch.Tensor], params: list) -> None:
+    def backward_input(self, a: Action, grad: Optional[torch.Tensor]) -> None:
         """I: the input's gradient, sent at once; the weight gradients wait for W."""
         key = (a.microbatch, a.chunk)
         out, x = self.outputs.pop(key), self.inputs.pop(key, None)
-        dx, self.pending_w[key] = backward_input(out, grad, x, params)
+        dx, self.pending_w[key] = backward_input(out, grad, x, self.trainable[a.chunk])
         if dx is not None:
             self._produce(a, dx)
 
@@ -256,7 +256,7 @@ class PipelineExecutor:
             elif a.op is Op.B:
                 self.backward(a, received)
             elif a.op is Op.I:
-                self.backward_input(a, received, self.trainable[a.chunk])
+                self.backward_input(a, received)
             elif a.op is Op.W:
                 self.backward_weight(a)
             else:

@@ -99,9 +99,10 @@ def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor], stage_inp
         p_node = _node(p)
         if p_node is None or p_node not in rev:
             continue  # not used by this micro-batch's graph
-        _, met = _upstream([p_node], rev, input_path)
-        if root is p_node or not met:  # reached without touching the input path: only W needs it
-            met = {root}
+        _, met = _upstream([p_node], rev, input_path)  # not empty: root, on the input path, reaches p
+        # parameters whose branches leave at a common node share one W call (a matmul's
+        # weight and bias); a node in two groups is simply entered by both, for their own
+        # parameters only (`inputs=`), so nothing is counted twice
         shared = next((groups[n] for n in met if n in groups), None) or _Group()
         shared.params.append(p)
         for n in met:
@@ -115,9 +116,6 @@ def backward_input(output: torch.Tensor, grad: Optional[torch.Tensor], stage_inp
     finally:
         for h in hooks:
             h.remove()
-    for g in unique:
-        if root in g.nodes and root not in g.grads:  # the root's incoming gradient is the output's
-            g.grads[root] = (grad if grad is not None else torch.ones_like(output),)
     return dx, PendingWeight(unique)
 
 

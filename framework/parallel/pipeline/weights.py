@@ -7,8 +7,9 @@ schedule's `AsyncRule.version_of`), taken right after the update that produced i
 and the optimizer's in-place update of the master never touches a tensor a pending
 backward saved. Gradients land on the snapshot and are moved to the master at the update.
 A snapshot is freed after the backward of the last micro-batch that uses it, so stage s
-holds at most p - s snapshots when it updates after every micro-batch (PipeDream 1F1B) and 2 when it updates once a step (PipeDream-2BW), plus the master; their bytes
-are reported as `weight_version_bytes` (peak).
+holds at most p - s snapshots when it updates after every micro-batch (PipeDream 1F1B) and
+2 when it updates once a step (PipeDream-2BW), plus the master; their bytes are reported
+as `weight_version_bytes` (peak).
 """
 
 from __future__ import annotations

@@ -130,9 +130,9 @@ def _closed_form(w_per_fill: int, min_m, generate):
 
 register(Schedule(
     name="zbh1", generate=zbh1, ops=frozenset({Op.F, Op.I, Op.W}),
-    doc="ZB-H1: 1F1B's memory, W fills the cool-down; idle (p-1)(T_F+T_I-T_W)",
+    doc="ZB-H1: 1F1B's memory, W fills the cool-down; idle (p-1)max(T_F+T_I-T_W, T_F)",
     bubble=_closed_form(1, lambda p: p, zbh1), memory_bound=lambda pp, m, v, r: min(pp, m)))
 register(Schedule(
     name="zbh2", generate=zbh2, ops=frozenset({Op.F, Op.I, Op.W}),
-    doc="ZB-H2: 2p-1 micro-batches alive, W fills warm-up and cool-down; idle (p-1)(T_F+T_I-2T_W)",
+    doc="ZB-H2: 2p-1 micro-batches alive, W fills warm-up and cool-down; idle (p-1)max(T_F+T_I-2T_W, T_F)",
     bubble=_closed_form(2, lambda p: 2 * p - 1, zbh2), memory_bound=lambda pp, m, v, r: min(2 * pp - 1, m)))
