@@ -159,6 +159,7 @@ def test_the_graph_is_freed_after_w_under_the_activation_tracker():
     once did (it returned the saved output itself, a cycle through the node): every
     micro-batch's graph stayed alive. Counted as live tensors, after 5 and after 40."""
     import gc
+    import warnings
 
     from framework.metrics.memory import ActivationTracker
 
@@ -168,7 +169,9 @@ def test_the_graph_is_freed_after_w_under_the_activation_tracker():
 
     def live() -> int:
         gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
+            warnings.simplefilter("ignore", FutureWarning)
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
     counts = {}
     for j in range(40):
