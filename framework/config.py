@@ -121,6 +121,7 @@ class LoggerConfig:
 @dataclass
 class MetricsConfig:
     skip_first: int = 3  # warm-up steps left out of the summary medians
+    trace_steps: int = 16  # pipelines: steps whose action records are kept (trace.json, timeline, op times)
     peak_tflops: Optional[float] = None  # per rank; null = datasheet table (CUDA) or cached matmul probe (CPU)
 
 

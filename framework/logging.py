@@ -15,8 +15,9 @@ gathers them to rank 0 once per log interval and rank 0 merges them into one row
               grad sync; ring-algorithm count, framework/parallel/tp_comm.py), max over ranks
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
 when the run completes), summary.json (written last, atomically: its presence means the
-run completed), and for pipelines trace.json (every step's actions, Chrome trace format)
-and timeline.png (one step). Summary statistics are medians over steps after
+run completed), and for pipelines trace.json (the actions of at most metrics.trace_steps + 1
+steps spread over the run, Chrome trace format; metrics.timeline.kept_steps) and
+timeline.png (one of them). Summary statistics are medians over steps after
 metrics.skip_first; for the asynchronous schedules the bubble is measured over the whole
 run instead (start-up and drain are the bubble there, and they fall in the first and last
 steps).
@@ -38,7 +39,7 @@ from .files import write_atomic
 from .metrics.bubble import analytic_bubble, measured_op_times, timed_records
 from .metrics.flops import mfu
 from .parallel.pipeline.schedules import resolve
-from .metrics.timeline import render_timeline, write_trace
+from .metrics.timeline import kept_steps, render_timeline, write_trace
 from .progress import Progress
 from .records import StepRecord
 from .topology import ParallelContext
@@ -80,7 +81,9 @@ class RunLogger:
         self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
-        self.actions: dict[int, list] = {}  # step -> per-rank action records (pipelines)
+        self.actions: dict[int, list] = {}  # kept step -> per-rank action records (pipelines)
+        self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
+                               run.metrics.trace_steps)
         self.busy_window: list[list[tuple[float, float]]] = []  # step -> per-rank (busy, window)
         self.wandb = None
         self.completed = False
@@ -180,7 +183,8 @@ class RunLogger:
             rec = self._merge(per_rank)
             self.records.append(rec)
             if self.run.parallelism.pp > 1:
-                self.actions[rec["step"]] = [r.actions for r in per_rank]
+                if rec["step"] in self.kept:  # bounded: never every step of a long run
+                    self.actions[rec["step"]] = [r.actions for r in per_rank]
                 self.busy_window.append([(r.busy_s, r.window_s) for r in per_rank])
             self.jsonl.write(json.dumps(rec) + "\n")
             if self.wandb is not None:
@@ -240,7 +244,8 @@ class RunLogger:
         for r, b in zip(ranks, per_rank, strict=True):
             r["bubble_fraction"] = b
         run, info = self.run, self.info
-        actions = [[rec for r in measured for rec in self.actions[r["step"]][i]] for i in range(n_ranks)] \
+        actions = [[rec for r in measured for rec in self.actions.get(r["step"], [[]] * n_ranks)[i]]
+                   for i in range(n_ranks)] \
             if self.run.parallelism.pp > 1 else []
         timed = self._timed(actions)
         _, op_times = measured_op_times(timed) if timed else (None, {})
@@ -278,15 +283,18 @@ class RunLogger:
         }
 
     def _write_timeline(self, summary: dict) -> None:
-        """trace.json (every step) and timeline.png (the measured step with the median time)."""
+        """trace.json (the kept steps, `kept_steps`) and timeline.png (of the kept measured
+        steps, the one with the median step time)."""
         self.ctx.recorder.note("write trace.json and timeline.png (rank 0)")
         write_trace(self.actions, os.path.join(self.job_dir, "trace.json"))
-        measured = self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
+        measured = [r for r in self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
+                    if r["step"] in self.actions]
         median_row = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]
         chosen = median_row["step"]
         png = os.path.join(self.job_dir, "timeline.png")
         title = (f"{self.run.schedule.name}, pp={self.run.parallelism.pp}, m={self.run.schedule.microbatches}, "
-                 f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time) | bubble measured "
+                 f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time of {len(measured)}) | bubble "
+                 f"measured "
                  f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
                  "(at its op times)")
         render_timeline(self.actions[chosen], png, title)

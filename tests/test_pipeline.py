@@ -134,3 +134,24 @@ def test_dry_run_prints_the_schedule_grid(tmp_path):
     assert "rank 0: F0 F1 F2 .. .. B0 B1 B2" in r.stdout and "analytic bubble 0.250" in r.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["schedule_grid"].splitlines()[1] == "rank 1: .. F0 F1 F2 B0 B1 B2 .."
+
+
+def test_a_long_run_keeps_the_action_records_of_a_bounded_set_of_steps(tmp_path):
+    """Nothing per step for the whole run: rank 0 keeps the actions of at most
+    metrics.trace_steps + 1 steps (spread over the run, with the first measured one), so
+    trace.json, the W&B table and the timeline cost the same for 6 steps as for 36."""
+    from framework.metrics.timeline import kept_steps
+
+    args = [*TINY, "data=synthetic", "data.num_samples=256", "parallelism=pp2", "schedule=zbh1",
+            "schedule.microbatches=2", "metrics.trace_steps=3", "metrics.skip_first=1", "trainer.log_interval=6"]
+    traces = {}
+    for steps in (6, 36):
+        summary = run_local(tmp_path / str(steps), *args, f"trainer.steps={steps}")
+        events = json.loads((tmp_path / str(steps) / "trace.json").read_text())["traceEvents"]
+        kept = {e["args"]["step"] for e in events if e["ph"] == "X"}
+        assert kept == kept_steps(1, steps, 2, 3) and len(kept) == 4 and {1, 2, steps} <= kept
+        assert summary["timeline_step"] in kept and set(summary["op_time_s"]) == {"F", "I", "W"}
+        traces[steps] = [e for e in events if e["ph"] == "X" and e["cat"] != "wait"], (tmp_path / str(steps) /
+                                                                                        "trace.json").stat().st_size
+    assert len(traces[6][0]) == len(traces[36][0]) == 4 * 2 * 3 * 2  # steps x ranks x (F, I, W) x micro-batches
+    assert traces[36][1] < 1.2 * traces[6][1]  # the same records; only the digits of the times differ

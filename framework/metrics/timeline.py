@@ -15,6 +15,17 @@ from ..parallel.pipeline.schedules import Action
 Record = tuple[str, float, float, float]  # action, start, compute_start, end
 
 
+def kept_steps(first: int, last: int, measured_from: int, limit: int) -> set[int]:
+    """The steps whose action records a run keeps (trace.json, the W&B actions table, the
+    timeline, the op times): at most `limit` + 1, spread evenly from `first` to `last`, plus
+    the first measured step, so a 100,000-step run keeps what a 100-step one does."""
+    n = last - first + 1
+    if n <= limit:
+        return set(range(first, last + 1))
+    spread = {first + round(i * (n - 1) / (limit - 1)) for i in range(limit)} if limit > 1 else {last}
+    return spread | {min(max(measured_from, first), last)}
+
+
 def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
     t0 = min((r[1] for per_rank in steps.values() for recs in per_rank for r in recs), default=0.0)
     events = []

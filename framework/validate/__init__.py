@@ -172,6 +172,7 @@ def _misc(run: RunConfig) -> None:
     choice("device", run.device, DEVICES)
     choice("launcher", run.launcher, LAUNCHERS)
     choice("objective", run.objective, OBJECTIVES)
+    positive("metrics.trace_steps", run.metrics.trace_steps)
     if not 0 <= run.metrics.skip_first < run.trainer.steps:
         raise ConfigError("metrics.skip_first", run.metrics.skip_first,
                           f"must leave at least one of trainer.steps={run.trainer.steps} to summarise",
