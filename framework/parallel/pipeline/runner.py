@@ -22,7 +22,6 @@ wait on a peer: a receive, the step's sends, or the flush.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Callable
 
 import torch
@@ -35,23 +34,14 @@ from ...records import StateBytes, StepResult
 from ...topology import ParallelContext
 from ...metrics.clock import clock_for
 from .executor import ActionRecord, PipelineExecutor, PipelinePeers
-from .check import nccl_simulate
-from .p2p import comm_plan
-from .schedules import Op, resolve
+from .p2p import RankPlan, comm_plan
+from .tiling import TiledPlan
+from .schedules import resolve
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
 from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
 from ..zero import Zero
-from .weights import WeightVersions
-
-
-def _segments(actions, m: int, steps: int) -> list[range]:
-    """Cut a whole-run async list after the update of each step's last micro-batch: the
-    index range of each step's actions."""
-    cuts = [k + 1 for k, a in enumerate(actions) if a.op is Op.U and (a.microbatch + 1) % m == 0]
-    assert len(cuts) == steps
-    cuts[-1] = len(actions)
-    return [range(a, b) for a, b in zip([0] + cuts[:-1], cuts)]
+from .weights import VersionUses, WeightVersions
 
 
 def _delay_s(run: RunConfig, pp_rank: int) -> float:
@@ -93,33 +83,40 @@ class PipelineRunner:
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
         act_dtype = torch.float64 if run.trainer.precision == "fp64" else torch.float32
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.
-        plans = comm_plan(self.schedule.generate(p, m, v, steps), self.smap)
-        if self.is_async:  # validate proved two steps; this whole never-flushed run is proved here
-            nccl_simulate(plans, self.smap)
-        plan = plans[ctx.coords.pp]
+        if self.is_async:  # never flushed: a template run proved and tiled (tiling.py), any length
+            self.tiled = TiledPlan(self.schedule, self.smap, m, steps)
+            self.steps = steps
+            plan = self._segment_plan(0)
+        else:
+            plan = comm_plan(self.schedule.generate(p, m, v, 1), self.smap)[ctx.coords.pp]
         self.clock = clock_for(ctx.device)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
                                          self._backward_done, act_dtype, plan, self.clock, run.debug.coalesced_p2p,
                                          _delay_s(run, ctx.coords.pp), ctx.recorder)
-        lists = plan.actions
         if self.is_async:
-            self.bounds = _segments(lists, m, steps)
-            self._uses = Counter(self._version(j) for j in range(m * steps))
-            self.versions = WeightVersions(self.chunks[0], self._uses, tracker)
+            self.versions = WeightVersions(self.chunks[0], self._uses(), tracker)
         else:
-            self.actions = lists
+            self.actions = plan.actions
+
+    def _uses(self) -> VersionUses:
+        return VersionUses(self._version, self.m * self.steps)
+
+    def _segment_plan(self, k: int) -> RankPlan:
+        """Step k's (from this process's first step) actions and batches on this rank."""
+        seg = self.tiled.segment(self.ctx.coords.pp, k)
+        return RankPlan(seg.actions, [seg.first] + seg.batches)
 
     def step_actions(self, step: int) -> list:
         """Async: the actions of one step's share of the never-flushed list (micro-batch ids
         count from first_step)."""
-        return [self.executor.plan.actions[k] for k in self.bounds[step - self.first_step]]
+        return self.tiled.segment(self.ctx.coords.pp, step - self.first_step).actions
 
     def weights_loaded(self) -> None:
         """After a checkpoint replaced the weights: the first version is those weights."""
         if self.is_async:
             for snapshot in self.versions.versions.values():
                 self.tracker.include_again(snapshot)
-            self.versions = WeightVersions(self.chunks[0], self._uses, self.tracker)
+            self.versions = WeightVersions(self.chunks[0], self._uses(), self.tracker)
 
     def _version(self, j: int) -> int:
         return self.schedule.asynchronous.version_of(j, self.stage, self.smap.num_stages, self.m)
@@ -132,11 +129,13 @@ class PipelineRunner:
     def step(self, step: int, batch_of: Callable) -> StepResult:
         self.clock.begin_step()
         if self.is_async:
-            span = self.bounds[step - self.first_step]
-            marks = self.executor.run(span.start, span.stop, batch_of, self.schedule.asynchronous.loss_scale(self.m),
+            k = step - self.first_step
+            self.executor.plan = self._segment_plan(k)  # batch 0 of a later step's segment is empty
+            marks = self.executor.run(0, len(self.executor.plan.actions), batch_of,
+                                      self.schedule.asynchronous.loss_scale(self.m),
                                       params_of=lambda j, c: self.versions.params(self._version(j)),
                                       update=self._async_update)
-            if step - self.first_step == len(self.bounds) - 1:
+            if k == self.steps - 1:
                 self.executor.wait_sends()
             else:
                 self.executor.prune_sends()

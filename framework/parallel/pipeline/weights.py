@@ -14,20 +14,42 @@ as `weight_version_bytes` (peak).
 
 from __future__ import annotations
 
-from collections import Counter
+from bisect import bisect_left
+from typing import Callable
 
 import torch
 from torch import nn
 
 
+class VersionUses:
+    """uses[k]: how many of the run's n micro-batches run on weight version k, counted when
+    first asked (version_of never decreases in j: a binary search, not a table of the whole
+    run), then counted down as they finish."""
+
+    def __init__(self, version_of: Callable[[int], int], n: int):
+        self.version_of, self.n, self.left = version_of, n, {}
+
+    def _first_at(self, v: int) -> int:
+        return bisect_left(range(self.n), v, key=self.version_of)
+
+    def __getitem__(self, v: int) -> int:
+        if v not in self.left:
+            self.left[v] = self._first_at(v + 1) - self._first_at(v)
+        return self.left[v]
+
+    def __setitem__(self, v: int, count: int) -> None:
+        self.left[v] = count
+
+
 class WeightVersions:
-    def __init__(self, chunk: nn.Module, uses: Counter, tracker=None):
-        """`uses[k]`: how many micro-batches run on version k on this stage. Snapshots are
-        weights, so the activation tracker is told to leave them out."""
+    def __init__(self, chunk: nn.Module, uses: VersionUses, tracker=None):
+        """`uses[k]`: how many micro-batches run on version k on this stage (a fresh count:
+        this object counts down). Snapshots are weights, so the activation tracker is told to
+        leave them out."""
         self.chunk, self.tracker = chunk, tracker
         self.names = [n for n, _ in chunk.named_parameters()]
         self.master = [p for _, p in chunk.named_parameters()]
-        self.uses = Counter(uses)
+        self.uses = uses
         self.versions: dict[int, list[torch.Tensor]] = {}
         self.applied = 0  # updates applied to the master so far
         self.peak_bytes = 0
@@ -58,6 +80,7 @@ class WeightVersions:
             p.grad = s.grad
             s.grad = None
         if self.uses[version] == 0:
+            self.uses.left.pop(version)
             if self.tracker is not None:
                 self.tracker.include_again(self.versions[version])
             del self.versions[version]
