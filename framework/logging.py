@@ -48,6 +48,9 @@ from .wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wa
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
+# Of each step's row, what rank 0 keeps for the summary (the rest is in metrics.jsonl): a few
+# numbers a step, not every rank's lists.
+KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction")
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
 # warm-up) and last loss are written by finish() instead, so W&B computes none for these.
 SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
@@ -84,7 +87,7 @@ class RunLogger:
         self.actions: dict[int, list] = {}  # kept step -> per-rank action records (pipelines)
         self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
                                run.metrics.trace_steps)
-        self.busy_window: list[list[tuple[float, float]]] = []  # step -> per-rank (busy, window)
+        self.busy_window: Optional[list[list[float]]] = None  # per rank [Σ busy, Σ window] over the run
         self.wandb = None
         self.completed = False
         self.progress: Optional[Progress] = None
@@ -181,16 +184,21 @@ class RunLogger:
         for i in range(len(pending)):
             per_rank = [rank_recs[i] for rank_recs in gathered]
             rec = self._merge(per_rank)
-            self.records.append(rec)
+            self.records.append({k: rec[k] for k in KEPT_KEYS if k in rec})  # what the summary reads
             if self.run.parallelism.pp > 1:
                 if rec["step"] in self.kept:  # bounded: never every step of a long run
                     self.actions[rec["step"]] = [r.actions for r in per_rank]
-                self.busy_window.append([(r.busy_s, r.window_s) for r in per_rank])
+                if self.busy_window is None:
+                    self.busy_window = [[0.0, 0.0] for _ in per_rank]
+                for acc, r in zip(self.busy_window, per_rank, strict=True):
+                    acc[0] += r.busy_s
+                    acc[1] += r.window_s
             self.jsonl.write(json.dumps(rec) + "\n")
             if self.wandb is not None:
                 self.wandb.log(wandb_row(rec), step=rec["step"])
         self.jsonl.flush()
-        self._print(self.records[-1])
+        if pending:
+            self._print(rec)
 
     def _print(self, r: dict) -> None:
         self.progress.gathered(r, f"step {r['step']:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} "
@@ -238,8 +246,7 @@ class RunLogger:
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
         if not resolve(self.run.schedule).flushes and self.busy_window:
-            per_rank = [1 - sum(s[i][0] for s in self.busy_window) / sum(s[i][1] for s in self.busy_window)
-                        for i in range(n_ranks)]  # whole run: fill and drain are the async bubble
+            per_rank = [1 - busy / window for busy, window in self.busy_window]  # whole run: fill and drain
             med["bubble_fraction"], med["bubble_fraction_max"] = sum(per_rank) / n_ranks, max(per_rank)
         for r, b in zip(ranks, per_rank, strict=True):
             r["bubble_fraction"] = b
