@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .files import write_atomic
-from .metrics.bubble import analytic_bubble, measured_op_times, timed_records
+from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
 from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import kept_steps, render_timeline, write_trace
@@ -131,7 +131,7 @@ class RunLogger:
             # pp = 1: no stage waits on another, so no bubble by definition (runners report 0).
             "bubble_fraction": sum(r.bubble for r in per_rank) / len(per_rank),
             "bubble_fraction_max": max(r.bubble for r in per_rank),
-            "bubble_fraction_analytic": self._analytic([r.actions for r in per_rank]),
+            "bubble_fraction_analytic": self._analytic([r.actions for r in per_rank])[0],
             "activation_peak_bytes": max(r.activation_peak_bytes for r in per_rank),
             "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
@@ -145,24 +145,13 @@ class RunLogger:
             **({"val_loss": r0.val_loss, "eval_s": max(r.eval_s for r in per_rank)} if r0.val_loss is not None else {}),
         }
 
-    def _timed(self, per_rank: list) -> list:
-        """The records the op times come from (metrics.bubble.timed_records)."""
-        if self.run.parallelism.pp == 1 or not any(per_rank):
-            return []
-        s = self.run.schedule
-        return timed_records(per_rank, [self.ctx.dims.coords(r).pp for r in range(len(per_rank))],
-                             resolve(s).stage_map(self.run.parallelism.pp, s.virtual_stages))
-
-    def _analytic(self, per_rank: list) -> float:
-        """The schedule's analytic bubble at these action records' median op times (the
-        equal-times value before launch when there are none, e.g. pp = 1)."""
-        records = self._timed(per_rank)
-        times, _ = measured_op_times(records) if records else (None, {})
-        if times is None:
-            return self.info.bubble_fraction_analytic
-        s = self.run.schedule
-        return analytic_bubble(resolve(s), self.run.parallelism.pp, s.microbatches, s.virtual_stages,
-                               self.run.trainer.steps, times)
+    def _analytic(self, per_rank: list) -> tuple[float, dict]:
+        """(The schedule's analytic bubble at these action records' median op times, those
+        times); before launch's equal-times value when there are none (pp = 1)."""
+        s, pp = self.run.schedule, self.run.parallelism.pp
+        return analytic_at_measured(resolve(s), pp, s.microbatches, s.virtual_stages, self.run.trainer.steps,
+                                    per_rank, [self.ctx.dims.coords(r).pp for r in range(len(per_rank))],
+                                    self.info.bubble_fraction_analytic)
 
     def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
         """(TFLOP/s per rank, MFU) with this rank's resolved peak; (None, None) without one."""
@@ -252,16 +241,14 @@ class RunLogger:
             r["bubble_fraction"] = b
         run, info = self.run, self.info
         actions = [[rec for r in measured for rec in self.actions.get(r["step"], [[]] * n_ranks)[i]]
-                   for i in range(n_ranks)] \
-            if self.run.parallelism.pp > 1 else []
-        timed = self._timed(actions)
-        _, op_times = measured_op_times(timed) if timed else (None, {})
+                   for i in range(n_ranks)]  # the kept measured steps' records, per rank
+        analytic, op_times = self._analytic(actions)
         return {
             "status": "completed", "loss": self.records[-1]["loss"], "loss_first": self.records[0]["loss"],
             **med, "steps": run.trainer.steps, "measured_steps": len(measured),
             # the schedule's analytic bubble at this run's median op times (op_time_s), and at
             # T_F = T_I = T_W (what the dry run and the banner show before launch)
-            "bubble_fraction_analytic": self._analytic(actions),
+            "bubble_fraction_analytic": analytic,
             "bubble_fraction_analytic_equal_times": info.bubble_fraction_analytic, "op_time_s": op_times,
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
             "virtual_stages": run.schedule.virtual_stages,

@@ -77,3 +77,14 @@ def measured_op_times(records) -> tuple[Optional[OpTimes], dict[str, float]]:
     if "I" in med:
         return OpTimes(med["F"], med["I"], med.get("W", 0.0)), med
     return OpTimes(med["F"], med.get("B", 0.0), 0.0), med
+
+
+def analytic_at_measured(schedule, pp: int, m: int, v: int, steps: int, per_rank: list, pp_of: list[int],
+                         fallback: float) -> tuple[float, dict]:
+    """(The schedule's analytic bubble at the median op times of these action records, the
+    median op times {op: seconds}); `fallback` (e.g. the equal-times value) without records."""
+    if pp == 1 or not any(per_rank):
+        return fallback, {}
+    records = timed_records(per_rank, pp_of, schedule.stage_map(pp, v))
+    times, med = measured_op_times(records) if records else (None, {})
+    return (fallback if times is None else analytic_bubble(schedule, pp, m, v, steps, times)), med
