@@ -82,7 +82,16 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
     return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble,
                    resume_from=resume, val_tokens_path=prepared.val_tokens_path,
                    val_num_samples=prepared.val_num_samples,
-                   model_params=sum(p.numel() for p in model.parameters()))  # unique: a tied weight once
+                   model_params=sum(p.numel() for p in model.parameters()),  # unique: a tied weight once
+                   p2p_message_bytes=p2p_message_bytes(run, c.hidden_size))
+
+
+def p2p_message_bytes(run: RunConfig, hidden: int) -> int:
+    """One pipeline message (an activation or its gradient): micro_batch_size x seq_len
+    (/ tp under sequence parallelism) x hidden, in fp32 (fp64 when verifying)."""
+    p = run.parallelism
+    seq = run.data.seq_len // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    return run.trainer.micro_batch_size * seq * hidden * (8 if run.trainer.precision == "fp64" else 4)
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:

@@ -38,6 +38,7 @@ from .config import RunConfig
 from .files import write_atomic
 from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
+from .metrics.predict import RunPredictor
 from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import kept_steps, render_timeline, write_trace
 from .progress import Progress
@@ -73,6 +74,7 @@ class RunInfo:
     val_tokens_path: Optional[str] = None  # held-out tokens (trainer.eval_interval; None: synthetic or off)
     val_num_samples: int = 0
     model_params: Optional[int] = None  # the whole model's parameters, each counted once (a tied embedding once)
+    p2p_message_bytes: int = 0  # one pipeline activation / gradient message (the simulator's transfer size)
 
 
 class RunLogger:
@@ -88,6 +90,7 @@ class RunLogger:
         self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
                                run.metrics.trace_steps)
         self.busy_window: Optional[list[list[float]]] = None  # per rank [Σ busy, Σ window] over the run
+        self.predictor: Optional[RunPredictor] = None  # pipelines: the replay of this run (framework.metrics.predict)
         self.wandb = None
         self.completed = False
         self.progress: Optional[Progress] = None
@@ -99,6 +102,13 @@ class RunLogger:
             self.jsonl.flush()
             ctx.recorder.note("W&B init (rank 0)")
             self.wandb = self._init_wandb()
+            if run.parallelism.pp > 1:
+                s = run.schedule
+                self.predictor = RunPredictor(resolve(s), run.parallelism.pp, s.microbatches, s.virtual_stages,
+                                              run.trainer.steps - first_step + 1,
+                                              [ctx.dims.coords(r) for r in range(run.world_size)],
+                                              info.p2p_message_bytes, ctx.device.type,
+                                              first_step + run.metrics.skip_first)
 
     def _init_wandb(self):
         lg = self.run.logger
@@ -173,6 +183,10 @@ class RunLogger:
         for i in range(len(pending)):
             per_rank = [rank_recs[i] for rank_recs in gathered]
             rec = self._merge(per_rank)
+            if self.predictor is not None:
+                self.predictor.add(rec["step"], per_rank)
+                if i == len(pending) - 1:  # at log intervals: the replay of the medians so far
+                    rec.update(_predicted_keys(self.predictor.predict(per_rank)[1]))
             self.records.append({k: rec[k] for k in KEPT_KEYS if k in rec})  # what the summary reads
             if self.run.parallelism.pp > 1:
                 if rec["step"] in self.kept:  # bounded: never every step of a long run
@@ -250,6 +264,7 @@ class RunLogger:
             # T_F = T_I = T_W (what the dry run and the banner show before launch)
             "bubble_fraction_analytic": analytic,
             "bubble_fraction_analytic_equal_times": info.bubble_fraction_analytic, "op_time_s": op_times,
+            **self._prediction(med),
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
             "virtual_stages": run.schedule.virtual_stages,
             "weight_version_bytes_max": max(r["weight_version_bytes"] for r in ranks),
@@ -276,6 +291,22 @@ class RunLogger:
             "first_step": self.records[0]["step"], "ranks": ranks,  # 1, or k + 1 after resuming step_<k>
         }
 
+    def _prediction(self, med: dict) -> dict:
+        """The replay of this run's median durations (calibration.json) beside what it
+        predicts: signed errors, predicted minus measured (step time relative, bubble in
+        points)."""
+        if self.predictor is None:
+            return {}
+        cal, pred = self.predictor.predict()
+        self.prediction = pred
+        write_atomic(os.path.join(self.job_dir, "calibration.json"), json.dumps(cal.to_json(), indent=1))
+        if pred is None:
+            return _predicted_keys(None)
+        return {**pred.keys(), "predicted_step_time_error": pred.step_time_s / med["step_time_s"] - 1,
+                "predicted_bubble_error": pred.bubble_fraction - med["bubble_fraction"],
+                "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
+                "predicted_activation_peak_bytes_max": max(pred.activation_peak_bytes)}
+
     def _write_timeline(self, summary: dict) -> None:
         """trace.json (the kept steps, `kept_steps`) and timeline.png (of the kept measured
         steps, the one with the median step time)."""
@@ -291,7 +322,17 @@ class RunLogger:
                  f"measured "
                  f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
                  "(at its op times)")
-        render_timeline(self.actions[chosen], png, title)
+        pred = getattr(self, "prediction", None)
+        predicted = None
+        if pred is not None:
+            predicted = [[(str(t.action), t.start, t.compute_start, t.end) for t in pred.sim.timeline[r]]
+                         for r in sorted(pred.sim.timeline)]
+            write_trace({chosen: predicted}, os.path.join(self.job_dir, "predicted_trace.json"))
+        render_timeline(self.actions[chosen], png, title, predicted,
+                        f"predicted (replay of the run's median durations): step "
+                        f"{summary.get('predicted_step_time_s', 0) * 1e3:.1f} ms vs measured median "
+                        f"{summary['step_time_s'] * 1e3:.1f} ms ({summary.get('predicted_step_time_error', 0):+.1%}) | "
+                        f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}")
         summary["timeline_step"] = chosen
         if self.wandb is not None:
             import wandb
@@ -311,6 +352,10 @@ class RunLogger:
         if self.wandb is not None:
             self.ctx.recorder.note("W&B finish (rank 0)")
             self.wandb.finish(exit_code=0 if self.completed else 1)
+
+
+def _predicted_keys(pred) -> dict:
+    return pred.keys() if pred is not None else {"predicted_step_time_s": None, "predicted_bubble_fraction": None}
 
 
 def _median(values: list) -> Optional[float]:

@@ -9,6 +9,7 @@ close as the hosts' time sync. A receive wait (start -> compute_start) is drawn 
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from ..parallel.pipeline.schedules import Action
 
@@ -50,17 +51,32 @@ def write_trace(steps: dict[int, list[list[Record]]], path: str) -> None:
         json.dump(chrome_trace(steps), f)
 
 
-def render_timeline(per_rank: list[list[Record]], path: str, title: str) -> None:
+def render_timeline(per_rank: list[list[Record]], path: str, title: str,
+                    predicted: Optional[list[list[Record]]] = None, predicted_title: str = "") -> None:
     """Gantt chart of one step, coloured by micro-batch: forwards light, backwards (B) dark,
-    a split backward's I dark and hatched `//`, its W light and hatched `..`; updates grey."""
+    a split backward's I dark and hatched `//`, its W light and hatched `..`; updates grey.
+    `predicted`: the simulator's replay of the step (per pipeline rank), drawn underneath
+    on the same time axis."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a training node
     import matplotlib.pyplot as plt
 
+    panels = [(per_rank, title)] + ([(predicted, predicted_title)] if predicted else [])
+    heights = [0.6 * len(recs) + 1.2 for recs, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 0.3), sharex=True,
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (recs, text) in zip(axes[:, 0], panels):
+        _gantt(ax, recs, plt.get_cmap("tab20"))
+        ax.set_title(text, fontsize=9)
+    axes[-1, 0].set_xlabel("ms since the step's first action (white = idle: waiting for a neighbour)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _gantt(ax, per_rank: list[list[Record]], cmap) -> None:
     t0 = min(r[1] for recs in per_rank for r in recs)
-    cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.5))
     for rank, recs in enumerate(per_rank):
         for name, _start, cstart, end in recs:
             action = Action.parse(name)
@@ -73,8 +89,3 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str) -> None
                 ax.text(x + w / 2, rank, name, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step's first action (white = idle: waiting for a neighbour)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

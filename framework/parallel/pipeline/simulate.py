@@ -10,6 +10,7 @@ run prints, measured times give the analytic bubble of schedules without a close
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from .messages import needs, produces, receiver_of, sender_of
 from .schedules.base import Action, Op, OpTimes, StageMap
@@ -102,3 +103,195 @@ def grid(lists: dict[int, list[Action]], smap: StageMap, durations=None) -> str:
                 cells[t] = f"{str(a):<{width}}"
         rows.append(f"rank {r}: " + " ".join(cells))
     return "\n".join(rows)
+
+
+# --- The calibrated clock: a plan's real batches, measured durations, a link cost ---------
+
+
+@dataclass
+class Costs:
+    """What the clock charges. `compute[(rank, chunk, op)]`: seconds of one action's compute
+    (per stage, never pooled across stages; op a letter); `gap_s[rank]`: host time between
+    one action's end and the next one's start (issuing its p2p batch, bookkeeping), idle in
+    the measured bubble; a transfer costs `alpha_s + bytes / beta_Bps`, counted from the
+    end of the producing action (so the sender's issue time is inside alpha); `flush_s`:
+    from the last compute of a flushing step to the end of its flush (the step's sends
+    waited for, the pp all-reduce)."""
+
+    compute: dict = field(default_factory=dict)
+    gap_s: dict = field(default_factory=dict)
+    alpha_s: float = 0.0
+    beta_Bps: float = float("inf")
+    message_bytes: int = 0
+    flush_s: float = 0.0
+
+    def duration(self, rank: int, a: Action) -> float:
+        key = (rank, a.chunk, a.op.value)
+        if key not in self.compute:
+            raise KeyError(f"no duration for {a} on rank {rank} (chunk {a.chunk}, op {a.op.value})")
+        return self.compute[key]
+
+    def transfer_s(self) -> float:
+        return self.alpha_s + (self.message_bytes / self.beta_Bps if self.beta_Bps else 0.0)
+
+
+@dataclass
+class Timed:
+    """One simulated action: as the executor's records (start before the receive wait)."""
+
+    action: Action
+    start: float
+    compute_start: float
+    end: float
+
+
+def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dict[int, list[Timed]]:
+    """Run every rank's plan (`p2p.RankPlan`: actions, and batch k issued after action k-1)
+    with `costs`. Each rank computes serially; a compute that needs a received tensor waits
+    for the whole batch holding its receive (as the executor does).
+    rules="gloo": a batch starts when issued; a receive completes one transfer after its
+    send was issued; sends never block.
+    rules="nccl": a rank's batches run in issue order on one stream (a batch starts when
+    issued and the previous one is done); a transfer starts once both sides' batches have
+    started and completes both the send and the receive; a batch is done with its last op."""
+    pairs = _pairs(plans)
+    n = {r: len(p.actions) for r, p in plans.items()}
+    end = {r: [None] * n[r] for r in plans}
+    cstart = {r: [None] * n[r] for r in plans}
+    bstart = {r: [None] * (n[r] + 1) for r in plans}
+    bdone = {r: [None] * (n[r] + 1) for r in plans}
+    waits = {r: _recv_batches(plans[r], r, smap) for r in plans}
+    nb = {r: 0 for r in plans}  # batches started (a prefix)
+    na = {r: 0 for r in plans}  # actions computed (a prefix)
+    pending = {r: [] for r in plans}  # started batches not yet done
+    local_ready: dict = {}  # a V's turn: handed over in memory when produced
+    cost = costs.transfer_s()
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, plan in plans.items():
+            while True:
+                moved = False
+                k = nb[r]
+                # batch k goes out after action k-1 (nccl: and once batch k-1 is done)
+                if k <= n[r] and na[r] >= k and not (rules == "nccl" and pending[r]):
+                    issued = 0.0 if k == 0 else end[r][k - 1]
+                    bstart[r][k] = max(issued, bdone[r][k - 1]) if rules == "nccl" and k else issued
+                    nb[r] += 1
+                    pending[r].append(k)
+                    moved = True
+                for kb in list(pending[r]):
+                    done = _batch_done(plan.batches[kb], r, kb, pairs, bstart, rules, cost)
+                    if done is None:
+                        if rules == "nccl":
+                            break  # in order on one stream
+                        continue
+                    bdone[r][kb] = done
+                    pending[r].remove(kb)
+                    moved = True
+                k = na[r]
+                if k < n[r] and nb[r] > k:
+                    a = plan.actions[k]
+                    ready = (end[r][k - 1] if k else 0.0) + costs.gap_s.get(r, 0.0)
+                    kind, where = waits[r][k]
+                    if kind == "batch":
+                        ready = None if bdone[r][where] is None else max(ready, bdone[r][where])
+                    elif kind == "local":
+                        ready = local_ready[where] if where in local_ready else None
+                        ready = None if ready is None else max(ready, (end[r][k - 1] if k else 0.0)
+                                                               + costs.gap_s.get(r, 0.0))
+                    if ready is not None:
+                        cstart[r][k] = ready
+                        end[r][k] = ready + costs.duration(r, a)
+                        out = produces(a, r, smap)
+                        if out is not None and receiver_of(out, smap) == r:
+                            local_ready[out] = end[r][k]
+                        na[r] += 1
+                        moved = True
+                if not moved:
+                    break
+                progressed = True
+    missing = [r for r in plans if None in end[r]]
+    if missing:
+        raise ScheduleError(f"the clock stalls on ranks {missing} (a plan the checker rejects)")
+    return {r: [Timed(a, end[r][k - 1] + costs.gap_s.get(r, 0.0) if k else costs.gap_s.get(r, 0.0),
+                      cstart[r][k], end[r][k]) for k, a in enumerate(plans[r].actions)] for r in plans}
+
+
+def _pairs(plans: dict) -> dict:
+    """NCCL's (and the coalesced gloo's) matching: the n-th send r -> q meets q's n-th
+    receive from r. {(rank, batch, op index): (peer, peer's batch)}."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r, plan in plans.items():
+        for k, batch in enumerate(plan.batches):
+            for i, op in enumerate(batch):
+                (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, k, i))
+    match = {}
+    for pair, s in sends.items():
+        for (r, k, i), (q, kq, iq) in zip(s, recvs[pair]):
+            match[(r, k, i)], match[(q, kq, iq)] = (q, kq), (r, k)
+    return match
+
+
+def _recv_batches(plan, rank: int, smap: StageMap) -> list[tuple]:
+    """Per action: ("batch", k) when it waits for batch k's receive, ("local", message) for
+    a message from this rank's other chunk, (None, None) when it needs nothing."""
+    where = {op.msg: k for k, batch in enumerate(plan.batches) for op in batch if op.op == "recv"}
+    out = []
+    for a in plan.actions:
+        msg = needs(a, rank, smap)
+        if msg is None:
+            out.append((None, None))
+        elif sender_of(msg, smap) == rank:
+            out.append(("local", msg))
+        else:
+            out.append(("batch", where[msg]))
+    return out
+
+
+def _batch_done(batch: list, r: int, k: int, pairs: dict, bstart: dict, rules: str, cost: float):
+    done = bstart[r][k]
+    for i, op in enumerate(batch):
+        peer, kp = pairs[(r, k, i)]
+        if rules == "gloo":
+            if op.op == "send":
+                continue  # buffered: never blocks the sender
+            if bstart[peer][kp] is None:
+                return None
+            done = max(done, bstart[peer][kp] + cost)
+        else:
+            if bstart[peer][kp] is None:
+                return None
+            done = max(done, max(bstart[r][k], bstart[peer][kp]) + cost)
+    return done
+
+
+@dataclass
+class Prediction:
+    """The clock's step: per rank busy (compute), window (first action's start to the end
+    of the step) and their bubble (1 - busy / window: the measured bubble's definition)."""
+
+    timeline: dict[int, list[Timed]]
+    busy_s: dict[int, float]
+    window_s: dict[int, float]
+    pipeline_s: float  # from the step's start to its end (flush, or the last action)
+
+    @property
+    def rank_bubble(self) -> dict[int, float]:
+        return {r: 1 - self.busy_s[r] / self.window_s[r] if self.window_s[r] > 0 else 0.0 for r in self.busy_s}
+
+    @property
+    def bubble(self) -> float:
+        b = self.rank_bubble
+        return sum(b.values()) / len(b)
+
+
+def predict(plans: dict, smap: StageMap, costs: Costs, flushes: bool = True, rules: str = "gloo") -> Prediction:
+    """One step (flushing schedules; the window of each rank ends at the flush, after the
+    last rank's compute) or a never-flushed run (each rank's window ends at its last action)."""
+    tl = clock(plans, smap, costs, rules)
+    last = max(t.end for r in tl for t in tl[r])
+    finish = last + costs.flush_s if flushes else None
+    busy = {r: sum(t.end - t.compute_start for t in tl[r]) for r in tl}
+    window = {r: ((finish if flushes else tl[r][-1].end) - tl[r][0].start) if tl[r] else 0.0 for r in tl}
+    return Prediction(tl, busy, window, finish if flushes else last)

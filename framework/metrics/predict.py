@@ -1,0 +1,124 @@
+"""Predicted step time, bubble and activation peak of a pipeline layout, from a calibration.
+
+`replay` runs the schedule's real plan (`p2p.comm_plan`: the batches the executor issues)
+through the clock (framework/parallel/pipeline/simulate.py) with a `Calibration`'s
+durations. What it predicts and how each number maps to a measured one:
+- bubble_fraction: mean over pipeline ranks of 1 - busy / window, the measured definition
+  (flushing schedules: per step, the window ends at the flush; asynchronous ones: over the
+  whole run, each rank's window ending at its last action).
+- step_time_s: the slowest rank's simulated window plus its measured time outside the
+  window (data, the optimizer step, the dp all-reduce: replayed, not simulated). For the
+  asynchronous schedules the run's simulated span / steps plus that outside time.
+- activation_peak_bytes[rank]: the most (micro-batch, chunk) activations the rank's list
+  holds at once x the calibration's bytes per micro-batch and chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..parallel.pipeline.check import alive_peak
+from ..parallel.pipeline.p2p import comm_plan
+from ..parallel.pipeline.schedules import Schedule
+from ..parallel.pipeline.simulate import Costs, Prediction, predict
+from .calibrate import Calibration
+
+ASYNC_STEPS = (4, 8)  # never-flushed runs: simulate this many steps, extrapolate linearly
+
+
+@dataclass
+class Predicted:
+    step_time_s: float
+    bubble_fraction: float
+    rank_bubble_fraction: list[float]
+    activation_peak_bytes: list[float]
+    pipeline_s: float  # the simulated step (async: the simulated run / its steps)
+    sim: Prediction  # the simulated timeline (async: of the shorter simulated run)
+
+    def keys(self) -> dict:
+        """The summary / metrics.jsonl / W&B keys."""
+        return {"predicted_step_time_s": self.step_time_s, "predicted_bubble_fraction": self.bubble_fraction}
+
+
+def rules_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def alive_per_rank(schedule: Schedule, p: int, m: int, v: int) -> dict[int, int]:
+    lists = schedule.generate(p, m, v, 1 if schedule.flushes else 2)
+    return {r: alive_peak(acts) for r, acts in lists.items()}
+
+
+def replay(cal: Calibration, schedule: Schedule, p: int, m: int, v: int, steps: int = 1,
+           rules: str = "gloo", costs: Costs | None = None) -> Predicted:
+    smap = schedule.stage_map(p, v)
+    costs = costs or cal.costs()
+    outside = [cal.outside_s.get(str(r), 0.0) for r in range(p)]
+    if schedule.flushes:
+        sim = predict(comm_plan(schedule.generate(p, m, v, 1), smap), smap, costs, True, rules)
+        step = max(sim.window_s[r] + outside[r] for r in range(p))
+        bubbles, pipeline_s = sim.rank_bubble, sim.pipeline_s
+    else:
+        sim, bubbles, pipeline_s = _async(schedule, smap, p, m, v, steps, costs, rules)
+        step = pipeline_s + max(outside)
+    alive = alive_per_rank(schedule, p, m, v)
+    act = [alive[r] * cal.act_bytes.get(str(r), 0.0) for r in range(p)]
+    rank_b = [bubbles[r] for r in range(p)]
+    return Predicted(step, sum(rank_b) / p, rank_b, act, pipeline_s, sim)
+
+
+def _async(schedule, smap, p, m, v, steps, costs, rules):
+    """Simulate `ASYNC_STEPS` steps (fewer when the run is shorter) and extrapolate each
+    rank's busy and window time linearly to `steps`: past the fill every step adds the
+    same amount (the tiling of tiling.py is periodic)."""
+    runs = {}
+    for s in sorted({min(steps, n) for n in ASYNC_STEPS}):
+        runs[s] = predict(comm_plan(schedule.generate(p, m, v, s), smap), smap, costs, False, rules)
+    s1, s2 = min(runs), max(runs)
+    a, b = runs[s1], runs[s2]
+
+    def at(x1: float, x2: float) -> float:
+        return x2 if s1 == s2 else x2 + (x2 - x1) / (s2 - s1) * (steps - s2)
+
+    bubbles = {r: 1 - at(a.busy_s[r], b.busy_s[r]) / at(a.window_s[r], b.window_s[r]) for r in range(p)}
+    return b, bubbles, at(a.pipeline_s, b.pipeline_s) / steps
+
+
+class RunPredictor:
+    """The logging rank's replay of its own run: fed each gathered step's records, it
+    predicts at each log interval (the medians so far) and at the end (calibration.json)."""
+
+    def __init__(self, schedule: Schedule, p: int, m: int, v: int, steps: int, coords: list,
+                 message_bytes: int, device_type: str, measured_from: int):
+        """`coords[i]`: global rank i's coordinates (.pp, .dp, .tp)."""
+        from .calibrate import RunningCalibration
+
+        self.schedule, self.p, self.m, self.v, self.steps = schedule, p, m, v, steps
+        self.rules, self.measured_from = rules_for(device_type), measured_from
+        pipes: dict[tuple, dict[int, int]] = {}
+        for g, c in enumerate(coords):
+            pipes.setdefault((c.dp, c.tp), {})[c.pp] = g
+        self.pipelines = [[ranks[pp] for pp in range(p)] for ranks in pipes.values()]
+        self.smap = schedule.stage_map(p, v)
+        self._new = lambda: RunningCalibration(self.smap, self.pipelines, message_bytes, schedule.flushes)
+        self.calib = self._new()
+        self.alive = alive_per_rank(schedule, p, m, v)
+
+    def add(self, step: int, per_rank: list) -> None:
+        if step >= self.measured_from:
+            self.calib.add_step(per_rank)
+
+    def calibration(self, per_rank: list | None = None) -> Calibration:
+        """The measured steps' so far; before the first measured step, this step's own."""
+        if self.calib.steps == 0 and per_rank is not None:
+            one = self._new()
+            one.add_step(per_rank)
+            return one.calibration(self.alive)
+        return self.calib.calibration(self.alive)
+
+    def predict(self, per_rank: list | None = None) -> tuple[Calibration, Predicted | None]:
+        cal = self.calibration(per_rank)
+        try:
+            return cal, replay(cal, self.schedule, self.p, self.m, self.v, self.steps, self.rules)
+        except KeyError:  # an op never recorded yet (no measured step): nothing to predict
+            return cal, None

@@ -1,0 +1,144 @@
+"""Predict a pipeline layout from one finished job, without running it:
+
+    python -m framework.simulate <job dir> [schedule=NAME] [schedule.microbatches=M]
+                                 [schedule.virtual_stages=V] [parallelism.pp=P] [--png FILE] [--json]
+
+The job's calibration.json (every pipeline run writes it: per-stage op durations, host gap,
+link latency, time outside the pipeline, activation bytes; framework/metrics/calibrate.py)
+is rescaled to the target partition (framework/metrics/whatif.py) and the target schedule's
+real plan is run through the clock (framework/parallel/pipeline/simulate.py). Prints the
+predicted step time, bubble and activation peak per rank; `--png` draws the predicted
+Gantt chart. With no override it replays the job itself (its own prediction, beside its
+measurement). `dry_run=true sim.from=<job dir>` puts the same prediction in the dry-run
+plan; `search.mode=simulate` ranks a sweep's candidates by it (docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from omegaconf import OmegaConf
+
+from .config import ConfigError, RunConfig, load_config, read_config
+from .metrics.calibrate import Calibration
+from .metrics.predict import Predicted, replay, rules_for
+from .metrics.whatif import rescale
+from .models import meta_hf_model
+from .parallel.pipeline.schedules import get, resolve
+from .validate import validate_model
+
+KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_stages", "parallelism.pp",
+        "parallelism.partition")
+
+
+def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
+    """(config, run_info, calibration, summary) of a finished pipeline job."""
+    paths = {name: os.path.join(job_dir, name) for name in ("config.yaml", "run_info.json", "calibration.json",
+                                                            "summary.json")}
+    missing = [n for n, p in paths.items() if not os.path.exists(p)]
+    if missing:
+        raise ConfigError("sim.from", job_dir, f"has no {', '.join(missing)}: not a finished pipeline job (pp > 1) "
+                          "of this framework's version", "give the directory of a completed run with parallelism.pp > 1")
+    with open(paths["run_info.json"]) as f:
+        info = json.load(f)
+    with open(paths["calibration.json"]) as f:
+        cal = Calibration.from_json(json.load(f))
+    with open(paths["summary.json"]) as f:
+        summary = json.load(f)
+    return read_config(paths["config.yaml"]), info, cal, summary
+
+
+def target_config(src: RunConfig, overrides: list[str]) -> RunConfig:
+    """The job's config with the layout overrides (`schedule=NAME` picks the schedule and its
+    preset virtual-stage count, as the Hydra group does)."""
+    dot = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in KEYS:
+            raise ConfigError(key, value or None, "is not a layout key the simulator rescales",
+                              f"use key=value with one of {', '.join(KEYS)}")
+        if key in ("schedule", "schedule.name"):
+            dot.append(f"schedule.name={value}")
+            if not any(o.startswith("schedule.virtual_stages=") for o in overrides):
+                dot.append(f"schedule.virtual_stages={get(value).preset_chunks}")
+        else:
+            dot.append(item)
+    cfg = OmegaConf.merge(OmegaConf.structured(src), OmegaConf.from_dotlist(dot))
+    return load_config(cfg)
+
+
+def _blocks(run: RunConfig, vocab: int) -> list[int]:
+    return [len(r) for r in validate_model(run, meta_hf_model(run.model, vocab))]
+
+
+def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig | None = None) -> dict:
+    """The prediction of `target` (or the job's config with `overrides`) from the job's
+    calibration: a dict of predicted keys, and the `Predicted` under "_predicted"."""
+    src, info, cal, summary = load_job(job_dir)
+    dst = target or target_config(src, overrides or [])
+    p, m, v = dst.parallelism.pp, dst.schedule.microbatches, dst.schedule.virtual_stages
+    sched = resolve(dst.schedule)
+    if p < 2:
+        raise ConfigError("parallelism.pp", p, "has no pipeline to simulate", "simulate a layout with pp >= 2")
+    bad = sched.why_not(p, m, v)
+    if bad is not None:
+        raise ConfigError(bad.key, {"schedule.microbatches": m, "schedule.virtual_stages": v}.get(bad.key, p),
+                          bad.reason, bad.fix)
+    vocab = src.model.vocab_size or info["vocab_size"]
+    sp, sv = src.parallelism.pp, src.schedule.virtual_stages
+    new = rescale(cal, resolve(src.schedule), sp, sv, _blocks(src, vocab), sched, p, v, _blocks(dst, vocab))
+    same = (sp, src.schedule.name, sv, src.parallelism.partition) == (p, dst.schedule.name, v, dst.parallelism.partition)
+    used = cal if same else new  # the job's own layout: its own per-stage durations, no rescaling
+    pred = replay(used, sched, p, m, v, dst.trainer.steps, rules_for(summary.get("device", "cpu")))
+    return {"source": job_dir, "schedule": dst.schedule.name, "pp": p, "microbatches": m, "virtual_stages": v,
+            "tokens_per_step": dst.tokens_per_step, **pred.keys(),
+            "predicted_tokens_per_s": dst.tokens_per_step / pred.step_time_s,
+            "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
+            "predicted_activation_peak_bytes": pred.activation_peak_bytes,
+            "rescaled": not same, "_predicted": pred}
+
+
+def describe(result: dict) -> str:
+    lines = [f"{result['schedule']} pp={result['pp']} m={result['microbatches']} v={result['virtual_stages']} "
+             f"(from {result['source']}{', rescaled' if result['rescaled'] else ', replayed'}): "
+             f"step {result['predicted_step_time_s'] * 1e3:.1f} ms | {result['predicted_tokens_per_s']:,.0f} tokens/s "
+             f"| bubble {result['predicted_bubble_fraction']:.3f}"]
+    for r, (b, a) in enumerate(zip(result["predicted_rank_bubble_fraction"], result["predicted_activation_peak_bytes"])):
+        lines.append(f"  pp rank {r}: bubble {b:.3f} | activation peak {a / 2**20:.1f} MiB")
+    return "\n".join(lines)
+
+
+def draw(pred: Predicted, path: str, title: str) -> None:
+    from .metrics.timeline import render_timeline
+
+    recs = [[(str(t.action), t.start, t.compute_start, t.end) for t in pred.sim.timeline[r]]
+            for r in sorted(pred.sim.timeline)]
+    render_timeline(recs, path, title)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.simulate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("job_dir")
+    parser.add_argument("overrides", nargs="*", help=f"key=value with a key in {', '.join(KEYS)}")
+    parser.add_argument("--png", help="write the predicted Gantt chart here")
+    parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = what_if(args.job_dir, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    pred = result.pop("_predicted")
+    print(json.dumps(result, indent=1) if args.json else describe(result))
+    if args.png:
+        draw(pred, args.png, f"predicted: {result['schedule']} pp={result['pp']} m={result['microbatches']} "
+             f"v={result['virtual_stages']}, step {result['predicted_step_time_s'] * 1e3:.1f} ms, "
+             f"bubble {result['predicted_bubble_fraction']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
