@@ -8,10 +8,11 @@ checks live in `framework/validate/`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
@@ -80,6 +81,8 @@ class ScheduleConfig:
     virtual_stages: Optional[int] = 1  # model chunks per pipeline rank (as the schedule declares; csv: null = file's)
     csv: Optional[str] = None  # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)
     modules: list = field(default_factory=list)  # Python files / modules that register more schedules
+    memory_limit_microbatches: Optional[int] = None  # zb-auto: most micro-batches alive per rank (null = pp)
+    op_times: Optional[dict] = None  # zb-auto: {F, I, W: seconds (or a list per pp rank), comm}; null = sim.from's
 
 
 @dataclass
@@ -146,6 +149,18 @@ class SearchConfig:
     memory_budget_bytes: Optional[float] = None
     # What a failed or rejected job returns to a sweeper; null = NaN (Optuna: a failed trial).
     failed_value: Optional[float] = None
+    # run: launch every candidate | simulate: predict each from sim.from (no launch), then
+    # launch only the top_k by predicted step time (framework/sweep_sim.py)
+    mode: str = "run"
+    top_k: int = 1
+
+
+@dataclass
+class SimConfig:
+    """The simulator (docs/simulator.md). The command-line key is `sim.from`, stored as
+    `source` (a Python keyword cannot name a field)."""
+
+    source: Optional[str] = None  # a finished pipeline job whose calibration.json predicts this run
 
 
 @dataclass
@@ -160,6 +175,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
     device: str = "auto"  # auto | cpu | cuda; resolved once in framework/launch.py
     launcher: str = "local"  # local: start the ranks here | external: write the job dir for torchrun
     dry_run: bool = False  # print and write plan.json; start no rank
@@ -183,6 +199,7 @@ class RunConfig:
 def load_config(cfg: DictConfig | dict) -> RunConfig:
     """Merge a composed config into the schema; a wrong key or type is a ConfigError."""
     schema = OmegaConf.structured(RunConfig)
+    cfg = _sim_from(cfg)
     try:
         merged = OmegaConf.merge(schema, cfg)
         run = OmegaConf.to_object(merged)
@@ -195,6 +212,17 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     assert isinstance(run, RunConfig)
     derive_layout(run)
     return run
+
+
+def _sim_from(cfg):
+    """`sim.from=<job dir>` (the documented key) -> the schema's sim.source."""
+    sim = cfg.get("sim") if hasattr(cfg, "get") else None
+    if sim is None or "from" not in sim:
+        return cfg
+    cfg = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    with open_dict(cfg):
+        cfg.sim.source = cfg.sim.pop("from")
+    return cfg
 
 
 def derive_layout(run: RunConfig) -> None:

@@ -27,13 +27,14 @@ from .files import write_report
 from .launch import RankFailure, launch_local
 from .logging import RunInfo
 from .metrics.bubble import analytic_bubble
-from .parallel.pipeline.schedules import resolve
+from .parallel.pipeline.schedules import get, names, resolve
 from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, with_pretrained_sizes
 from .plan import make_plan, render_plan
 from .progress import RUN_LOG
 from .signals import Stopped
+from .simulate import auto_op_times, describe, what_if
 from .validate import check_job_dir, validate, validate_model
 
 
@@ -136,11 +137,27 @@ def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
         json.dump(asdict(info), f, indent=2)
 
 
+def sim_inputs(run: RunConfig) -> None:
+    """sim.from feeds a schedule that builds from measured times (zb-auto) before validation
+    proves its lists; a bad sim.from is a ConfigError here, before any rank starts."""
+    s = run.schedule
+    if not run.sim.source or s.op_times is not None or run.parallelism.pp < 2:
+        return
+    if s.name in names() and get(s.name).configure is not None:
+        s.op_times = auto_op_times(run.sim.source)
+
+
 def dry_run(run: RunConfig, job_dir: str) -> dict:
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
     plan = make_plan(run, model, validate_model(run, model))
+    if run.sim.source and run.parallelism.pp > 1:  # the simulator's prediction of this layout
+        result = what_if(run.sim.source, target=run)
+        result.pop("_predicted")
+        plan["simulated"] = result
     print(render_plan(plan))
+    if "simulated" in plan:
+        print(describe(plan["simulated"]))
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)
@@ -203,6 +220,7 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     set_aside_previous(job_dir)
     try:
         check_job_dir(job_dir)
+        sim_inputs(run)
         validate(run)
         if run.model.pretrained:
             run.model = with_pretrained_sizes(run.model)

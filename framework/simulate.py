@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 from omegaconf import OmegaConf
 
@@ -99,6 +100,23 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
             "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
             "predicted_activation_peak_bytes": pred.activation_peak_bytes,
             "rescaled": not same, "_predicted": pred}
+
+
+def auto_op_times(job_dir: str) -> dict:
+    """zb-auto's schedule.op_times from a job: per pipeline rank T_F, T_I, T_W (a fused B
+    split as the job's own I / W share, else in halves; the first stage's I computes
+    nothing), and comm = the job's link latency."""
+    src, info, cal, _ = load_job(job_dir)
+    sched = resolve(src.schedule)
+    vocab = src.model.vocab_size or info["vocab_size"]
+    p, v = src.parallelism.pp, src.schedule.virtual_stages
+    # the same pipeline on one chunk per rank (loop placement, flushing), in split form
+    one = replace(sched, placement="loop", asynchronous=None)
+    new = rescale(cal, sched, p, v, _blocks(src, vocab), one, p, 1,
+                  _blocks(target_config(src, ["schedule.virtual_stages=1"]), vocab))
+    times = {op: [new.compute[f"{r},0,{op}"] for r in range(p)] for op in "FIW"}
+    times["I"][0] = max(times["I"][0], 1e-6)  # > 0, as validation requires (it computes nothing)
+    return {**times, "comm": cal.alpha_s}
 
 
 def describe(result: dict) -> str:

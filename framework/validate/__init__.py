@@ -10,6 +10,8 @@ partition), `validate_prepared` on the tokenized data (vocabulary, enough sample
 
 from __future__ import annotations
 
+import os
+
 
 from ..config import ConfigError, DataConfig, RunConfig
 from ..parallel.pipeline.partition import PartitionError
@@ -186,6 +188,7 @@ def _misc(run: RunConfig) -> None:
     if run.search.failed_value is not None:
         number("search.failed_value", run.search.failed_value, lambda x: True, "must be a finite number",
                "e.g. 0.0 for a maximised objective, or null (NaN: Optuna marks the trial failed)")
+    _search_and_sim(run)
     fr = run.debug.fail_rank
     if fr is not None and not 0 <= fr < run.world_size:
         raise ConfigError("debug.fail_rank", fr, f"no such rank in world size {run.world_size}",
@@ -194,6 +197,18 @@ def _misc(run: RunConfig) -> None:
         raise ConfigError("debug.fail_step", run.debug.fail_step, f"steps are numbered 1..{run.trainer.steps}",
                           "e.g. debug.fail_step=1 (the fault is raised at the start of that step)")
     _debug_delay(run)
+
+
+def _search_and_sim(run: RunConfig) -> None:
+    choice("search.mode", run.search.mode, ("run", "simulate"))
+    positive("search.top_k", run.search.top_k)
+    src = run.sim.source
+    if run.search.mode == "simulate" and not src:
+        raise ConfigError("sim.from", src, "search.mode=simulate ranks candidates by a prediction from a measured job",
+                          "set sim.from=<the directory of a finished pipeline job>")
+    if src and not os.path.isfile(os.path.join(src, "calibration.json")):
+        raise ConfigError("sim.from", src, "has no calibration.json: not the directory of a finished pipeline job "
+                          "(parallelism.pp > 1)", "run one (e.g. python run.py trainer.steps=20) and give its directory")
 
 
 def _debug_delay(run: RunConfig) -> None:

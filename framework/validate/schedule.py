@@ -9,7 +9,7 @@ import re
 
 from ..config import ConfigError, RunConfig
 from ..parallel.pipeline.partition import uniform
-from ..parallel.pipeline.schedules import CSV, CsvError, csv_schedule, get, load_modules, names
+from ..parallel.pipeline.schedules import CSV, CsvError, csv_schedule, get, load_modules, names, resolve
 from .common import choice, positive
 
 
@@ -31,7 +31,8 @@ def check_schedule(run: RunConfig) -> None:
     where = _csv(run) if s.name == CSV else None
     positive("schedule.microbatches", s.microbatches)
     positive("schedule.virtual_stages", s.virtual_stages)
-    sched = csv_schedule(s.csv)[0] if where is not None else get(s.name)
+    _auto_keys(run)
+    sched = csv_schedule(s.csv)[0] if where is not None else resolve(s)
     bad = sched.why_not(pp, s.microbatches, s.virtual_stages)
     if bad is not None:
         value = {"schedule.name": s.name, "schedule.microbatches": s.microbatches,
@@ -47,6 +48,34 @@ def check_schedule(run: RunConfig) -> None:
     _partition(run, stages)
     if pp > 1:
         _prove(run, sched, where)
+
+
+def _auto_keys(run: RunConfig) -> None:
+    """zb-auto's keys: a memory limit >= 1, op times {F, I, W (seconds > 0, or one per pp
+    rank), comm (>= 0)}; the keys mean nothing to other schedules, so setting them there is
+    an error rather than silently ignored."""
+    s, pp = run.schedule, run.parallelism.pp
+    if not (s.name in names() and get(s.name).configure is not None):
+        for key in ("memory_limit_microbatches", "op_times"):
+            if getattr(s, key) is not None:
+                raise ConfigError(f"schedule.{key}", getattr(s, key), f"schedule={s.name} builds its lists without it",
+                                  f"remove it, or use a schedule that reads it "
+                                  f"({', '.join(n for n in names() if get(n).configure is not None)})")
+        return
+    if s.memory_limit_microbatches is not None:
+        positive("schedule.memory_limit_microbatches", s.memory_limit_microbatches)
+    t = s.op_times
+    if t is None:
+        return
+    fix = "e.g. schedule.op_times={F: 0.014, I: 0.012, W: 0.011, comm: 0.0005} (seconds), or null with sim.from"
+    if set(t) - {"F", "I", "W", "comm"} or not {"F", "I", "W"} <= set(t):
+        raise ConfigError("schedule.op_times", dict(t), "needs keys F, I, W (and optionally comm)", fix)
+    for key, x in t.items():
+        values = list(x) if isinstance(x, (list, tuple)) else [x]
+        if key != "comm" and isinstance(x, (list, tuple)) and len(values) != pp:
+            raise ConfigError(f"schedule.op_times.{key}", values, f"lists one time per pipeline rank, and pp={pp}", fix)
+        if not all(isinstance(v, (int, float)) and (v >= 0 if key == "comm" else v > 0) for v in values):
+            raise ConfigError(f"schedule.op_times.{key}", x, "must be seconds > 0 (comm: >= 0)", fix)
 
 
 def _csv(run: RunConfig) -> dict:

@@ -10,7 +10,7 @@ declares (placement, ops, constraints, analytic bubble, memory bound, update rul
 
 from .base import (REGISTRY, Action, AsyncRule, Op, OpTimes, Schedule, StageMap, Violation, build_schedule, get,
                    names, register, unregister)
-from . import classic, pipedream, zero_bubble, interleaved_zb, zbv, dualpipev  # noqa: F401  (they register)
+from . import classic, pipedream, zero_bubble, interleaved_zb, zbv, dualpipev, zb_auto  # noqa: F401  (they register)
 from .csv_format import CsvError, dump_csv, load_csv
 from .loading import CSV, csv_schedule, load_modules, never_flushes, resolve
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 
 class Op(str, enum.Enum):
@@ -151,6 +151,9 @@ class Schedule:
     asynchronous: Optional[AsyncRule] = None
     preset_chunks: int = 1  # conf/schedule/<name>.yaml's virtual_stages
     extra: dict = field(default_factory=dict)
+    # Schedules with keys of their own (zb-auto: schedule.memory_limit_microbatches,
+    # schedule.op_times): the run's ScheduleConfig -> the Schedule it asks for (`resolve`).
+    configure: Optional[Callable[[Any], "Schedule"]] = None
 
     @property
     def flushes(self) -> bool:

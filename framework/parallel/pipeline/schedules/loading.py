@@ -6,7 +6,8 @@
   schedule is one file outside the framework.
 - `schedule.name=csv` with `schedule.csv=<path>`: the file's schedule (csv_format.py), read
   once per process and path.
-- anything else: the registry's.
+- anything else: the registry's, configured by the schedule's own keys where it has
+  them (`Schedule.configure`: zb-auto's memory limit and op times).
 """
 
 from __future__ import annotations
@@ -58,4 +59,5 @@ def resolve(cfg) -> Schedule:
     load_modules(getattr(cfg, "modules", None))
     if cfg.name == CSV:
         return csv_schedule(cfg.csv)[0]
-    return get(cfg.name)
+    s = get(cfg.name)
+    return s.configure(cfg) if s.configure is not None else s

@@ -39,11 +39,18 @@ def zbh1(pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]
     return out
 
 
-def greedy(pp: int, m: int, limit: int, times: OpTimes = OpTimes()) -> dict[int, list[Action]]:
+def greedy(pp: int, m: int, limit: int, times=OpTimes(), comm: float = 0.0,
+           fill_rule: bool = False) -> dict[int, list[Action]]:
     """One chunk per rank: each rank, when free, runs I if its gradient has arrived, else F
     if its activation has arrived and fewer than `limit` micro-batches are alive, else its
     oldest pending W, else waits for the first message. Decisions are committed in global
-    time order, so a rank decides knowing every message that has arrived by then."""
+    time order, so a rank decides knowing every message that has arrived by then.
+    `times`: one OpTimes, or one per rank; `comm`: seconds from a send to its arrival.
+    `fill_rule` (the paper's automatic scheduler, zb_auto.py): an idle rank whose next I or
+    F is already on its way and due in less than T_W waits for it instead of starting a W,
+    unless waiting would make its idle time so far the largest of all ranks."""
+    per_rank = list(times) if isinstance(times, (list, tuple)) else [times] * pp
+    idle = [0.0] * pp
     free = [0.0] * pp
     lists = {r: [] for r in range(pp)}
     f_next, i_next, alive = [0] * pp, [0] * pp, [0] * pp
@@ -62,17 +69,25 @@ def greedy(pp: int, m: int, limit: int, times: OpTimes = OpTimes()) -> dict[int,
             if pending[r]:
                 options.append((free[r], 2, Op.W))
             now = [o for o in options if o[0] <= free[r]]
+            if fill_rule and [o[2] for o in now] == [Op.W]:
+                due = [o for o in options if o[2] is not Op.W]
+                if due and due[0][0] - free[r] < per_rank[r].W and \
+                        idle[r] + due[0][0] - free[r] <= max(idle):
+                    now = []  # wait for it: a W here would delay it more than the gap
+                    options = due
             pick = min(now or options, key=lambda o: (o[1], o[0]) if now else (o[0], o[1]), default=None)
             if pick is not None and (best is None or (pick[0], r) < (best[0][0], best[1])):
                 best = (pick, r)
         (start, _, op), r = best
+        times = per_rank[r]
+        idle[r] += start - free[r]
         if op is Op.F:
             j = f_next[r]
             f_next[r] += 1
             alive[r] += 1
             end = start + times.F
             if r + 1 < pp:
-                act_at[r + 1, j] = end
+                act_at[r + 1, j] = end + comm
             else:
                 grad_at[r, j] = end  # the last stage starts its backward from its loss
         elif op is Op.I:
@@ -81,7 +96,7 @@ def greedy(pp: int, m: int, limit: int, times: OpTimes = OpTimes()) -> dict[int,
             pending[r].append(j)
             end = start + times.I
             if r > 0:
-                grad_at[r - 1, j] = end
+                grad_at[r - 1, j] = end + comm
         else:
             j = pending[r].popleft()
             alive[r] -= 1
