@@ -26,6 +26,7 @@ from framework.job import run_job, set_aside_previous, write_outcome
 from framework.launch import RankFailure
 from framework.progress import console_to_run_log
 from framework.signals import StopSignals, Stopped
+from framework.sweep_sim import OBJECTIVES as SIMULATED_OBJECTIVES
 
 
 def name_run(run: RunConfig, hc) -> None:
@@ -52,9 +53,12 @@ def job(cfg: DictConfig, hc, job_dir: str) -> float:
     except Exception as e:  # the launching process itself (an I/O error preparing data, ...)
         write_outcome(job_dir, "failed", f"launcher: {type(e).__name__}: {e}")
         raise
-    if not result or run.dry_run or result.get(run.objective) is None:
+    key = run.objective
+    if run.search.mode == "simulate":  # predicted, not run: the prediction of the objective
+        key = SIMULATED_OBJECTIVES.get(key, "")
+    if not result or run.dry_run or result.get(key) is None:
         return math.nan  # e.g. objective=mfu under precision=fp64, which reports no MFU
-    return float(result[run.objective])
+    return float(result[key])
 
 
 def outcome(cfg: DictConfig, hc) -> float:

@@ -34,6 +34,8 @@ from .models import build_hf_model, with_pretrained_sizes
 from .plan import make_plan, render_plan
 from .progress import RUN_LOG
 from .signals import Stopped
+from .sweep_sim import finish as finish_simulated_search
+from .sweep_sim import predict_job
 from .simulate import auto_op_times, describe, what_if
 from .validate import check_job_dir, validate, validate_model
 
@@ -164,25 +166,28 @@ def dry_run(run: RunConfig, job_dir: str) -> dict:
     return plan
 
 
-def check_memory_budget(run: RunConfig) -> None:
+def check_memory_budget(run: RunConfig) -> Optional[int]:
     """search.memory_budget_bytes: a layout whose fullest rank the dry-run planner (model on
     the meta device, no data, no rank) puts above the budget is rejected here, so a search
     never launches it. The estimate is model states only (parameters, gradients, optimizer
-    states, ZeRO-sharded, tp shards exact); activations are not in it."""
+    states, ZeRO-sharded, tp shards exact); activations are not in it (search.mode=simulate
+    adds the simulator's activation peak, framework/sweep_sim.py). Returns the estimate
+    (None when neither a budget nor the simulate mode asks for it)."""
     budget = run.search.memory_budget_bytes
-    if budget is None:
-        return
+    if budget is None and run.search.mode != "simulate":
+        return None
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
     plan = make_plan(run, model, validate_model(run, model))
     need = max(m["model_state_bytes"] for m in plan["memory_estimate_per_rank"])
-    if need > budget:
+    if budget is not None and need > budget:
         raise ConfigError("search.memory_budget_bytes", budget,
                           f"the dry-run planner puts {need:,} bytes ({need / 2**20:.1f} MiB) of model states "
                           f"(parameters, gradients, optimizer states; activations not counted) on the fullest rank of "
                           f"dp {run.parallelism.dp} x tp {run.parallelism.tp} x pp {run.parallelism.pp}, "
                           f"zero {run.parallelism.zero}",
                           "raise the budget, or a layout that shards more (tp, pp, parallelism.zero)")
+    return need
 
 
 def _vocab_without_data(run: RunConfig) -> int:
@@ -224,9 +229,13 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
         validate(run)
         if run.model.pretrained:
             run.model = with_pretrained_sizes(run.model)
-        check_memory_budget(run)
+        model_states = check_memory_budget(run)
         if run.dry_run:
             return dry_run(run, job_dir)
+        if run.search.mode == "simulate":  # predicted, not run (framework/sweep_sim.py)
+            result = predict_job(run, job_dir, model_states)
+            print(describe(result), flush=True)
+            return result
         device_type = resolve_device(run.device)
         info = run_info(run, device_type, job_dir)
     except ConfigError as e:
@@ -258,11 +267,13 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
 JOB_OUTPUTS = ("config.yaml", "run_info.json", "summary.json", "summary.json.tmp", "metrics.jsonl",
                "metrics.jsonl.partial", "error.txt", "hang.txt", "trace.json", "timeline.png", "final_model.pt",
                "final_model", "final_model.tmp",
-               "plan.json", "wandb", "rank_failures", ".flight")
+               "plan.json", "wandb", "rank_failures", ".flight", "calibration.json", "predicted_trace.json",
+               "prediction.json")
 PREVIOUS_DIR = ".previous"
 # A sweep directory's own files (besides its numbered job directories): Hydra's record, the
 # report (framework.report) and an Optuna search's result.
-SWEEP_OUTPUTS = ("multirun.yaml", "report.csv", "report.md", "report.html", "optimization_results.yaml")
+SWEEP_OUTPUTS = ("multirun.yaml", "report.csv", "report.md", "report.html", "optimization_results.yaml",
+                 "simulated_search.json")
 
 
 def set_aside_previous(job_dir: str) -> Optional[str]:
@@ -329,10 +340,21 @@ class JobDirCallback:
         _dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
         set_aside_sweep(str(config.hydra.sweep.dir))
 
+    def on_multirun_end(self, config, **kwargs) -> None:
+        """search.mode=simulate: every job was predicted; now run the best top_k."""
+        if _select(config, "search.mode") == "simulate":
+            finish_simulated_search(str(config.hydra.sweep.dir), run_job)
+
     def __getattr__(self, name):  # Hydra calls every other hook too; they do nothing here
         if name.startswith("on_"):
             return lambda *args, **kwargs: None
         raise AttributeError(name)
+
+
+def _select(config, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, key, default=None)
 
 
 def _dir_or_exit(path: str, key: str) -> None:

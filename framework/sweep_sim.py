@@ -1,0 +1,85 @@
+"""search.mode=simulate: a sweep whose jobs are predicted, not run, and then only the best
+`search.top_k` of them run.
+
+    python run.py -m schedule=flush,zbh1,gpipe schedule.microbatches=4,8 \
+        search.mode=simulate sim.from=<finished pipeline job> search.top_k=1
+
+Each job of the sweep is validated as usual (a layout that cannot run is rejected; one whose
+model states, per the dry-run planner, plus the predicted activation peak exceed
+`search.memory_budget_bytes` is rejected too), predicted from sim.from's calibration
+(framework/simulate.py) and written as `prediction.json` (plus its config.yaml); no rank
+starts. The sweeper receives the prediction of its objective (`predicted_tokens_per_s` for
+tokens_per_s, `predicted_step_time_s` for step_time_s). When the sweep ends
+(`SimulatedSearch.finish`, from the Hydra callback) the candidates are ranked by predicted
+tokens/s (the same order as step time when tokens per step are equal, as in a layout search
+with trainer.global_batch_size; fair when they differ), the top_k are launched in their own
+job directories, and `simulated_search.json` in the sweep directory lists every candidate
+with its prediction and, for those run, the measurement and the signed error.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional
+
+from .config import ConfigError, RunConfig, read_config, to_yaml
+from .files import write_atomic
+
+PREDICTION = "prediction.json"
+RESULT = "simulated_search.json"
+OBJECTIVES = {"tokens_per_s": "predicted_tokens_per_s", "step_time_s": "predicted_step_time_s"}
+
+
+def predict_job(run: RunConfig, job_dir: str, model_state_bytes: Optional[int]) -> dict:
+    """One candidate: its prediction, checked against the memory budget, in prediction.json."""
+    from .simulate import what_if
+
+    result = what_if(run.sim.source, target=run)
+    result.pop("_predicted")
+    budget = run.search.memory_budget_bytes
+    need = (model_state_bytes or 0) + max(result["predicted_activation_peak_bytes"])
+    result.update(status="simulated", model_state_bytes_max=model_state_bytes, predicted_memory_bytes_max=need)
+    if budget is not None and need > budget:
+        raise ConfigError("search.memory_budget_bytes", budget,
+                          f"this layout needs about {need:,.0f} bytes on its fullest rank (model states from the "
+                          "dry-run planner + the simulator's activation peak)", "raise the budget, or shard more")
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(run))
+    write_atomic(os.path.join(job_dir, PREDICTION), json.dumps(result, indent=1))
+    return result
+
+
+def finish(sweep_dir: str, run_job) -> list[dict]:
+    """Rank the sweep's predictions, run the top_k (`run_job(run, job_dir)`), write the table."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(sweep_dir, "*", PREDICTION))):
+        with open(path) as f:
+            rows.append({"job_dir": os.path.dirname(path), **json.load(f)})
+    if not rows:
+        return []
+    rows.sort(key=lambda r: -r["predicted_tokens_per_s"])
+    k = read_config(os.path.join(rows[0]["job_dir"], "config.yaml")).search.top_k
+    for rank, row in enumerate(rows):
+        row["predicted_rank"] = rank + 1
+        row["launched"] = rank < k
+    for row in rows[:k]:
+        run = read_config(os.path.join(row["job_dir"], "config.yaml"))
+        run.search.mode = "run"
+        print(f"search.mode=simulate: running predicted #{row['predicted_rank']} ({row['schedule']}, pp={row['pp']}, "
+              f"m={row['microbatches']}) in {row['job_dir']}", flush=True)
+        try:
+            summary = run_job(run, row["job_dir"])
+        except Exception as e:  # noqa: BLE001 - one failed run never stops the others
+            row["measured_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            continue
+        row["measured_status"] = "completed"
+        row["measured_step_time_s"], row["measured_bubble_fraction"] = summary["step_time_s"], summary["bubble_fraction"]
+        row["step_time_error"] = row["predicted_step_time_s"] / summary["step_time_s"] - 1
+        row["bubble_error"] = row["predicted_bubble_fraction"] - summary["bubble_fraction"]
+    write_atomic(os.path.join(sweep_dir, RESULT), json.dumps(rows, indent=1))
+    print(f"search.mode=simulate: {len(rows)} candidates predicted, {min(k, len(rows))} run; "
+          f"{os.path.join(sweep_dir, RESULT)}", flush=True)
+    return rows
