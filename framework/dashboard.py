@@ -112,14 +112,20 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def _timeline_events(job: Job) -> list[dict]:
-    """trace.json's compute and wait slices of the timeline step (pipelines only)."""
+    """trace.json's compute and wait slices of the timeline step (pipelines only), then the
+    simulator's replay of that step (predicted_trace.json), on rows named `predicted rank r`."""
     step = job.summary.get("timeline_step")
-    try:
-        trace = json.loads((job.folder / "trace.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return [e for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and (e.get("args") or {}).get("step") == step]
+    out = []
+    for name, prefix in (("trace.json", "rank"), ("predicted_trace.json", "predicted rank")):
+        try:
+            trace = json.loads((job.folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        events = [e for e in trace.get("traceEvents", [])
+                  if e.get("ph") == "X" and (e.get("args") or {}).get("step") == step]
+        t0 = min((e["ts"] for e in events), default=0.0)  # each from its own step's start
+        out += [{**e, "ts": e["ts"] - t0, "row": f"{prefix} {e['tid']}"} for e in events]
+    return out
 
 
 # ---- figures ----------------------------------------------------------------------------
@@ -170,11 +176,12 @@ def bubble_figure(jobs: list[Job]):
     names = [j.label for j in jobs]
     fig = go.Figure()
     for key, name, colour in (("bubble_fraction", "measured", "#31a354"),
+                              ("predicted_bubble_fraction", "predicted (simulator replay)", "#9ecae1"),
                               ("bubble_fraction_analytic", "analytic", "#bdbdbd")):
         values = [j.summary.get(key) for j in jobs]
         fig.add_trace(go.Bar(x=names, y=values, name=name, text=[fmt_percent(v) for v in values],
                              marker_color=colour))
-    return _layout(fig, "Pipeline bubble per job: measured (mean over ranks) and analytic", barmode="group",
+    return _layout(fig, "Pipeline bubble per job: measured (mean over ranks), the simulator's replay, and analytic", barmode="group",
                    yaxis_title="idle share of the step", yaxis_tickformat=".0%", height=460)
 
 
@@ -208,25 +215,27 @@ def timeline_figure(job: Job):
     events = _timeline_events(job)
     if not events:
         return None
-    t0 = min(e["ts"] for e in events)
     fig = go.Figure()
     for cat in ("wait", "F", "B", "I", "W", "U"):
         mine = [e for e in events if e.get("cat") == cat]
         if not mine:
             continue
         fig.add_trace(go.Bar(
-            orientation="h", y=[f"rank {e['tid']}" for e in mine], x=[e["dur"] / 1e3 for e in mine],
-            base=[(e["ts"] - t0) / 1e3 for e in mine], name=ACTION_NAMES[cat], marker_color=ACTION_COLOURS[cat],
+            orientation="h", y=[e["row"] for e in mine], x=[e["dur"] / 1e3 for e in mine],
+            base=[e["ts"] / 1e3 for e in mine], name=ACTION_NAMES[cat], marker_color=ACTION_COLOURS[cat],
             marker_line=dict(width=0.5, color="#252525"), text=[e["name"] if cat != "wait" else "" for e in mine],
             hovertemplate="%{text} %{x:.1f} ms from %{base:.1f} ms<extra>" + ACTION_NAMES[cat] + "</extra>"))
     s = job.summary
     title = (f"{job.label}: step {s.get('timeline_step')} (median step time) | bubble measured "
-             f"{fmt_percent(s.get('bubble_fraction'))}, analytic {fmt_percent(s.get('bubble_fraction_analytic'))}")
-    ranks = sorted({e["tid"] for e in events})
+             f"{fmt_percent(s.get('bubble_fraction'))}, analytic {fmt_percent(s.get('bubble_fraction_analytic'))}"
+             + (f", predicted {fmt_percent(s['predicted_bubble_fraction'])} (step time "
+                f"{s['predicted_step_time_error']:+.1%} vs measured)" if s.get("predicted_step_time_error") is not None
+                else ""))
+    rows = sorted({e["row"] for e in events}, key=lambda r: (r.startswith("predicted"), int(r.split()[-1])))
     return _layout(fig, title, barmode="overlay", xaxis_title="ms from the step's first action",
                    yaxis=dict(autorange="reversed", categoryorder="array",
-                              categoryarray=[f"rank {r}" for r in ranks]),
-                   height=180 + 50 * len(ranks))
+                              categoryarray=rows),
+                   height=180 + 50 * len(rows))
 
 
 # ---- the page ---------------------------------------------------------------------------

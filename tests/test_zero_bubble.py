@@ -1,7 +1,7 @@
 """Zero-bubble schedules reproduce the single process in fp64 (the split backward's bitwise
 unit tests are in tests/test_split_backward.py).
 
-Every new schedule (zbh1, zbh2, interleaved-zb, zbv, dualpipev) runs GPT-2 (tied
+Every new schedule (zbh1, zbh2, interleaved-zb, zbv, dualpipev, zb-auto) runs GPT-2 (tied
 embedding: in a V both copies sit on pp rank 0, in a loop they are summed between the
 first and last stage) and Llama (untied) against one process accumulating the same global
 batch of 8 sequences: per-step losses, gradient norms and final parameters agree to rtol
@@ -33,6 +33,11 @@ LAYOUTS = {
     "zbv_dp2_pp2_zero1": ["parallelism=dp2_pp2", "schedule=zbv", "schedule.microbatches=2", "parallelism.zero=1"],
     "interleaved_zb_tp2_pp2_sp": ["parallelism=tp2_pp2", "schedule=interleaved-zb", "schedule.microbatches=4", *SP],
     "dualpipev_tp2_pp2_sp": ["parallelism=tp2_pp2", "schedule=dualpipev", "schedule.microbatches=4", *SP],
+    "zb_auto_pp2": ["parallelism=pp2", "schedule=zb-auto", "schedule.microbatches=4"],
+    # built from given (uneven) times, a p2p cost and a memory limit below ZB-H2's
+    "zb_auto_pp4_limit3_nccl": ["parallelism=pp4", "schedule=zb-auto", "schedule.microbatches=4",
+                                "schedule.memory_limit_microbatches=3",
+                                "schedule.op_times={F:[1.0,1.0,2.0,1.0],I:1.5,W:0.5,comm:0.2}", NCCL],
 }
 SINGLE = ["parallelism=single", "schedule=flush", "schedule.microbatches=4"]
 

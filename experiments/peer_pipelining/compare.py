@@ -98,23 +98,50 @@ def theirs(schedule: str, out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-REPEATS = 2  # ours, theirs, ours, theirs: drift of this shared machine hits both alike
+REPEATS = 3  # ours, theirs, ours, theirs, ...: drift of this shared machine hits both alike
+
+
+def breakdown(job_summary: dict, job_dir: Path) -> str:
+    """Where ours spends a step, from its calibration.json (the simulator's inputs): per
+    step, the slowest rank's compute, its host gaps between actions (issuing p2p batches,
+    timing marks), the time outside the pipeline (optimizer, gradient-norm all-reduce), and
+    what is left (waits on the peer, the flush); beside the replay's error."""
+    cal = json.loads((job_dir / "calibration.json").read_text())
+    cfg = (job_dir / "config.yaml").read_text()
+    m = int(cfg.split("microbatches:")[1].split()[0])
+    per_rank = {}
+    for key, sec in cal["compute"].items():
+        r = key.split(",")[0]
+        per_rank[r] = per_rank.get(r, 0.0) + sec * m
+    worst = max(per_rank, key=per_rank.get)
+    n_actions = 2 * m * (2 if "interleaved" in job_summary["schedule"] else 1)
+    compute, gaps = per_rank[worst], cal["gap_s"][worst] * (n_actions - 1)
+    outside = cal["outside_s"][worst]
+    step = job_summary["step_time_s"]
+    return (f"{step * 1e3:.0f} = compute {compute * 1e3:.0f} + gaps {gaps * 1e3:.1f} + outside {outside * 1e3:.1f} "
+            f"+ waits/flush {(step - compute - gaps - outside) * 1e3:.0f} (replay {job_summary['predicted_step_time_error']:+.1%})")
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "outputs" / "peer_pipelining")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    passes = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--passes=")), REPEATS)
+    out = Path(args[0] if args else ROOT / "outputs" / "peer_pipelining")
     out.mkdir(parents=True, exist_ok=True)
-    rows = ["| schedule (ours / torch.distributed.pipelining) | ours tokens/s (run 1 / 2) | theirs tokens/s (run 1 / 2) "
-            "| ours / theirs (run 1 / 2) | final loss ours / theirs |", "|" + "---|" * 5]
+    runs = " / ".join(str(i + 1) for i in range(passes))
+    rows = [f"| schedule (ours / torch.distributed.pipelining) | ours tokens/s (pass {runs}) | theirs tokens/s "
+            f"(pass {runs}) | ours / theirs (pass {runs}) | median ratio | final loss ours / theirs |", "|" + "---|" * 6]
+    where = ["| schedule | ours, ms per step (pass 1), from calibration.json |", "|---|---|"]
     for schedule, peer in PAIRS.items():
         a, b = [], []
-        for i in range(REPEATS):
+        for i in range(passes):
             a.append(ours(schedule, out / f"run{i}"))
             b.append(theirs(schedule, (out / f"run{i}")))
         tps = lambda runs: " / ".join(f"{r['tokens_per_s']:,.0f}" for r in runs)  # noqa: E731
-        ratio = " / ".join(f"{x['tokens_per_s'] / y['tokens_per_s']:.2f}" for x, y in zip(a, b, strict=True))
-        rows.append(f"| {schedule} / {peer} | {tps(a)} | {tps(b)} | {ratio} | {a[0]['loss']:.4f} / {b[0]['loss']:.4f} |")
-    text = f"torch {torch.__version__}, {os.cpu_count()} CPUs\n\n" + "\n".join(rows) + "\n"
+        ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b, strict=True)]
+        rows.append(f"| {schedule} / {peer} | {tps(a)} | {tps(b)} | {' / '.join(f'{r:.2f}' for r in ratios)} "
+                    f"| {statistics.median(ratios):.2f} | {a[0]['loss']:.4f} / {b[0]['loss']:.4f} |")
+        where.append(f"| {schedule} | {breakdown(a[0], out / 'run0' / f'ours_{schedule}')} |")
+    text = f"torch {torch.__version__}, {os.cpu_count()} CPUs\n\n" + "\n".join(rows) + "\n\n" + "\n".join(where) + "\n"
     (out / "results.md").write_text(text)
     print(text)
 
