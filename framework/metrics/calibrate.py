@@ -15,7 +15,9 @@ executor's records (action, start, compute start, end) in unix seconds:
   receive wait is over `WAITED_S`; otherwise the message had arrived earlier and the
   difference is only an upper bound). A run sends one message size (activations and
   gradients share a shape), so alpha and beta are not separable from one run: the whole
-  latency is alpha and beta is infinite (documented in docs/simulator.md).
+  latency is alpha and beta is infinite (documented in docs/simulator.md). A receive
+  posted after its send (the plan says which batch posts it) is timed from the posting
+  instead, as alpha_late_s: gloo's rendezvous for it costs more.
 - flush_s: the end of a flushing step's window minus its last compute's end.
 - outside_s[pp rank]: the rank's step time minus its window (data, the optimizer step, the
   dp all-reduce): replayed as measured, never simulated.
@@ -64,6 +66,7 @@ class Calibration:
     gap_s: dict = field(default_factory=dict)  # "rank" -> seconds
     alpha_s: float = 0.0
     beta_Bps: Optional[float] = None  # None: not separable from alpha (one message size)
+    alpha_late_s: Optional[float] = None  # latency from a receive posted after its send; None: alpha_s
     message_bytes: int = 0
     flush_s: float = 0.0
     outside_s: dict = field(default_factory=dict)  # "rank" -> seconds
@@ -77,7 +80,7 @@ class Calibration:
             r, c, op = key.split(",")
             compute[(int(r), int(c), op)] = sec
         return Costs(compute, {int(r): s for r, s in self.gap_s.items()}, self.alpha_s,
-                     self.beta_Bps or float("inf"), self.message_bytes, self.flush_s)
+                     self.beta_Bps or float("inf"), self.message_bytes, self.flush_s, self.alpha_late_s)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -90,8 +93,15 @@ class Calibration:
 class RunningCalibration:
     """Fed one step at a time (rank 0, at each gather); `calibration()` at any time."""
 
-    def __init__(self, smap: StageMap, pipelines: list[list[int]], message_bytes: int, flushes: bool):
+    def __init__(self, smap: StageMap, pipelines: list[list[int]], message_bytes: int, flushes: bool,
+                 plans: Optional[dict] = None):
+        """`plans`: the flushing step's {pp rank: p2p.RankPlan}, for when each receive was
+        posted (None, asynchronous schedules: every latency counts from the send)."""
         self.smap, self.pipelines, self.message_bytes, self.flushes = smap, pipelines, message_bytes, flushes
+        self.posted_in = None
+        if plans is not None:  # message -> (receiver, index of the batch that posts its receive)
+            self.posted_in = {op.msg: (r, k) for r, plan in plans.items() for k, batch in enumerate(plan.batches)
+                              for op in batch if op.op == "recv"}
         self.samples: dict[tuple, Sample] = {}
         self.steps = 0
 
@@ -120,6 +130,9 @@ class RunningCalibration:
             self._latencies(recs)
 
     def _latencies(self, recs: dict) -> None:
+        """Latency of each message the consumer waited for: from its send (the producing
+        action's end) or, when the receive was posted after that (`latency_late`), from the
+        posting (the end of the action before the posting batch)."""
         sent, got = {}, {}
         for pp, rs in recs.items():
             for name, start, cstart, end in rs:
@@ -131,7 +144,15 @@ class RunningCalibration:
                 if msg is not None and cstart - start > WAITED_S:
                     got[msg] = cstart
         for msg, t in got.items():
-            if msg in sent and t >= sent[msg]:
+            if msg not in sent or t < sent[msg]:
+                continue
+            posted = None
+            if self.posted_in is not None and msg in self.posted_in:
+                r, k = self.posted_in[msg]
+                posted = recs[r][k - 1][3] if k > 0 else recs[r][0][1]
+            if posted is not None and posted > sent[msg]:
+                self._add(("latency_late",), t - posted)
+            else:
                 self._add(("latency",), t - sent[msg])
 
     def calibration(self, alive: dict[int, int]) -> Calibration:
@@ -146,6 +167,7 @@ class RunningCalibration:
             compute={f"{k[1]},{k[2]},{k[3]}": v for k, v in med.items() if k[0] == "compute"},
             gap_s={str(k[1]): v for k, v in med.items() if k[0] == "gap"},
             alpha_s=med.get(("latency",)) or 0.0, beta_Bps=None, message_bytes=self.message_bytes,
+            alpha_late_s=med.get(("latency_late",)),
             flush_s=max(med.get(("flush",)) or 0.0, 0.0),
             outside_s={str(k[1]): v for k, v in med.items() if k[0] == "outside"},
             act_bytes={str(k[1]): v / max(alive.get(k[1], 1), 1) for k, v in med.items() if k[0] == "act"},

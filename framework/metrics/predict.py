@@ -100,7 +100,8 @@ class RunPredictor:
             pipes.setdefault((c.dp, c.tp), {})[c.pp] = g
         self.pipelines = [[ranks[pp] for pp in range(p)] for ranks in pipes.values()]
         self.smap = schedule.stage_map(p, v)
-        self._new = lambda: RunningCalibration(self.smap, self.pipelines, message_bytes, schedule.flushes)
+        plans = comm_plan(schedule.generate(p, m, v, 1), self.smap) if schedule.flushes else None
+        self._new = lambda: RunningCalibration(self.smap, self.pipelines, message_bytes, schedule.flushes, plans)
         self.calib = self._new()
         self.alive = alive_per_rank(schedule, p, m, v)
 

@@ -89,6 +89,7 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
             outside_s[str(r)] = scaled if dst.flushes else 0.0
     gap = statistics.fmean(cal.gap_s.values()) if cal.gap_s else 0.0
     return Calibration(compute=compute, gap_s={str(r): gap for r in range(dst_p)}, alpha_s=cal.alpha_s,
+                       alpha_late_s=cal.alpha_late_s,
                        beta_Bps=cal.beta_Bps, message_bytes=cal.message_bytes, flush_s=cal.flush_s,
                        outside_s=outside_s, act_bytes=act_bytes, latency_samples=cal.latency_samples,
                        steps=cal.steps)
