@@ -1,7 +1,7 @@
 """search.mode=simulate: a sweep whose jobs are predicted, not run, and then only the best
 `search.top_k` of them run.
 
-    python run.py -m schedule=flush,zbh1,gpipe schedule.microbatches=4,8 \
+    python run.py -m schedule=<name>,<name>,... schedule.microbatches=4,8 \
         search.mode=simulate sim.from=<finished pipeline job> search.top_k=1
 
 Each job of the sweep is validated as usual (a layout that cannot run is rejected; one whose

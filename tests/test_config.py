@@ -25,7 +25,7 @@ GROUPS = {
     "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2",
                     "zero1", "zero2", "zero3", "3d_zero1"],
     "schedule": ["flush", "gpipe", "interleaved", "1f1b", "2bw", "zbh1", "zbh2", "interleaved-zb", "zbv", "dualpipev",
-                 "csv"],
+                 "zb-auto", "csv"],
     "optimizer": ["adamw", "sgd"],
     "logger": ["wandb", "none"],
     "experiment": ["smoke", "gpt2_squad", "dp_scaling"],

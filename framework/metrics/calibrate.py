@@ -126,7 +126,7 @@ class RunningCalibration:
             if self.flushes and all(recs.values()):
                 last = max(r[-1][3] for r in recs.values())
                 ends = [recs[pp][0][1] + per_rank[g].window_s for pp, g in enumerate(ranks)]
-                self._add(("flush",), statistics.median(ends) - last)
+                self._add(("flush_s",), statistics.median(ends) - last)
             self._latencies(recs)
 
     def _latencies(self, recs: dict) -> None:
@@ -168,7 +168,7 @@ class RunningCalibration:
             gap_s={str(k[1]): v for k, v in med.items() if k[0] == "gap"},
             alpha_s=med.get(("latency",)) or 0.0, beta_Bps=None, message_bytes=self.message_bytes,
             alpha_late_s=med.get(("latency_late",)),
-            flush_s=max(med.get(("flush",)) or 0.0, 0.0),
+            flush_s=max(med.get(("flush_s",)) or 0.0, 0.0),
             outside_s={str(k[1]): v for k, v in med.items() if k[0] == "outside"},
             act_bytes={str(k[1]): v / max(alive.get(k[1], 1), 1) for k, v in med.items() if k[0] == "act"},
             latency_samples=lat.seen if lat else 0, steps=self.steps)
