@@ -22,7 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, RunConfig, check_overrides, load_config
-from framework.job import run_job, set_aside_previous, write_outcome
+from framework.job import run_job
+from framework.jobdir import set_aside_previous, write_outcome
 from framework.launch import RankFailure
 from framework.progress import console_to_run_log
 from framework.signals import StopSignals, Stopped

@@ -29,7 +29,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Optional
 
 import torch.distributed as dist
@@ -38,11 +38,11 @@ from .config import RunConfig
 from .files import write_atomic
 from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
-from .metrics.predict import RunPredictor
+from .metrics.predict import RunPredictor, predicted_keys, summary_prediction, timeline_records
 from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import kept_steps, render_timeline, write_trace
 from .progress import Progress
-from .records import StepRecord
+from .records import RunInfo, StepRecord
 from .topology import ParallelContext
 from .wandb_sink import wandb_mode  # noqa: F401 (also imported from here)
 from .wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
@@ -55,26 +55,6 @@ KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_a
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
 # warm-up) and last loss are written by finish() instead, so W&B computes none for these.
 SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
-
-
-@dataclass
-class RunInfo:
-    """Derived once before launch and handed to every rank."""
-
-    tokens_path: Optional[str]
-    vocab_size: int
-    num_samples: int
-    flops_per_token: float
-    # None for fp64 (no MFU), and for CUDA until each rank looks its GPU up at start-up
-    # (framework.metrics.peak.resolve_rank_peak replaces the pending value).
-    peak_flops_per_rank: Optional[float]
-    peak_source: str  # "config" | "table" | "probe" | "none" (fp64) | "pending" (CUDA, before the ranks)
-    bubble_fraction_analytic: float
-    resume_from: Optional[str] = None  # the checkpoint this run continues (framework.checkpoint)
-    val_tokens_path: Optional[str] = None  # held-out tokens (trainer.eval_interval; None: synthetic or off)
-    val_num_samples: int = 0
-    model_params: Optional[int] = None  # the whole model's parameters, each counted once (a tied embedding once)
-    p2p_message_bytes: int = 0  # one pipeline activation / gradient message (the simulator's transfer size)
 
 
 class RunLogger:
@@ -186,7 +166,7 @@ class RunLogger:
             if self.predictor is not None:
                 self.predictor.add(rec["step"], per_rank)
                 if i == len(pending) - 1:  # at log intervals: the replay of the medians so far
-                    rec.update(_predicted_keys(self.predictor.predict(per_rank)[1]))
+                    rec.update(predicted_keys(self.predictor.predict(per_rank)[1]))
             self.records.append({k: rec[k] for k in KEPT_KEYS if k in rec})  # what the summary reads
             if self.run.parallelism.pp > 1:
                 if rec["step"] in self.kept:  # bounded: never every step of a long run
@@ -292,20 +272,10 @@ class RunLogger:
         }
 
     def _prediction(self, med: dict) -> dict:
-        """The replay of this run's median durations (calibration.json) beside what it
-        predicts: signed errors, predicted minus measured (step time relative, bubble in
-        points)."""
         if self.predictor is None:
             return {}
-        cal, pred = self.predictor.predict()
-        self.prediction = pred
-        write_atomic(os.path.join(self.job_dir, "calibration.json"), json.dumps(cal.to_json(), indent=1))
-        if pred is None:
-            return _predicted_keys(None)
-        return {**pred.keys(), "predicted_step_time_error": pred.step_time_s / med["step_time_s"] - 1,
-                "predicted_bubble_error": pred.bubble_fraction - med["bubble_fraction"],
-                "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
-                "predicted_activation_peak_bytes_max": max(pred.activation_peak_bytes)}
+        keys, self.prediction = summary_prediction(self.predictor, med, self.job_dir)
+        return keys
 
     def _write_timeline(self, summary: dict) -> None:
         """trace.json (the kept steps, `kept_steps`) and timeline.png (of the kept measured
@@ -323,13 +293,11 @@ class RunLogger:
                  f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
                  "(at its op times)")
         pred = getattr(self, "prediction", None)
-        predicted = None
-        if pred is not None:
-            predicted = [[(str(t.action), t.start, t.compute_start, t.end) for t in pred.sim.timeline[r]]
-                         for r in sorted(pred.sim.timeline)]
+        predicted = None if pred is None else timeline_records(pred)
+        if predicted is not None:
             write_trace({chosen: predicted}, os.path.join(self.job_dir, "predicted_trace.json"))
         render_timeline(self.actions[chosen], png, title, predicted,
-                        f"predicted (replay of the run's median durations): step "
+                        f"predicted (replay of the run's mean durations): step "
                         f"{summary.get('predicted_step_time_s', 0) * 1e3:.1f} ms vs measured median "
                         f"{summary['step_time_s'] * 1e3:.1f} ms ({summary.get('predicted_step_time_error', 0):+.1%}) | "
                         f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}")
@@ -352,10 +320,6 @@ class RunLogger:
         if self.wandb is not None:
             self.ctx.recorder.note("W&B finish (rank 0)")
             self.wandb.finish(exit_code=0 if self.completed else 1)
-
-
-def _predicted_keys(pred) -> dict:
-    return pred.keys() if pred is not None else {"predicted_step_time_s": None, "predicted_bubble_fraction": None}
 
 
 def _median(values: list) -> Optional[float]:

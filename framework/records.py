@@ -3,6 +3,7 @@
   StateBytes  the model states a rank holds between steps (exact, storage-deduplicated)
   StepResult  what a runner's `step()` returns (framework/trainer.py: AccumulationRunner;
               framework/parallel/pipeline/runner.py: PipelineRunner)
+  RunInfo     what the launching process derives once before launch (run_info.json)
   StepRecord  one rank's record of one step, built by `trainer.train_step`, gathered to
               the logging rank (pickled by `dist.gather_object`) and merged there into the
               metrics.jsonl row (framework/logging.py, `RunLogger._merge`)
@@ -73,3 +74,23 @@ class StepRecord:
     states: StateBytes
     val_loss: Optional[float] = None  # held-out loss after this step (trainer.eval_interval), same on every rank
     eval_s: float = 0.0  # its wall time (not part of step_time_s)
+
+
+@dataclass
+class RunInfo:
+    """Derived once before launch and handed to every rank."""
+
+    tokens_path: Optional[str]
+    vocab_size: int
+    num_samples: int
+    flops_per_token: float
+    # None for fp64 (no MFU), and for CUDA until each rank looks its GPU up at start-up
+    # (framework.metrics.peak.resolve_rank_peak replaces the pending value).
+    peak_flops_per_rank: Optional[float]
+    peak_source: str  # "config" | "table" | "probe" | "none" (fp64) | "pending" (CUDA, before the ranks)
+    bubble_fraction_analytic: float
+    resume_from: Optional[str] = None  # the checkpoint this run continues (framework.checkpoint)
+    val_tokens_path: Optional[str] = None  # held-out tokens (trainer.eval_interval; None: synthetic or off)
+    val_num_samples: int = 0
+    model_params: Optional[int] = None  # the whole model's parameters, each counted once (a tied embedding once)
+    p2p_message_bytes: int = 0  # one pipeline activation / gradient message (the simulator's transfer size)

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from .config import ConfigError, RunConfig, load_config, read_config
 from .metrics.calibrate import Calibration
-from .metrics.predict import Predicted, replay, rules_for
+from .metrics.predict import Predicted, replay, rules_for, timeline_records
 from .metrics.whatif import rescale
 from .models import meta_hf_model
 from .parallel.pipeline.schedules import get, resolve
@@ -132,9 +132,7 @@ def describe(result: dict) -> str:
 def draw(pred: Predicted, path: str, title: str) -> None:
     from .metrics.timeline import render_timeline
 
-    recs = [[(str(t.action), t.start, t.compute_start, t.end) for t in pred.sim.timeline[r]]
-            for r in sorted(pred.sim.timeline)]
-    render_timeline(recs, path, title)
+    render_timeline(timeline_records(pred), path, title)
 
 
 def main(argv: list[str]) -> int:

@@ -27,7 +27,8 @@ from .config import RunConfig
 from .data import ShardedSampler, TokenData
 from .evaluate import HeldOut, evaluate
 from .export import export_pretrained
-from .logging import RunInfo, RunLogger
+from .logging import RunLogger
+from .records import RunInfo
 from .metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, model_state_bytes,
                              optimizer_state_ratio, peak_rss_bytes, zero_model_states)
 from .metrics.peak import resolve_rank_peak

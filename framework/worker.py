@@ -31,7 +31,7 @@ from .config import RunConfig, read_config
 from .device import backend_for, rank_device, threads_per_rank
 from .files import write_report
 from .flight import FlightRecorder, dead_ranks, path_of
-from .logging import RunInfo
+from .records import RunInfo
 from .signals import Stopped, StopSignals
 from .topology import ParallelContext, ParallelDims
 from .validate import check_rank_env

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from framework import flight
-from framework.job import set_aside_previous, write_outcome
+from framework.jobdir import set_aside_previous, write_outcome
 from framework.launch import RankEnd, RankFailure, diagnose, read_records
 from framework.report import collect
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from framework import job
-from framework.logging import RunInfo, RunLogger
+from framework.logging import RunLogger
+from framework.records import RunInfo
 from framework.metrics import peak
 from framework.metrics.peak import PENDING, accelerator, peak_dtype, resolve_peak, resolve_rank_peak, table_peak
 

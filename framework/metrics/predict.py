@@ -15,8 +15,12 @@ durations. What it predicts and how each number maps to a measured one:
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from typing import Optional
 
+from ..files import write_atomic
 from ..parallel.pipeline.check import alive_peak
 from ..parallel.pipeline.p2p import comm_plan
 from ..parallel.pipeline.schedules import Schedule
@@ -123,3 +127,28 @@ class RunPredictor:
             return cal, replay(cal, self.schedule, self.p, self.m, self.v, self.steps, self.rules)
         except KeyError:  # an op never recorded yet (no measured step): nothing to predict
             return cal, None
+
+
+def predicted_keys(pred: Optional[Predicted]) -> dict:
+    return pred.keys() if pred is not None else {"predicted_step_time_s": None, "predicted_bubble_fraction": None}
+
+
+def summary_prediction(predictor: RunPredictor, med: dict, job_dir: str) -> tuple[dict, Optional[Predicted]]:
+    """The summary's keys: the replay of the run's measured steps beside what it predicts,
+    with signed errors (step time: predicted / measured - 1; bubble: predicted - measured,
+    points); writes calibration.json."""
+    cal, pred = predictor.predict()
+    write_atomic(os.path.join(job_dir, "calibration.json"), json.dumps(cal.to_json(), indent=1))
+    if pred is None:
+        return predicted_keys(None), None
+    return {**pred.keys(), "predicted_step_time_error": pred.step_time_s / med["step_time_s"] - 1,
+            "predicted_bubble_error": pred.bubble_fraction - med["bubble_fraction"],
+            "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
+            "predicted_activation_peak_bytes_max": max(pred.activation_peak_bytes)}, pred
+
+
+def timeline_records(pred: Predicted) -> list[list[tuple]]:
+    """The simulated step as action records (name, start, compute start, end) per pipeline
+    rank: what trace.json and timeline.png draw."""
+    return [[(str(t.action), t.start, t.compute_start, t.end) for t in pred.sim.timeline[r]]
+            for r in sorted(pred.sim.timeline)]
