@@ -10,6 +10,7 @@ executor's records (action, start, compute start, end) in unix seconds:
 - compute[(pp rank, chunk, op)]: end - compute start. Keyed per stage: a stage holding the
   head is slower than one holding only blocks, and replicas of a stage (dp, tp) pool.
 - gap_s[pp rank]: start of action k - end of action k-1 (issuing the p2p batch between).
+  Compute, gap and outside time are means, the rest medians (`calibration`).
 - alpha_s / beta_Bps: a transfer's latency, from the end of the producing action to the
   compute start of the consuming one, on messages the consumer really waited for (its
   receive wait is over `WAITED_S`; otherwise the message had arrived earlier and the
@@ -157,11 +158,13 @@ class RunningCalibration:
 
     def calibration(self, alive: dict[int, int]) -> Calibration:
         """`alive[pp rank]`: the most (micro-batch, chunk) activations its list holds at once."""
-        # Compute and outside time: means. A step is a sum of durations, the expectation of a
-        # sum is the sum of the means, and on a shared CPU the durations are right-skewed
-        # (measured on the default pp2 flush job: means -0.2 %, medians -4.4 % step time).
-        # Gaps, latency and flush: medians (small, and their outliers are not the link's).
-        med = {k: (s.mean() if k[0] in ("compute", "outside") else s.median()) for k, s in self.samples.items()}
+        # Compute, gaps and outside time: means. A step is a sum of them, the expectation of a
+        # sum is the sum of the means, and on a shared CPU they are right-skewed (default pp2
+        # flush job: mean compute -0.2 %, median -4.4 % step time; gaps' mean is 2-5x their
+        # median, and mean gaps took the pp 2 replay grid from 2.5 % to 1.3 % median error).
+        # Latency and flush: medians (a wait's outliers are the peer's, already in its compute).
+        med = {k: (s.mean() if k[0] in ("compute", "outside", "gap") else s.median())
+               for k, s in self.samples.items()}
         lat = self.samples.get(("latency",))
         return Calibration(
             compute={f"{k[1]},{k[2]},{k[3]}": v for k, v in med.items() if k[0] == "compute"},
