@@ -24,7 +24,7 @@ from .files import write_report
 from .launch import RankFailure, launch_local
 from .records import RunInfo
 from .metrics.bubble import analytic_bubble
-from .parallel.pipeline.schedules import get, names, resolve
+from .parallel.pipeline.schedules import resolve
 from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, with_pretrained_sizes
@@ -33,7 +33,7 @@ from .jobdir import set_aside_checkpoints, set_aside_previous, set_aside_sweep, 
 from .signals import Stopped
 from .sweep_sim import finish as finish_simulated_search
 from .sweep_sim import predict_job
-from .simulate import auto_op_times, describe, what_if
+from .simulate import describe, fill_measured_times, what_if
 from .validate import check_job_dir, validate, validate_model
 
 
@@ -139,11 +139,8 @@ def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
 def sim_inputs(run: RunConfig) -> None:
     """sim.from feeds a schedule that builds from measured times (zb-auto) before validation
     proves its lists; a bad sim.from is a ConfigError here, before any rank starts."""
-    s = run.schedule
-    if not run.sim.source or s.op_times is not None or run.parallelism.pp < 2:
-        return
-    if s.name in names() and get(s.name).configure is not None:
-        s.op_times = auto_op_times(run.sim.source)
+    if run.sim.source:
+        fill_measured_times(run, run.sim.source)
 
 
 def dry_run(run: RunConfig, job_dir: str) -> dict:

@@ -23,12 +23,12 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
-from .config import ConfigError, RunConfig, load_config, read_config
+from .config import ConfigError, RunConfig, check_overrides, load_config, read_config
 from .metrics.calibrate import Calibration
 from .metrics.predict import Predicted, replay, rules_for, timeline_records
 from .metrics.whatif import rescale
 from .models import meta_hf_model
-from .parallel.pipeline.schedules import get, resolve
+from .parallel.pipeline.schedules import get, names, resolve
 from .validate import validate_model
 
 KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_stages", "parallelism.pp",
@@ -52,9 +52,10 @@ def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
     return read_config(paths["config.yaml"]), info, cal, summary
 
 
-def target_config(src: RunConfig, overrides: list[str]) -> RunConfig:
+def target_config(src: RunConfig, overrides: list[str], check: bool = True) -> RunConfig:
     """The job's config with the layout overrides (`schedule=NAME` picks the schedule and its
-    preset virtual-stage count, as the Hydra group does)."""
+    preset virtual-stage count, as the Hydra group does). `check`: a size the job derives
+    (trainer.global_batch_size) and an override contradicts is an error, as in run.py."""
     dot = []
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -68,7 +69,12 @@ def target_config(src: RunConfig, overrides: list[str]) -> RunConfig:
         else:
             dot.append(item)
     cfg = OmegaConf.merge(OmegaConf.structured(src), OmegaConf.from_dotlist(dot))
-    return load_config(cfg)
+    dst = load_config(cfg)
+    if check:
+        check_overrides(dst, dot)
+    if (dst.parallelism.pp, dst.parallelism.partition) != (src.parallelism.pp, src.parallelism.partition):
+        dst.schedule.op_times = None  # per-rank times of another pipeline: measured again (fill_measured_times)
+    return dst
 
 
 def _blocks(run: RunConfig, vocab: int) -> list[int]:
@@ -80,6 +86,7 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
     calibration: a dict of predicted keys, and the `Predicted` under "_predicted"."""
     src, info, cal, summary = load_job(job_dir)
     dst = target or target_config(src, overrides or [])
+    fill_measured_times(dst, job_dir)
     p, m, v = dst.parallelism.pp, dst.schedule.microbatches, dst.schedule.virtual_stages
     sched = resolve(dst.schedule)
     if p < 2:
@@ -102,21 +109,30 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
             "rescaled": not same, "_predicted": pred}
 
 
-def auto_op_times(job_dir: str) -> dict:
-    """zb-auto's schedule.op_times from a job: per pipeline rank T_F, T_I, T_W (a fused B
-    split as the job's own I / W share, else in halves; the first stage's I computes
-    nothing), and comm = the job's link latency."""
+def auto_op_times(job_dir: str, target: RunConfig) -> dict:
+    """zb-auto's schedule.op_times for `target` from a job: per pipeline rank of the target
+    (its pp and partition, one chunk per rank) T_F, T_I, T_W, rescaled like any what-if (a
+    fused B split as the job's own I / W share, else in halves; the first stage's I
+    computes nothing), and comm = the job's link latency."""
     src, info, cal, _ = load_job(job_dir)
     sched = resolve(src.schedule)
     vocab = src.model.vocab_size or info["vocab_size"]
-    p, v = src.parallelism.pp, src.schedule.virtual_stages
-    # the same pipeline on one chunk per rank (loop placement, flushing), in split form
-    one = replace(sched, placement="loop", asynchronous=None)
-    new = rescale(cal, sched, p, v, _blocks(src, vocab), one, p, 1,
-                  _blocks(target_config(src, ["schedule.virtual_stages=1"]), vocab))
+    one = replace(sched, placement="loop", asynchronous=None)  # one chunk per rank, flushing, split form
+    flat = target_config(target, ["schedule.virtual_stages=1"], check=False)
+    p = target.parallelism.pp
+    new = rescale(cal, sched, src.parallelism.pp, src.schedule.virtual_stages, _blocks(src, vocab), one, p, 1,
+                  _blocks(flat, vocab))
     times = {op: [new.compute[f"{r},0,{op}"] for r in range(p)] for op in "FIW"}
     times["I"][0] = max(times["I"][0], 1e-6)  # > 0, as validation requires (it computes nothing)
     return {**times, "comm": cal.alpha_s}
+
+
+def fill_measured_times(run: RunConfig, job_dir: str) -> None:
+    """A schedule built from measured times (zb-auto) with schedule.op_times null takes
+    them from `job_dir`, for this run's pipeline (what a run with sim.from builds)."""
+    s = run.schedule
+    if s.op_times is None and run.parallelism.pp > 1 and s.name in names() and get(s.name).configure is not None:
+        s.op_times = auto_op_times(job_dir, run)
 
 
 def describe(result: dict) -> str:

@@ -65,6 +65,8 @@ def finish(sweep_dir: str, run_job) -> list[dict]:
     for rank, row in enumerate(rows):
         row["predicted_rank"] = rank + 1
         row["launched"] = rank < k
+    table = os.path.join(sweep_dir, RESULT)
+    write_atomic(table, json.dumps(rows, indent=1))  # the ranking first: a stop during the runs keeps it
     for row in rows[:k]:
         run = read_config(os.path.join(row["job_dir"], "config.yaml"))
         run.search.mode = "run"
@@ -79,7 +81,9 @@ def finish(sweep_dir: str, run_job) -> list[dict]:
         row["measured_step_time_s"], row["measured_bubble_fraction"] = summary["step_time_s"], summary["bubble_fraction"]
         row["step_time_error"] = row["predicted_step_time_s"] / summary["step_time_s"] - 1
         row["bubble_error"] = row["predicted_bubble_fraction"] - summary["bubble_fraction"]
-    write_atomic(os.path.join(sweep_dir, RESULT), json.dumps(rows, indent=1))
-    print(f"search.mode=simulate: {len(rows)} candidates predicted, {min(k, len(rows))} run; "
-          f"{os.path.join(sweep_dir, RESULT)}", flush=True)
+        # the run set the search's prediction aside with its other earlier files: it belongs beside the result
+        prediction = {k: v for k, v in row.items() if k not in ("job_dir",)}
+        write_atomic(os.path.join(row["job_dir"], PREDICTION), json.dumps(prediction, indent=1))
+        write_atomic(table, json.dumps(rows, indent=1))
+    print(f"search.mode=simulate: {len(rows)} candidates predicted, {min(k, len(rows))} run; {table}", flush=True)
     return rows

@@ -15,6 +15,12 @@ from framework.parallel.pipeline.simulate import Costs, predict
 from .conftest import assert_config_error, read_metrics, run_cli, run_local
 
 
+def job_config(job):
+    from framework.config import read_config
+
+    return read_config(str(job / "config.yaml"))
+
+
 def _costs(p, f, b, **kw):
     return Costs({(r, 0, op): t for r in range(p) for op, t in (("F", f), ("B", b))}, **kw)
 
@@ -108,6 +114,16 @@ def test_what_if_replays_the_job_and_predicts_other_layouts(delayed_flush, tmp_p
     # pp 4 puts one block per stage: the delay still sits on pp rank 1 of the source only, so
     # the rescaled per-block time moves it onto every stage (documented: delays are per stage)
     assert len(four["predicted_rank_bubble_fraction"]) == 4
+    # another schedule on the same stages keeps each stage's own times: gpipe's step is at
+    # least m x the slow stage's (F + B), which pooling the stages would halve
+    cal = json.loads((job / "calibration.json").read_text())["compute"]
+    assert what_if(str(job), ["schedule=gpipe"])["predicted_step_time_s"] >= 4 * (cal["1,0,F"] + cal["1,0,B"])
+    # zb-auto takes the job's times rescaled to the target pipeline, as a run with sim.from would
+    from framework.simulate import auto_op_times, target_config
+
+    times = auto_op_times(str(job), target_config(job_config(job), ["schedule=zb-auto", "parallelism.pp=4"]))
+    assert [len(times[op]) for op in "FIW"] == [4, 4, 4] and times["comm"] > 0
+    assert what_if(str(job), ["schedule=zb-auto", "parallelism.pp=4"])["pp"] == 4
     png = tmp_path / "zbh1.png"
     assert main([str(job), "schedule=zbh1", "--png", str(png), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -40,7 +40,7 @@ WAITED_S = 2e-4  # a receive wait longer than this: the message was not there ye
 
 
 class Sample:
-    """A bounded, run-spanning sample of one quantity (its median is what is reported)."""
+    """A bounded, run-spanning sample of one quantity (its mean or median is reported)."""
 
     def __init__(self, limit: int = 256):
         self.limit, self.values, self.stride, self.seen = limit, [], 1, 0

@@ -1,7 +1,10 @@
 """Rescale one run's calibration to another layout: schedule, micro-batches, virtual stages
 or pipeline size (the same model, micro-batch size and hardware).
 
-Per op, a stage's time is modelled as n_blocks x t + (first stage) e + (last stage) h: t
+With the same stages (pp x v and blocks per stage unchanged: another schedule of the same
+placement depth, or another m) every stage keeps its own measured times and every rank its
+own time outside the pipeline. Otherwise, per op, a stage's time is modelled as
+n_blocks x t + (first stage) e + (last stage) h: t
 per transformer block, e the embedding's extra, h the head's (its logits and loss). Fitted
 from the measured stages: t from the middle stages when there are any (e, h from the
 ends); with only first and last stages (pp 2, v 1), e is taken as 0 (an embedding lookup
@@ -41,7 +44,16 @@ def fit_blocks(values: dict[int, float], blocks: list[int]) -> tuple[float, floa
     return t, e, h
 
 
-def _at(fit: tuple[float, float, float], g: int, n: int, stages: int) -> float:
+class _Measured:
+    """A stage's own measured value where there is one (the same stage layout), else the fit."""
+
+    def __init__(self, values: dict[int, float], fit):
+        self.values, self.fit = values, fit
+
+
+def _at(fit, g: int, n: int, stages: int) -> float:
+    if isinstance(fit, _Measured):
+        return fit.values[g] if g in fit.values else _at(fit.fit, g, n, stages)
     t, e, h = fit
     return n * t + (e if g == 0 else 0.0) + (h if g == stages - 1 else 0.0)
 
@@ -66,6 +78,10 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
     acts = {smap.stage(int(r), c): b for r, b in cal.act_bytes.items() for c in range(src_v)}
     act_fit = fit_blocks(acts, src_blocks)
     stages = tmap.num_stages
+    if list(src_blocks) == list(dst_blocks):  # the same stages: each keeps its own measured values
+        fits = {op: _Measured(values, fits[op]) for op, values in (("F", per_stage.get("F", {})), ("B", backward),
+                                                                     ("U", per_stage.get("U", {})))}
+        act_fit = _Measured(acts, act_fit)
     compute, act_bytes, outside_s = {}, {}, {}
     for r in range(dst_p):
         rank_act = []
@@ -81,7 +97,9 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
         act_bytes[str(r)] = statistics.fmean(rank_act)
         per_rank = sum(dst_blocks[tmap.stage(r, c)] for c in range(dst_v))
         # The optimizer step is outside a flushing pipeline and inside an asynchronous one (U).
-        scaled = outside * per_rank / src_per_rank
+        # Same ranks and stages: each rank's own measured outside time; else the mean, scaled.
+        same = dst_p == src_p and list(src_blocks) == list(dst_blocks) and str(r) in cal.outside_s
+        scaled = cal.outside_s[str(r)] if same else outside * per_rank / src_per_rank
         if "U" in per_stage:  # measured outside: data and the rest, no update
             updates = sum(compute[f"{r},{c},U"] for c in range(dst_v))
             outside_s[str(r)] = scaled + updates if dst.flushes else scaled

@@ -1,10 +1,12 @@
-"""The schedule model's clock: run every rank's action list together with given op durations.
+"""The schedule model's clock: run every rank's action list (or plan) together with durations.
 
-Each rank computes its actions in order, one at a time; an action that needs a message
-starts once the message has arrived (sent when the producing action ended, no transfer
-cost); sends never block (gloo's behaviour; NCCL's rules are proved in check.py without a
-clock). Durations are per op (`OpTimes` or a dict with U); unit times give the grid the dry
-run prints, measured times give the analytic bubble of schedules without a closed form.
+`simulate` (unit time or per-op durations, no link cost): each rank computes its actions in
+order; an action that needs a message starts once it has arrived (when the producing
+action ended); sends never block. The dry run's grid, the analytic bubble of schedules
+without a closed form, and the lockstep that places p2p ops (p2p.py) run on it; NCCL's
+rules are proved in check.py without a clock.
+`clock` / `predict` (the simulator, docs/simulator.md): the executor's real batches with
+per-stage durations, host gaps and a link cost, under gloo's or NCCL's rules.
 """
 
 from __future__ import annotations

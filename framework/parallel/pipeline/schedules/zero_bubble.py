@@ -71,8 +71,8 @@ def greedy(pp: int, m: int, limit: int, times=OpTimes(), comm: float = 0.0,
             now = [o for o in options if o[0] <= free[r]]
             if fill_rule and [o[2] for o in now] == [Op.W]:
                 due = [o for o in options if o[2] is not Op.W]
-                if due and due[0][0] - free[r] < per_rank[r].W and \
-                        idle[r] + due[0][0] - free[r] <= max(idle):
+                soonest = min((o[0] for o in due), default=None)
+                if due and soonest - free[r] < per_rank[r].W and idle[r] + soonest - free[r] <= max(idle):
                     now = []  # wait for it: a W here would delay it more than the gap
                     options = due
             pick = min(now or options, key=lambda o: (o[1], o[0]) if now else (o[0], o[1]), default=None)
