@@ -86,6 +86,11 @@ def test_wandb_offline_run_reads_back(main_job):
     assert {"tokens_per_s", "mfu", "bubble_fraction", "grad_norm", "lr"} <= history[0].keys()
     summary, config = wandb_reader.summary_and_config(files[0])
     assert summary["tokens_per_s"] == json.loads((job / "summary.json").read_text())["tokens_per_s"]
+    # the simulator's replay beside the measurement: at log intervals in the history, and in the summary
+    logged = [(h["step"], h["predicted_step_time_s"]) for h in history if "predicted_step_time_s" in h]
+    assert logged == [(m["step"], m["predicted_step_time_s"]) for m in metrics if "predicted_step_time_s" in m]
+    assert len(logged) >= 2 and all(t > 0 for _, t in logged)
+    assert summary["predicted_bubble_fraction"] == json.loads((job / "summary.json").read_text())["predicted_bubble_fraction"]
     assert config["parallelism"]["pp"] == 2
     assert wandb_reader.run_meta(files[0])["name"] == "default"
 
