@@ -23,6 +23,9 @@ Collectives, per save: for each parameter and state, an all-gather over tp (tp s
 over dp (ZeRO slices); DCP's planning on the logging group (gloo, CPU); barriers there
 around the write. Per load: DCP's planning only. The gathered tensors of one stage sit on
 its dp-0 / tp-0 rank during a save: one stage's full weights and states, on the host.
+
+Over ~300 lines: issue 20 (checkpoints and data past one node) rewrites this module and
+splits it into a package by concern; split then, not twice.
 """
 
 from __future__ import annotations

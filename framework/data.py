@@ -35,6 +35,9 @@ synthetic: eval_batches global batches of tokens drawn with another seed. The tr
 stream leaves the held-out documents out whether or not evaluation is on, so turning it on
 never changes training; the held-out tokens get a second checked cache (`<name>-val-<key>`),
 built only when evaluation is on.
+
+Over ~300 lines: issue 20 (checkpoints and data past one node) rewrites this module and
+splits it into a package by concern; split then, not twice.
 """
 
 from __future__ import annotations

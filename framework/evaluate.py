@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .config import RunConfig
 from .data import TokenData
+from .precision import autocast_context
 from .topology import ParallelContext
 
 
@@ -71,7 +72,6 @@ class HeldOut:
 
 def evaluate(runner, heldout: HeldOut, run: RunConfig, ctx: ParallelContext) -> float:
     """The held-out loss, the same float on every rank (see the module docstring)."""
-    from .trainer import autocast_context  # here: framework.trainer imports this module
 
     modes = {m: m.training for m in runner.module.modules()}
     runner.module.eval()

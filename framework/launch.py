@@ -13,6 +13,9 @@ How a failed job is told (`diagnose`, one block, printed once by framework.job):
 - then every other rank that failed, as a consequence.
 A hang (`Watchdog`): when a rank makes no progress for trainer.hang_timeout_s, the job ends
 naming the stalled rank(s) and `hang.txt` holds every rank's last actions and collectives.
+
+Over ~300 lines: issue 20 (checkpoints and data past one node) rewrites this module and
+splits it into a package by concern; split then, not twice.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from .metrics.peak import resolve_rank_peak
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import data_parallel
+from .precision import autocast_context
 from .parallel.grads import clip_grad_norm
 from .parallel.tensor_parallel import sync_replicated_grads
 from .parallel.tp_comm import TPComm
@@ -58,13 +59,6 @@ def _now(device: torch.device) -> float:
         # stream, whose receives the peer posts only in its next step (a deadlock).
         torch.cuda.current_stream(device).synchronize()
     return time.time()
-
-
-def autocast_context(run: RunConfig, device: torch.device):
-    """bf16 only; fp32 and fp64 (verification) compute in the parameters' dtype."""
-    if run.trainer.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class AccumulationRunner:

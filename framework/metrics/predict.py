@@ -24,7 +24,7 @@ from ..files import write_atomic
 from ..parallel.pipeline.check import alive_peak
 from ..parallel.pipeline.p2p import comm_plan
 from ..parallel.pipeline.schedules import Schedule
-from ..parallel.pipeline.simulate import Costs, Prediction, predict
+from ..parallel.pipeline.simulate import Prediction, predict
 from .calibrate import Calibration
 
 ASYNC_STEPS = (4, 8)  # never-flushed runs: simulate this many steps, extrapolate linearly
@@ -54,18 +54,21 @@ def alive_per_rank(schedule: Schedule, p: int, m: int, v: int) -> dict[int, int]
 
 
 def replay(cal: Calibration, schedule: Schedule, p: int, m: int, v: int, steps: int = 1,
-           rules: str = "gloo", costs: Costs | None = None) -> Predicted:
+           rules: str = "gloo", plans: Optional[dict] = None, alive: Optional[dict] = None) -> Predicted:
+    """`plans` (a flushing step's) and `alive` (`alive_per_rank`): built here unless a caller
+    that replays the same layout again and again (RunPredictor) passes its own."""
     smap = schedule.stage_map(p, v)
-    costs = costs or cal.costs()
+    costs = cal.costs()
     outside = [cal.outside_s.get(str(r), 0.0) for r in range(p)]
     if schedule.flushes:
-        sim = predict(comm_plan(schedule.generate(p, m, v, 1), smap), smap, costs, True, rules)
+        plans = plans or comm_plan(schedule.generate(p, m, v, 1), smap)
+        sim = predict(plans, smap, costs, True, rules)
         step = max(sim.window_s[r] + outside[r] for r in range(p))
         bubbles, pipeline_s = sim.rank_bubble, sim.pipeline_s
     else:
         sim, bubbles, pipeline_s = _async(schedule, smap, p, m, v, steps, costs, rules)
         step = pipeline_s + max(outside)
-    alive = alive_per_rank(schedule, p, m, v)
+    alive = alive or alive_per_rank(schedule, p, m, v)
     act = [alive[r] * cal.act_bytes.get(str(r), 0.0) for r in range(p)]
     rank_b = [bubbles[r] for r in range(p)]
     return Predicted(step, sum(rank_b) / p, rank_b, act, pipeline_s, sim)
@@ -104,8 +107,8 @@ class RunPredictor:
             pipes.setdefault((c.dp, c.tp), {})[c.pp] = g
         self.pipelines = [[ranks[pp] for pp in range(p)] for ranks in pipes.values()]
         self.smap = schedule.stage_map(p, v)
-        plans = comm_plan(schedule.generate(p, m, v, 1), self.smap) if schedule.flushes else None
-        self._new = lambda: RunningCalibration(self.smap, self.pipelines, message_bytes, schedule.flushes, plans)
+        self.plans = comm_plan(schedule.generate(p, m, v, 1), self.smap) if schedule.flushes else None
+        self._new = lambda: RunningCalibration(self.smap, self.pipelines, message_bytes, schedule.flushes, self.plans)
         self.calib = self._new()
         self.alive = alive_per_rank(schedule, p, m, v)
 
@@ -124,7 +127,8 @@ class RunPredictor:
     def predict(self, per_rank: list | None = None) -> tuple[Calibration, Predicted | None]:
         cal = self.calibration(per_rank)
         try:
-            return cal, replay(cal, self.schedule, self.p, self.m, self.v, self.steps, self.rules)
+            return cal, replay(cal, self.schedule, self.p, self.m, self.v, self.steps, self.rules, self.plans,
+                               self.alive)
         except KeyError:  # an op never recorded yet (no measured step): nothing to predict
             return cal, None
 

@@ -11,11 +11,11 @@ import torch
 
 from ..config import ModelConfig
 from . import gpt2, llama
+from .checks import HF_MODEL_TYPES, check_model_type, check_tp_sizes
 from .materialise import PretrainedWeights, RandomInit, materialise, materialise_buffers
 from .split import SplitLM, lm_loss
 
 ARCHS = {"gpt2": gpt2, "llama": llama}
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}
 
 
 def param_dtype(precision: str) -> torch.dtype:
@@ -34,8 +34,6 @@ def meta_hf_model(m: ModelConfig, vocab_size: int, precision: str = "fp32"):
 
             hf_cfg = AutoConfig.from_pretrained(m.pretrained)
             if hf_cfg.model_type != HF_MODEL_TYPES[m.arch]:  # validate checked it; a hub name may change since
-                from ..validate import check_model_type
-
                 check_model_type(m, hf_cfg.model_type)
             model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
         else:
@@ -122,7 +120,6 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
         model = arch.split(hf, checkpoint_blocks)
     else:
         from ..parallel.tensor_parallel import apply_plan
-        from ..validate import check_tp_sizes
 
         check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)  # validated on the meta model; cheap to repeat
         apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)  # meta shards

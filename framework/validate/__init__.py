@@ -21,7 +21,8 @@ from .environment import check_logger, check_node_capacity, check_rank_env, cpu_
 from .heldout import check_eval, flushing
 from .optimizer import check_optimizer
 from .schedule import check_schedule, load_schedule_modules
-from .paths import check_job_dir, check_model_type, check_paths, local_data_files, safetensors_problem
+from ..models.checks import check_model_type, check_tp_sizes
+from .paths import check_job_dir, check_paths, local_data_files, safetensors_problem
 
 __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
            "check_model_type", "local_data_files", "check_rank_env", "check_job_dir", "cpu_rank_limit",
@@ -239,17 +240,6 @@ def validate_model(run: RunConfig, hf_model) -> list[range]:
     except PartitionError as e:
         raise ConfigError("parallelism.partition", run.parallelism.partition, str(e),
                           "use fewer stages, another method, or a balance list with a block per stage") from None
-
-
-def check_tp_sizes(sizes: dict[str, int], tp: int) -> None:
-    """Heads, key-value heads and MLP width must split evenly over tp (before launch on the
-    meta model, and again where a rank applies the TP plan)."""
-    for key, n in sizes.items():
-        if n % tp:
-            divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 16]
-            raise ConfigError("parallelism.tp", tp, f"{key}={n} does not divide over tp={tp}: each rank must "
-                              "hold whole heads and an equal share of the MLP",
-                              f"use parallelism.tp in {divisors}, or change {key}")
 
 
 def validate_prepared(run: RunConfig, vocab_size: int, num_samples: int, val_num_samples: int = 0) -> None:

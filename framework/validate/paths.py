@@ -11,7 +11,8 @@ import uuid
 import zipfile
 from typing import Any, Optional
 
-from ..config import ConfigError, ModelConfig, RunConfig
+from ..config import ConfigError, RunConfig
+from ..models.checks import check_model_type
 from .common import first_line
 
 PRETRAINED_FIX = ("use a local directory with config.json and weights (as save_pretrained writes it), "
@@ -73,18 +74,6 @@ def _pretrained(run: RunConfig) -> None:
         raise ConfigError(key, name, "config.json has no model_type", PRETRAINED_FIX)
     check_model_type(run.model, hf["model_type"])
     _weights(key, name, path)
-
-
-def check_model_type(m: ModelConfig, found: str) -> None:
-    """A pretrained checkpoint's model_type must be the architecture the run splits."""
-    from ..models import HF_MODEL_TYPES
-
-    if found != HF_MODEL_TYPES[m.arch]:
-        other = [a for a, t in HF_MODEL_TYPES.items() if t == found]
-        raise ConfigError("model.pretrained", m.pretrained,
-                          f"is a {found} model (config.json), not model.arch={m.arch}",
-                          f"use model.arch={other[0]}" if other else
-                          f"use a {' or '.join(HF_MODEL_TYPES)} checkpoint (the architectures this framework splits)")
 
 
 def _weights(key: str, name: str, path: str) -> None:

@@ -22,12 +22,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
-from .messages import needs, sender_of
 from .p2p import RankPlan, comm_plan
 from .schedules.base import Action, Op, Schedule, StageMap, get
-from .simulate import ScheduleError, simulate
+from .simulate import ScheduleError, match_pairs, recv_batches, simulate
 
 __all__ = ["ScheduleError", "check", "prove", "nccl_simulate", "alive_peak"]
 
@@ -102,46 +99,12 @@ def _check_versions(sched: Schedule, lists: dict[int, list[Action]], smap: Stage
                     raise ScheduleError(f"rank {r}: {a} needs weight version {want} before it exists", [(r, a)])
 
 
-def _match_pairs(plans: dict[int, RankPlan]) -> dict[tuple, tuple]:
-    """NCCL's matching: the n-th send r -> q meets q's n-th receive from r. Returns
-    {(rank, batch, op index): (peer, peer's batch)} for every op."""
-    sends, recvs = defaultdict(list), defaultdict(list)
-    for r, plan in plans.items():
-        for k, batch in enumerate(plan.batches):
-            for i, op in enumerate(batch):
-                (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, k, i, op.msg))
-    match = {}
-    for pair in set(sends) | set(recvs):
-        s, rv = sends.get(pair, []), recvs.get(pair, [])
-        if len(s) != len(rv):
-            raise ScheduleError(f"channel {pair[0]}->{pair[1]}: {len(s)} sends but {len(rv)} receives")
-        for (r, k, i, msg), (q, kq, iq, want) in zip(s, rv):
-            if msg != want:
-                raise ScheduleError(f"channel {pair[0]}->{pair[1]}: NCCL matches in issue order, so {msg} "
-                                    f"would land in the buffer of {want}")
-            match[(r, k, i)], match[(q, kq, iq)] = (q, kq), (r, k)
-    return match
-
-
-def _recv_batch(plan: RankPlan, rank: int, smap: StageMap) -> list:
-    """For each action, the index of the batch holding the receive it waits for, or None."""
-    where = {op.msg: k for k, batch in enumerate(plan.batches) for op in batch if op.op == "recv"}
-    out = []
-    for k, a in enumerate(plan.actions):
-        msg = needs(a, rank, smap)
-        if msg is not None and sender_of(msg, smap) == rank:
-            msg = None  # from this rank's other chunk: in memory, produced by an earlier action
-        if msg is not None and (msg not in where or where[msg] > k):
-            raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives", [(rank, a)])
-        out.append(None if msg is None else where[msg])
-    return out
-
-
 def nccl_simulate(plans: dict[int, RankPlan], smap: StageMap) -> None:
     """Run every rank's batches and computes under NCCL's rules (module docstring) until
     nothing can move; anything left is a deadlock."""
-    match = _match_pairs(plans)
-    wait_on = {r: _recv_batch(plan, r, smap) for r, plan in plans.items()}
+    match = match_pairs(plans)
+    wait_on = {r: [k if kind == "batch" else None for kind, k in recv_batches(plan, r, smap)]
+               for r, plan in plans.items()}
     started = {r: 0 for r in plans}  # batches started (a prefix: the stream is ordered)
     done = {r: 0 for r in plans}  # batches completed (a prefix)
     computed = {r: 0 for r in plans}  # actions whose compute is done (a prefix)

@@ -164,13 +164,13 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
     receive was posted first: experiments/simulator). rules="nccl": a rank's batches also
     run in issue order on one stream (a batch starts when issued and the previous one is
     done)."""
-    pairs = _pairs(plans)
+    pairs = match_pairs(plans)
     n = {r: len(p.actions) for r, p in plans.items()}
     end = {r: [None] * n[r] for r in plans}
     cstart = {r: [None] * n[r] for r in plans}
     bstart = {r: [None] * (n[r] + 1) for r in plans}
     bdone = {r: [None] * (n[r] + 1) for r in plans}
-    waits = {r: _recv_batches(plans[r], r, smap) for r in plans}
+    waits = {r: recv_batches(plans[r], r, smap) for r in plans}
     nb = {r: 0 for r in plans}  # batches started (a prefix)
     na = {r: 0 for r in plans}  # actions computed (a prefix)
     pending = {r: [] for r in plans}  # started batches not yet done
@@ -228,32 +228,43 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
                       cstart[r][k], end[r][k]) for k, a in enumerate(plans[r].actions)] for r in plans}
 
 
-def _pairs(plans: dict) -> dict:
-    """NCCL's (and the coalesced gloo's) matching: the n-th send r -> q meets q's n-th
-    receive from r. {(rank, batch, op index): (peer, peer's batch)}."""
+def match_pairs(plans: dict) -> dict:
+    """NCCL's matching (and the coalesced gloo's): the n-th send r -> q meets q's n-th
+    receive from r, tags ignored. {(rank, batch, op index): (peer, peer's batch)} for every
+    op; ScheduleError when a channel's counts differ or a message would land in another
+    message's buffer (check.py proves plans with it; the clock runs proved ones)."""
     sends, recvs = defaultdict(list), defaultdict(list)
     for r, plan in plans.items():
         for k, batch in enumerate(plan.batches):
             for i, op in enumerate(batch):
-                (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, k, i))
+                (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, k, i, op.msg))
     match = {}
-    for pair, s in sends.items():
-        for (r, k, i), (q, kq, iq) in zip(s, recvs[pair]):
+    for pair in set(sends) | set(recvs):
+        s, rv = sends.get(pair, []), recvs.get(pair, [])
+        if len(s) != len(rv):
+            raise ScheduleError(f"channel {pair[0]}->{pair[1]}: {len(s)} sends but {len(rv)} receives")
+        for (r, k, i, msg), (q, kq, iq, want) in zip(s, rv):
+            if msg != want:
+                raise ScheduleError(f"channel {pair[0]}->{pair[1]}: NCCL matches in issue order, so {msg} "
+                                    f"would land in the buffer of {want}")
             match[(r, k, i)], match[(q, kq, iq)] = (q, kq), (r, k)
     return match
 
 
-def _recv_batches(plan, rank: int, smap: StageMap) -> list[tuple]:
+def recv_batches(plan, rank: int, smap: StageMap) -> list[tuple]:
     """Per action: ("batch", k) when it waits for batch k's receive, ("local", message) for
-    a message from this rank's other chunk, (None, None) when it needs nothing."""
+    a message from this rank's other chunk (handed over in memory), (None, None) when it
+    needs nothing. ScheduleError when no batch before the action receives what it needs."""
     where = {op.msg: k for k, batch in enumerate(plan.batches) for op in batch if op.op == "recv"}
     out = []
-    for a in plan.actions:
+    for k, a in enumerate(plan.actions):
         msg = needs(a, rank, smap)
         if msg is None:
             out.append((None, None))
         elif sender_of(msg, smap) == rank:
             out.append(("local", msg))
+        elif msg not in where or where[msg] > k:
+            raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives", [(rank, a)])
         else:
             out.append(("batch", where[msg]))
     return out
