@@ -1,6 +1,6 @@
 """Held-out loss (val_loss): the model's mean next-token loss on data no training step sees.
 
-What is held out per data source: framework/data.py. Every evaluation reads the same
+What is held out per data source: framework/data/sources.py. Every evaluation reads the same
 sequences, [0, eval_batches * global_batch) of the held-out stream in order (wrapping around
 a smaller stream), cut as training's `ShardedSampler` cuts a step: dp rank r takes the r-th
 contiguous slice of each global batch, in micro-batches of trainer.micro_batch_size. So

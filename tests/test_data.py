@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import framework.data as data_mod
+import framework.data.cache as cache_mod
 from framework.data import BYTES_EOS, ShardedSampler, TokenData, lock_path, meta_path, prepare, stdlib_files
 
 from .conftest import compose
@@ -293,9 +294,9 @@ def test_a_waiting_builder_rechecks_under_the_lock_and_uses_the_other_jobs_cache
         first_check.set()
         return result
 
-    real_verify = data_mod._verify
-    monkeypatch.setattr(data_mod, "_verify", verify)
-    monkeypatch.setattr(data_mod, "_build", lambda *a: pytest.fail("built again"))
+    real_verify = cache_mod._verify
+    monkeypatch.setattr(cache_mod, "_verify", verify)
+    monkeypatch.setattr(data_mod, "build_cache", lambda *a: pytest.fail("built again"))
     out = {}
     with open(lock_path(path), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)  # job A (readers may share, B's exclusive lock must wait)

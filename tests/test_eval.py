@@ -1,4 +1,4 @@
-"""Held-out evaluation (framework/evaluate.py, the held-out data in framework/data.py).
+"""Held-out evaluation (framework/evaluate.py, the held-out data in framework/data/sources.py).
 
 (a) What is held out: pycode's last data.val_files stdlib files, never in the training
 stream; hf's last data.val_fraction of the training split's documents, or data.val_split;

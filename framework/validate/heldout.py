@@ -1,6 +1,6 @@
 """Held-out evaluation (trainer.eval_interval / eval_batches, data.val_*), on the config alone.
 
-What is held out per data source is defined in framework/data.py; that the held-out data
+What is held out per data source is defined in framework/data/sources.py; that the held-out data
 gives at least one micro-batch is checked after preparation (`validate_prepared`).
 The data.val_* keys are checked whether or not evaluation is on: they decide which
 documents training leaves out, and that must not depend on evaluation being on.

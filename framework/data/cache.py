@@ -1,0 +1,155 @@
+"""The checked token cache: its name, its metadata, its lock and its verification.
+
+Beside `<name>-<key>.npy` a `<name>-<key>.json` records what it was built from (sources,
+tokenizer and vocabulary size, dtype) and what it holds (token count, file size, sha256 of
+the .npy). Every `prepare` verifies an existing cache against it: metadata readable, same
+build inputs, same size (a truncated file), loadable with the recorded length, same checksum
+(bytes overwritten in place). Any failure prints one warning naming the file and the reason,
+deletes the cache and rebuilds it; so does a cache without metadata (an older version's, or
+a build cut off before its metadata). Jobs preparing the same cache at once serialize on a
+flock'ed `<name>-<key>.lock`: they verify under a shared lock, and rebuild under an exclusive
+one after checking again (another job may have rebuilt it meanwhile). The packing does not
+depend on `data.seq_len` (one token stream, cut into sequences at load time), so seq_len is
+neither in the key nor a build input.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..config import DataConfig
+from .sources import sources
+
+CACHE_FORMAT = 1  # bump when the metadata or the packing changes: old caches then rebuild
+
+
+def cache_dir(d: DataConfig) -> Path:
+    return Path(d.cache_dir or os.path.expanduser("~/.cache/framework"))
+
+
+def cache_key(d: DataConfig, part: str = "train") -> str:
+    """Named by the fields the part's tokens are built from (the metadata checks them exactly)."""
+    unused = ("cache_dir", "seq_len", "num_samples", "vocab_size", "val_split" if part == "train" else "max_files")
+    fields = {k: v for k, v in asdict(d).items() if k not in unused}
+    if d.name == "pycode":
+        fields["stdlib"] = sysconfig.get_paths()["stdlib"]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65536 else np.int32)
+
+
+def build_inputs(d: DataConfig, tok, part: str = "train") -> dict:
+    """Everything the packed tokens depend on. Not seq_len: packing is one stream for any seq_len."""
+    return {"format": CACHE_FORMAT, "name": d.name, "sources": sources(d, part), "tokenizer": d.tokenizer,
+            "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name}
+
+
+def meta_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def lock_path(path: Path) -> Path:
+    return path.with_suffix(".lock")
+
+
+@contextmanager
+def _locked(path: Path, mode: int):
+    """flock the cache's lock file. The lock file itself is never deleted: removing it while
+    another job waits on it would let a third job lock a fresh file and build concurrently."""
+    with open(lock_path(path), "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def verified_or_built(path: Path, inputs: dict, build: Callable[[], dict]) -> dict:
+    """The cache's metadata, after verifying the cache or (re)building it with `build`."""
+    with _locked(path, fcntl.LOCK_SH):  # many jobs may verify at once; none builds meanwhile
+        meta, problem = _verify(path, inputs)
+    if problem is None:
+        return meta
+    with _locked(path, fcntl.LOCK_EX):
+        meta, problem = _verify(path, inputs)  # again: a job may have rebuilt it while we waited
+        if problem is None:
+            return meta
+        if path.exists():  # a missing cache is simply built; an existing bad one is reported
+            print(f"warning: token cache {path} {problem}; rebuilding", file=sys.stderr, flush=True)
+        # With the exclusive lock no other job is writing, so per-pid temporaries left here are
+        # from builds that died: remove them with the bad cache.
+        for p in [path, meta_path(path), *path.parent.glob(f"{path.stem}.tmp*")]:
+            p.unlink(missing_ok=True)
+        return build()
+
+
+def _verify(path: Path, inputs: dict) -> tuple[Optional[dict], Optional[str]]:
+    """(metadata, None) for a sound cache, else (None, why not) as a phrase for the warning."""
+    if not path.exists():
+        return None, "does not exist"
+    meta, problem = _read_meta(path)
+    if problem is None:
+        problem = _mismatch(meta, inputs) or _size_problem(path, meta) or _load_problem(path, meta)
+    if problem is None and sha256(path) != meta["sha256"]:
+        problem = "does not match its sha256 checksum (its bytes changed after it was built)"
+    return (meta, None) if problem is None else (None, problem)
+
+
+_META_FIELDS = {"inputs": dict, "num_tokens": int, "bytes": int, "sha256": str}
+
+
+def _read_meta(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    m = meta_path(path)
+    if not m.exists():
+        return None, f"has no metadata file {m.name} (an older version's cache, or an interrupted build)"
+    try:
+        meta = json.loads(m.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"has an unreadable metadata file {m.name} ({e})"
+    bad = [k for k, t in _META_FIELDS.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
+    if bad:
+        return None, f"has an invalid metadata file {m.name} (missing or mistyped: {', '.join(bad)})"
+    return meta, None
+
+
+def _mismatch(meta: dict, inputs: dict) -> Optional[str]:
+    built = meta["inputs"]
+    changed = sorted(k for k in set(built) | set(inputs) if built.get(k) != inputs.get(k))
+    return f"was built from other inputs (changed: {', '.join(changed)})" if changed else None
+
+
+def _size_problem(path: Path, meta: dict) -> Optional[str]:
+    size, want = path.stat().st_size, meta["bytes"]
+    if size < want:
+        return f"is truncated ({size} of {want} bytes)"
+    return f"has {size} bytes, {want} expected" if size != want else None
+
+
+def _load_problem(path: Path, meta: dict) -> Optional[str]:
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        return f"cannot be loaded ({e})"
+    if tokens.ndim != 1 or len(tokens) != meta["num_tokens"] or tokens.dtype.name != meta["inputs"]["dtype"]:
+        return (f"holds {tokens.shape} {tokens.dtype} tokens, metadata says "
+                f"({meta['num_tokens']},) {meta['inputs']['dtype']}")
+    return None
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,0 +1,120 @@
+"""Where documents come from, and which of them are held out.
+
+pycode: the running Python's standard-library sources, sorted, without site-packages; the
+last data.val_files are held out and training reads the first data.max_files of the others.
+hf: any `datasets` dataset (hub or local files); the held-out documents are data.val_split,
+or the last data.val_fraction of the training split's (non-empty) documents,
+round(fraction * documents) and at least one. synthetic: eval_batches global batches of
+tokens drawn with another seed (framework/data/tokens.py). The training stream leaves the held-out
+documents out whether or not evaluation is on, so turning it on never changes training.
+`sources` describes what a part is read from, for the cache's metadata (framework/data/cache.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+from ..config import ConfigError, DataConfig
+from ..validate import check_text_field, first_line, local_data_files
+
+
+def stdlib_files(max_files: Optional[int], val_files: int = 0) -> list[str]:
+    """The training files: the running Python's standard-library sources, sorted, without
+    site-packages and without the `val_files` held out at the end; the first max_files."""
+    files = _all_stdlib_files()
+    rest = files[:len(files) - val_files]
+    if not rest:
+        raise ConfigError("data.val_files", val_files, f"holds out all {len(files)} stdlib files, none is left "
+                          "to train on", f"use data.val_files < {len(files)}, e.g. 20")
+    return rest[:max_files] if max_files else rest
+
+
+def heldout_files(val_files: int) -> list[str]:
+    """pycode's held-out files: the last `val_files` of the sorted stdlib sources."""
+    files = _all_stdlib_files()
+    return files[len(files) - min(val_files, len(files)):] if val_files > 0 else []
+
+
+def _all_stdlib_files() -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(_py_files(root))
+    if not files:
+        raise ConfigError("data.name", "pycode", f"no .py sources under {root}",
+                          "use data=synthetic, or data=hf with a local file")
+    return files
+
+
+def _py_files(root: Path) -> Iterator[str]:
+    """*.py under root, pruning site-packages as it walks: `prepare` lists the stdlib on every run
+    (the cache records its files), and walking installed packages only to drop them took ~1 s."""
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        yield from (os.path.join(parent, n) for n in names if n.endswith(".py"))
+
+
+def part_files(d: DataConfig, part: str) -> list[str]:
+    """pycode's files of `part` ("train" | "val")."""
+    return heldout_files(d.val_files) if part == "val" else stdlib_files(d.max_files, d.val_files)
+
+
+def part_split(d: DataConfig, part: str) -> str:
+    """The hf split a part's documents come from."""
+    return d.val_split if part == "val" and d.val_split else d.split
+
+
+def held_out_count(documents: int, fraction: float) -> int:
+    """Documents data.val_fraction holds out of the training split: round(f * n), at least one."""
+    return max(1, round(documents * fraction)) if fraction > 0 else 0
+
+
+def load_texts(d: DataConfig, cache: Path, part: str = "train") -> list[str]:
+    from datasets import load_dataset
+
+    hf_cache = str(cache / "hf")
+    if d.name == "pycode":
+        ds = load_dataset("text", data_files=part_files(d, part), sample_by="document", split="train",
+                          cache_dir=hf_cache)
+    else:
+        try:
+            ds = load_dataset(d.path, data_files=d.data_files, split=part_split(d, part), cache_dir=hf_cache)
+        except Exception as e:  # noqa: BLE001 - datasets raises many types for a bad file or name
+            if part_split(d, part) != d.split:
+                raise ConfigError("data.val_split", d.val_split, f"could not be loaded by datasets.load_dataset("
+                                  f"{d.path!r}) ({first_line(e)})", "name a split the dataset has (a local directory "
+                                  "as data.path: its files named by split, e.g. train.jsonl, validation.jsonl)") from None
+            raise ConfigError("data.data_files" if d.data_files else "data.path", d.data_files or d.path,
+                              f"could not be loaded by datasets.load_dataset({d.path!r}) ({first_line(e)})",
+                              "check the file's format matches the loader (json lines for json), or the dataset "
+                              "name and split") from None
+    check_text_field(d, ds.column_names)
+    texts = [t for t in ds["text" if d.name == "pycode" else d.text_field] if t]
+    if d.name != "hf" or part_split(d, part) != d.split:
+        return texts
+    keep = len(texts) - held_out_count(len(texts), d.val_fraction)  # the fraction's documents are the last
+    return texts[keep:] if part == "val" else texts[:keep]
+
+
+def sources(d: DataConfig, part: str = "train") -> dict:
+    """What the part's documents are read from. pycode lists every file with its size, so a
+    Python upgraded in place (same stdlib path, changed files) rebuilds the cache, and so does
+    one built before the held-out files were left out. hf names a held-out fraction (which
+    documents of the split a part keeps) when there is one, so a change rebuilds."""
+    if d.name == "pycode":
+        out = {"stdlib": [[f, os.path.getsize(f)] for f in part_files(d, part)]}
+    else:
+        out = {"path": d.path, "data_files": d.data_files, "split": part_split(d, part), "text_field": d.text_field,
+               "local_files": _local_files(d.data_files)}
+        if d.val_fraction > 0 and part_split(d, part) == d.split:
+            out["held_out_fraction"] = d.val_fraction
+    return {**out, "part": "held out"} if part == "val" else out
+
+
+def _local_files(data_files) -> list:
+    """Local data files with size and modification time: a file edited in place rebuilds the
+    cache (remote ones, URLs, are named by data_files alone)."""
+    files = sorted({m for matches in local_data_files(data_files).values() for m in matches})
+    return [[f, os.path.getsize(f), os.path.getmtime(f)] for f in files]
