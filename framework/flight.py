@@ -6,7 +6,7 @@ note is a `struct.pack_into` on shared memory (plus a clock read): no write call
 cheap enough for every pipeline action and p2p batch. Times are CLOCK_MONOTONIC, one clock
 for every process of the node, immune to wall-clock steps. The file is filled with zeros
 when created, so a full disk fails there (the rank then runs without a recorder) rather
-than with SIGBUS on a later note. The launcher's watchdog (framework/launch.py) reads
+than with SIGBUS on a later note. The launcher's watchdog (framework/launch/watchdog.py) reads
 the files: a rank stopped with SIGSTOP or stuck in a C call cannot dump its own memory,
 but the page cache still holds what it last wrote.
 

@@ -4,7 +4,7 @@ Ranks never run Hydra: the launching process composed, validated and wrote
 `<job_dir>/config.yaml` and `<job_dir>/run_info.json`. Locally `launch_local` calls
 `rank_main`; on a cluster run `torchrun ... -m framework.worker <job_dir>`.
 
-What a rank leaves for the launcher (which only reads it, framework/launch.py):
+What a rank leaves for the launcher (which only reads it, framework/launch/):
 - `.flight/rank<r>`: its flight recorder (framework/flight.py), created before anything
   that can block, so the hang watchdog sees every rank that started.
 - `rank_failures/rank<r>.json`: written when the rank raises, BEFORE the process group is
