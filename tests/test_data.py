@@ -6,14 +6,17 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import framework.data as data_mod
+import framework.data.build as build_mod
 import framework.data.cache as cache_mod
 from framework.data import BYTES_EOS, ShardedSampler, TokenData, lock_path, meta_path, prepare, stdlib_files
 
@@ -311,3 +314,129 @@ def test_a_waiting_builder_rechecks_under_the_lock_and_uses_the_other_jobs_cache
     job_b.join(60)
     assert seen == ["does not exist", None] and out["p"].tokens_path == str(path)
     assert path.read_bytes() == raw
+
+
+# ---- data that scales: streamed builds, parallel tokenization, the cheap start-up check ----
+
+def _hf_run(data_file, cache, tokenizer="bytes", field="text"):
+    return compose("data=hf", "data.path=json", f"data.data_files={data_file}", f"data.text_field={field}",
+                   f"data.tokenizer={tokenizer}", f"data.cache_dir={cache}", "data.seq_len=64",
+                   "trainer.micro_batch_size=1", "schedule.microbatches=1")
+
+
+def test_a_large_corpus_is_built_and_loaded_without_holding_it_as_python_objects(tmp_path, monkeypatch):
+    texts = [f"document {i:06d} " + "lorem ipsum dolor sit amet " * 3 for i in range(40_000)]  # ~3.9M tokens
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    as_list = sys.getsizeof(texts) + sum(sys.getsizeof(t) for t in texts)  # what the corpus costs as a list
+    want = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8), BYTES_EOS) for t in texts])
+    del texts
+    run = _hf_run(corpus, tmp_path / "cache")
+    path = Path(prepare(run).tokens_path)  # also converts the json into datasets' Arrow cache (datasets' work)
+    path.unlink()
+    monkeypatch.setattr(build_mod, "CHUNK_BYTES", 1 << 15)
+    tracemalloc.start()
+    try:
+        p = prepare(run)  # rebuilds the tokens from the Arrow cache
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < as_list / 4, (peak, as_list)  # ~0.7 MB against ~6.4 MB (and ~16 MB of int32 tokens before)
+    data = TokenData.load(run, p.tokens_path)
+    assert isinstance(data.tokens, np.memmap) and np.array_equal(data.tokens, want)
+    np.save(tmp_path / "ref.npy", want.astype(np.uint16))
+    assert path.read_bytes() == (tmp_path / "ref.npy").read_bytes()  # streamed, yet the file np.save writes
+
+
+def test_parallel_tokenization_writes_the_single_process_bytes(tmp_path, monkeypatch, capsys):
+    texts = [f"Paragraph {i}: stage {i % 7} sends micro-batch {i % 5} to stage {i % 7 + 1}. " * (1 + i % 4)
+             for i in range(400)]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _local_tokenizer(texts, tmp_path / "tok")
+    monkeypatch.setattr(build_mod, "CHUNK_BYTES", 2048)  # many chunks, so the order matters
+    built = {}
+    for processes in (1, 2):
+        monkeypatch.setattr(build_mod, "tokenizer_processes", lambda text_bytes, n=processes: n)
+        run = _hf_run(corpus, tmp_path / f"cache{processes}", tokenizer=tmp_path / "tok")
+        built[processes] = Path(prepare(run).tokens_path).read_bytes()
+    assert built[1] == built[2]
+    err = capsys.readouterr().err
+    assert "2 processes" in err and "documents" in err  # a parallel build announces itself
+
+
+def test_the_pool_tokenizes_in_other_processes_in_order_and_reports_progress(tmp_path, monkeypatch, capsys):
+    seen = tmp_path / "pids"
+    real_encode = build_mod.encode
+
+    def encode(tok, texts, dtype):
+        with open(seen, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_encode(tok, texts, dtype)
+
+    monkeypatch.setattr(build_mod, "encode", encode)
+    monkeypatch.setattr(build_mod, "PROGRESS_INTERVAL_S", 0.0)
+    tok = data_mod.ByteTokenizer()
+    chunks = [[f"doc {i}.{j}" for j in range(i % 3 + 1)] for i in range(30)]
+    got = list(build_mod.encoded_chunks(iter(chunks), tok, np.dtype(np.uint16), processes=2))
+    workers = set(seen.read_text().split())
+    assert workers and str(os.getpid()) not in workers  # every chunk was tokenized by a pool worker
+    assert [n for n, _ in got] == [len(c) for c in chunks]
+    assert [a.tolist() for _, a in got] == [real_encode(tok, c, np.dtype(np.uint16)).tolist() for c in chunks]
+    assert build_mod.tokenizer_processes(build_mod.PARALLEL_MIN_BYTES - 1) == 1  # a small corpus: no pool
+    # progress: with the interval at 0 every chunk prints a line, then a last one
+    run = _pycode(tmp_path / "cache")
+    prepare(run)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing ")]
+    assert len(lines) >= 2 and ": 3 of 3 documents (100%)" in lines[-2] and ": done: 3 documents" in lines[-1]
+
+
+def _spy_full_hash(monkeypatch) -> list:
+    """Record which files get the full sha256 (the build hashes its temporary, `.tmp<pid>.npy`)."""
+    calls, real = [], cache_mod.sha256
+    monkeypatch.setattr(cache_mod, "sha256", lambda p: calls.append(Path(p)) or real(p))
+    return calls
+
+
+def test_an_unchanged_cache_is_not_hashed_whole_at_start(built, monkeypatch, capsys):
+    run, path, tokens, raw = built
+    calls = _spy_full_hash(monkeypatch)
+    sampled, real_sampled = [], cache_mod.sampled_sha256
+    monkeypatch.setattr(cache_mod, "sampled_sha256", lambda *a: sampled.append(a) or real_sampled(*a))
+    assert prepare(run).tokens_path == str(path)
+    assert calls == [] and len(sampled) == 1 and "token cache" not in capsys.readouterr().err
+
+
+def test_a_moved_mtime_gets_the_full_hash_once_and_is_recorded(built, monkeypatch, capsys):
+    run, path, tokens, raw = built
+    calls = _spy_full_hash(monkeypatch)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, or copied without its times
+    assert prepare(run).tokens_path == str(path) and calls == [path]  # same bytes: kept, not rebuilt
+    assert json.loads(meta_path(path).read_text())["mtime_ns"] == st.st_mtime_ns + 10**9
+    prepare(run)
+    assert calls == [path] and "token cache" not in capsys.readouterr().err  # the next start is cheap again
+    assert path.read_bytes() == raw
+
+
+def test_bytes_overwritten_with_the_mtime_set_back_fail_the_sampled_check(built, monkeypatch, capsys):
+    run, path, tokens, raw = built
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(len(raw) - 20)
+        f.write(bytes(b ^ 1 for b in raw[-20:]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as recorded
+    calls = _spy_full_hash(monkeypatch)
+    assert _rebuilt(run, path, tokens, raw, capsys) == (
+        f"warning: token cache {path} does not match its sha256 checksum "
+        "(its bytes changed after it was built); rebuilding")
+    assert path not in calls  # found by the sampled checksum; the full hash ran on the rebuild's temporary only
+
+
+def test_the_sampled_checksum_reads_spread_blocks_of_a_large_file():
+    B, K = cache_mod.SAMPLED_BLOCK_BYTES, cache_mod.SAMPLED_BLOCKS
+    assert cache_mod.sampled_offsets(K * B) == [0]  # read whole
+    size = 10**9 + 7
+    offsets = cache_mod.sampled_offsets(size)
+    assert len(offsets) == K and offsets[0] == 0 and offsets[-1] == size - B
+    assert all(b - a > B for a, b in zip(offsets, offsets[1:]))

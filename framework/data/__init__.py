@@ -1,17 +1,19 @@
 """Corpora, tokenizers, the checked token cache and dp-sharded sampling.
 
 `prepare` runs once in the launching process (before any rank starts): it reads the corpus
-through `datasets`, tokenizes it, packs it into one token array and caches it as .npy keyed
-by the data config. Ranks memory-map that file (`TokenData.load`), so N ranks do not
-tokenize N times or race on the datasets cache. Held-out data (trainer.eval_interval,
+through `datasets`, tokenizes it (in several processes when it is large), packs it into one
+token stream and caches it as .npy keyed by the data config, streaming: no step holds the
+corpus, as Python objects or as one array. Ranks memory-map that file (`TokenData.load`), so N
+ranks do not tokenize N times or race on the datasets cache. Held-out data (trainer.eval_interval,
 framework/evaluate.py) gets a second checked cache (`<name>-val-<key>`), built only when
 evaluation is on.
 
 One concern per module:
   tokenizers.py  bytes / transformers tokenizers
   sources.py     pycode / hf corpora and which documents are held out
-  cache.py       the cache's name, metadata, lock and verification
-  build.py       documents -> packed tokens in the .npy
+  cache.py       the cache's name, metadata, lock and verification (full sha256 at build; at start
+                 size, mtime and a sampled checksum, the full sha256 only when the mtime moved)
+  build.py       documents -> packed tokens streamed into the .npy; a process pool for a large corpus
   tokens.py      TokenData: the memory-mapped (or synthetic) tokens cut into samples
   sampler.py     ShardedSampler: which samples each dp rank reads at each step
 """

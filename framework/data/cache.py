@@ -1,16 +1,25 @@
 """The checked token cache: its name, its metadata, its lock and its verification.
 
 Beside `<name>-<key>.npy` a `<name>-<key>.json` records what it was built from (sources,
-tokenizer and vocabulary size, dtype) and what it holds (token count, file size, sha256 of
-the .npy). Every `prepare` verifies an existing cache against it: metadata readable, same
-build inputs, same size (a truncated file), loadable with the recorded length, same checksum
-(bytes overwritten in place). Any failure prints one warning naming the file and the reason,
-deletes the cache and rebuilds it; so does a cache without metadata (an older version's, or
-a build cut off before its metadata). Jobs preparing the same cache at once serialize on a
-flock'ed `<name>-<key>.lock`: they verify under a shared lock, and rebuild under an exclusive
-one after checking again (another job may have rebuilt it meanwhile). The packing does not
-depend on `data.seq_len` (one token stream, cut into sequences at load time), so seq_len is
-neither in the key nor a build input.
+tokenizer and vocabulary size, dtype) and what it holds: token count, file size, sha256 of
+the .npy, its modification time (mtime_ns) and a sampled checksum (sha256 of 16 blocks of
+64 KiB at offsets spread evenly over the file, first and last included, recorded with the
+offsets; a file under 1 MiB is one block, the whole file). The full sha256 is computed once,
+when the cache is built. Every later `prepare` verifies: metadata readable, same build
+inputs, same size (a truncated file), loadable with the recorded length, and then
+  - same mtime: the sampled checksum (reads 1 MiB, whatever the cache's size);
+  - another mtime (the file was written, or copied without its times): the full sha256; if
+    it still matches, the new mtime is recorded so the next start is cheap again.
+So bytes overwritten in place are caught by the full checksum (writing moves the mtime), or,
+if the mtime was set back, by the sampled one when they fall in a sampled block (the same
+warning either way: "does not match its sha256 checksum").
+Any failure prints one warning naming the file and the reason, deletes the cache and
+rebuilds it; so does a cache without metadata (an older version's, or a build cut off before
+its metadata). Jobs preparing the same cache at once serialize on a flock'ed
+`<name>-<key>.lock`: they verify under a shared lock, and rebuild under an exclusive one after
+checking again (another job may have rebuilt it meanwhile). The packing does not depend on
+`data.seq_len` (one token stream, cut into sequences at load time), so seq_len is neither in
+the key nor a build input.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ import numpy as np
 from ..config import DataConfig
 from .sources import sources
 
-CACHE_FORMAT = 1  # bump when the metadata or the packing changes: old caches then rebuild
+CACHE_FORMAT = 2  # bump when the metadata or the packing changes: old caches then rebuild (2: mtime, sampled)
+SAMPLED_BLOCKS, SAMPLED_BLOCK_BYTES = 16, 1 << 16  # the sampled checksum reads 1 MiB
 
 
 def cache_dir(d: DataConfig) -> Path:
@@ -103,10 +113,31 @@ def _verify(path: Path, inputs: dict) -> tuple[Optional[dict], Optional[str]]:
         return None, "does not exist"
     meta, problem = _read_meta(path)
     if problem is None:
-        problem = _mismatch(meta, inputs) or _size_problem(path, meta) or _load_problem(path, meta)
-    if problem is None and sha256(path) != meta["sha256"]:
-        problem = "does not match its sha256 checksum (its bytes changed after it was built)"
+        problem = (_mismatch(meta, inputs) or _check_fields(path, meta) or _size_problem(path, meta)
+                   or _load_problem(path, meta) or _content_problem(path, meta))
     return (meta, None) if problem is None else (None, problem)
+
+
+def _content_problem(path: Path, meta: dict) -> Optional[str]:
+    """The bytes: the full sha256 when the mtime moved, else the sampled checksum (module docstring)."""
+    changed = "does not match its sha256 checksum (its bytes changed after it was built)"
+    if path.stat().st_mtime_ns != meta["mtime_ns"]:
+        if sha256(path) != meta["sha256"]:
+            return changed
+        _record_mtime(path, meta)
+        return None
+    sampled = meta["sampled"]
+    return changed if sampled_sha256(path, sampled["offsets"], sampled["block_bytes"]) != sampled["sha256"] else None
+
+
+def _record_mtime(path: Path, meta: dict) -> None:
+    """Same bytes under a new mtime (copied, touched): record it. Every job doing this under the
+    shared lock writes the same record; a read-only cache directory just stays on the full check."""
+    meta["mtime_ns"] = path.stat().st_mtime_ns
+    try:
+        write_meta(path, meta)
+    except OSError:
+        pass
 
 
 _META_FIELDS = {"inputs": dict, "num_tokens": int, "bytes": int, "sha256": str}
@@ -132,6 +163,21 @@ def _mismatch(meta: dict, inputs: dict) -> Optional[str]:
     return f"was built from other inputs (changed: {', '.join(changed)})" if changed else None
 
 
+_CHECK_FIELDS = {"mtime_ns": int, "sampled": dict}
+_SAMPLED_FIELDS = {"offsets": list, "block_bytes": int, "sha256": str}
+
+
+def _check_fields(path: Path, meta: dict) -> Optional[str]:
+    """The quick-check record, checked after the inputs: a cache of an older format is named by
+    its format, not by the fields it lacks."""
+    bad = [k for k, t in _CHECK_FIELDS.items() if not isinstance(meta.get(k), t)]
+    bad += [f"sampled.{k}" for k, t in _SAMPLED_FIELDS.items()
+            if "sampled" not in bad and not isinstance(meta["sampled"].get(k), t)]
+    if bad:
+        return f"has an invalid metadata file {meta_path(path).name} (missing or mistyped: {', '.join(bad)})"
+    return None
+
+
 def _size_problem(path: Path, meta: dict) -> Optional[str]:
     size, want = path.stat().st_size, meta["bytes"]
     if size < want:
@@ -153,3 +199,38 @@ def _load_problem(path: Path, meta: dict) -> Optional[str]:
 def sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def sampled_offsets(size: int) -> list[int]:
+    """Where the sampled checksum reads: SAMPLED_BLOCKS blocks spread evenly from the first byte
+    to the last block; a file that small blocks would cover is read whole, as one block."""
+    if size <= SAMPLED_BLOCKS * SAMPLED_BLOCK_BYTES:
+        return [0]
+    last = size - SAMPLED_BLOCK_BYTES
+    return [last * i // (SAMPLED_BLOCKS - 1) for i in range(SAMPLED_BLOCKS)]
+
+
+def sampled_sha256(path: Path, offsets: list[int], block_bytes: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for offset in offsets:
+            f.seek(offset)
+            h.update(f.read(block_bytes))
+    return h.hexdigest()
+
+
+def content_record(path: Path) -> dict:
+    """What a freshly built .npy holds, for its metadata: size, mtime, the full sha256 and the
+    sampled checksum with its offsets."""
+    st = path.stat()
+    offsets = sampled_offsets(st.st_size)
+    block = st.st_size if offsets == [0] else SAMPLED_BLOCK_BYTES
+    return {"bytes": st.st_size, "sha256": sha256(path), "mtime_ns": st.st_mtime_ns,
+            "sampled": {"offsets": offsets, "block_bytes": block, "sha256": sampled_sha256(path, offsets, block)}}
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    """Through a per-pid temporary and an atomic rename: readers see the old record or the new."""
+    tmp = meta_path(path).with_suffix(f".tmp{os.getpid()}.json")
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp, meta_path(path))

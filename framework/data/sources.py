@@ -5,9 +5,12 @@ last data.val_files are held out and training reads the first data.max_files of 
 hf: any `datasets` dataset (hub or local files); the held-out documents are data.val_split,
 or the last data.val_fraction of the training split's (non-empty) documents,
 round(fraction * documents) and at least one. synthetic: eval_batches global batches of
-tokens drawn with another seed (framework/data/tokens.py). The training stream leaves the held-out
-documents out whether or not evaluation is on, so turning it on never changes training.
-`sources` describes what a part is read from, for the cache's metadata (framework/data/cache.py).
+tokens drawn with another seed (framework/data/tokens.py). The training stream leaves the
+held-out documents out whether or not evaluation is on, so turning it on never changes training.
+
+Documents are read through `datasets` into its Arrow cache (a memory-mapped file) and handed
+on in batches (`Documents.batches`): a corpus is never a Python list. `sources` describes what
+a part is read from, for the cache's metadata (framework/data/cache.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import os
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..config import ConfigError, DataConfig
 from ..validate import check_text_field, first_line, local_data_files
@@ -71,31 +75,73 @@ def held_out_count(documents: int, fraction: float) -> int:
     return max(1, round(documents * fraction)) if fraction > 0 else 0
 
 
-def load_texts(d: DataConfig, cache: Path, part: str = "train") -> list[str]:
+READ_BATCH_ROWS = 1000  # rows turned into Python strings at a time
+
+
+@dataclass
+class Documents:
+    """A part's non-empty documents, in order. They stay in the datasets Arrow cache (a
+    memory-mapped file) and become Python strings a batch of rows at a time, never all at once."""
+
+    table: Any  # a one-column datasets.Dataset in arrow format: the text
+    start: int  # the part's non-empty documents are [start, stop) of the split's
+    stop: int
+    text_bytes: int  # UTF-8 bytes of those documents (pro rata when a fraction is held out)
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    def batches(self) -> Iterator[list[str]]:
+        seen = 0  # non-empty documents before this batch
+        for batch in self.table.iter(batch_size=READ_BATCH_ROWS):
+            texts = [t for t in batch.column(0).to_pylist() if t]
+            lo, hi = max(self.start - seen, 0), min(self.stop - seen, len(texts))
+            seen += len(texts)
+            if lo < hi:
+                yield texts[lo:hi]
+            if seen >= self.stop:
+                return
+
+
+def load_part(d: DataConfig, cache: Path, part: str = "train") -> Documents:
+    """The part's documents: one counting pass over the Arrow columns (no Python strings) finds
+    how many there are and where the held-out fraction starts."""
+    import pyarrow.compute as pc
+
+    ds = _load_dataset(d, cache, part)
+    check_text_field(d, ds.column_names)
+    table = ds.select_columns(["text" if d.name == "pycode" else d.text_field]).with_format("arrow")
+    documents = text_bytes = 0
+    for batch in table.iter(batch_size=64 * READ_BATCH_ROWS):
+        lengths = pc.binary_length(batch.column(0))  # null for a missing text
+        documents += pc.sum(pc.greater(lengths, 0)).as_py() or 0
+        text_bytes += pc.sum(lengths).as_py() or 0
+    start, stop = 0, documents
+    if d.name == "hf" and part_split(d, part) == d.split:
+        keep = documents - held_out_count(documents, d.val_fraction)  # the fraction's documents are the last
+        start, stop = (keep, documents) if part == "val" else (0, keep)
+    return Documents(table, start, stop, text_bytes * (stop - start) // max(documents, 1))
+
+
+def _load_dataset(d: DataConfig, cache: Path, part: str):
     from datasets import load_dataset
 
     hf_cache = str(cache / "hf")
     if d.name == "pycode":
-        ds = load_dataset("text", data_files=part_files(d, part), sample_by="document", split="train",
-                          cache_dir=hf_cache)
-    else:
-        try:
-            ds = load_dataset(d.path, data_files=d.data_files, split=part_split(d, part), cache_dir=hf_cache)
-        except Exception as e:  # noqa: BLE001 - datasets raises many types for a bad file or name
-            if part_split(d, part) != d.split:
-                raise ConfigError("data.val_split", d.val_split, f"could not be loaded by datasets.load_dataset("
-                                  f"{d.path!r}) ({first_line(e)})", "name a split the dataset has (a local directory "
-                                  "as data.path: its files named by split, e.g. train.jsonl, validation.jsonl)") from None
-            raise ConfigError("data.data_files" if d.data_files else "data.path", d.data_files or d.path,
-                              f"could not be loaded by datasets.load_dataset({d.path!r}) ({first_line(e)})",
-                              "check the file's format matches the loader (json lines for json), or the dataset "
-                              "name and split") from None
-    check_text_field(d, ds.column_names)
-    texts = [t for t in ds["text" if d.name == "pycode" else d.text_field] if t]
-    if d.name != "hf" or part_split(d, part) != d.split:
-        return texts
-    keep = len(texts) - held_out_count(len(texts), d.val_fraction)  # the fraction's documents are the last
-    return texts[keep:] if part == "val" else texts[:keep]
+        return load_dataset("text", data_files=part_files(d, part), sample_by="document", split="train",
+                            cache_dir=hf_cache)
+    try:
+        return load_dataset(d.path, data_files=d.data_files, split=part_split(d, part), cache_dir=hf_cache)
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a bad file or name
+        if part_split(d, part) != d.split:
+            raise ConfigError("data.val_split", d.val_split, f"could not be loaded by datasets.load_dataset("
+                              f"{d.path!r}) ({first_line(e)})", "name a split the dataset has (a local directory "
+                              "as data.path: its files named by split, e.g. train.jsonl, validation.jsonl)") from None
+        raise ConfigError("data.data_files" if d.data_files else "data.path", d.data_files or d.path,
+                          f"could not be loaded by datasets.load_dataset({d.path!r}) ({first_line(e)})",
+                          "check the file's format matches the loader (json lines for json), or the dataset "
+                          "name and split") from None
 
 
 def sources(d: DataConfig, part: str = "train") -> dict:
