@@ -8,7 +8,10 @@ for every process of the node, immune to wall-clock steps. The file is filled wi
 when created, so a full disk fails there (the rank then runs without a recorder) rather
 than with SIGBUS on a later note. The launcher's watchdog (framework/launch/watchdog.py) reads
 the files: a rank stopped with SIGSTOP or stuck in a C call cannot dump its own memory,
-but the page cache still holds what it last wrote.
+but the page cache still holds what it last wrote. The header names the rank's host, so a
+job on several nodes (its job directory on a shared filesystem) names a remote rank by host;
+another node sees a remote file as its filesystem shows it (on NFS, seconds late), and a
+remote rank's times are on that node's clock (the watchdog compares only changes it saw).
 
 A note is either an action (compute, Python) or a wait (a collective or p2p wait the rank
 is blocked in until its peers arrive). The watchdog uses the difference: a rank whose last
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
 import struct
 import sys
 import time
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 FLIGHT_DIR = ".flight"
 SLOTS = 64
 TEXT = 112  # bytes of text per note (longer notes are cut)
-_HEADER = struct.Struct("<qdq")  # pid, time of the last note (time.monotonic()), notes written
+HOST = 64  # bytes of host name
+_HEADER = struct.Struct(f"<qdq{HOST}s")  # pid, time of the last note (time.monotonic()), notes written, host
 _SLOT = struct.Struct(f"<d?{TEXT}s")  # time, is a wait, text
 SIZE = _HEADER.size + SLOTS * _SLOT.size
 
@@ -45,7 +50,7 @@ class FlightRecorder:
             f.write(bytes(SIZE))  # allocated now: no SIGBUS on a full disk later
         self._file = open(path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), SIZE)
-        self.count, self.pid = 0, os.getpid()
+        self.count, self.pid, self.host = 0, os.getpid(), socket.gethostname().encode()[:HOST]
         self.note("rank started")
 
     @classmethod
@@ -64,7 +69,7 @@ class FlightRecorder:
         _SLOT.pack_into(self._map, _HEADER.size + (self.count % SLOTS) * _SLOT.size, now, wait,
                         text.encode()[:TEXT])
         self.count += 1
-        _HEADER.pack_into(self._map, 0, self.pid, now, self.count)
+        _HEADER.pack_into(self._map, 0, self.pid, now, self.count, self.host)
 
     def close(self) -> None:
         self._map.close()
@@ -91,8 +96,10 @@ class Flight:
 
     rank: int
     pid: int
-    last_progress: float
+    last_progress: float  # on the clock of the rank's node
     notes: list[Note]  # oldest first
+    host: str = ""
+    count: int = 0  # notes written so far: a change is progress, whichever node's clock reads it
 
     @property
     def waiting(self) -> bool:
@@ -108,14 +115,14 @@ def read(job_dir: str, rank: int) -> Flight | None:
         return None
     if len(data) < SIZE:
         return None
-    pid, last, count = _HEADER.unpack_from(data, 0)
+    pid, last, count, host = _HEADER.unpack_from(data, 0)
     if count == 0:
         return None
     notes = []
     for i in range(max(0, count - SLOTS), count):
         t, wait, raw = _SLOT.unpack_from(data, _HEADER.size + (i % SLOTS) * _SLOT.size)
         notes.append(Note(t, wait, raw.rstrip(b"\0").decode(errors="replace")))
-    return Flight(rank, pid, last, notes)
+    return Flight(rank, pid, last, notes, host.rstrip(b"\0").decode(errors="replace"), count)
 
 
 def process_state(pid: int) -> str:
@@ -131,9 +138,9 @@ def process_state(pid: int) -> str:
 def dead_ranks(job_dir: str, node_ranks: range, me: int) -> list[int]:
     """Other ranks of this node whose process has exited (or is a zombie). Only this node's:
     another host's pids mean nothing in this /proc."""
-    out = []
+    out, host = [], socket.gethostname()
     for r in node_ranks:
         f = read(job_dir, r) if r != me else None
-        if f is not None and process_state(f.pid) in ("Z", "X", "gone"):
+        if f is not None and f.host in ("", host) and process_state(f.pid) in ("Z", "X", "gone"):
             out.append(r)
     return out

@@ -238,8 +238,11 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     write_job_files(run, info, job_dir)
     print(startup_banner(run, info, device_type), flush=True)
     if run.launcher == "external":
-        print("launch the ranks with:\n  torchrun --nnodes=<N> --nproc-per-node=<ranks per node> --rdzv-backend=c10d "
-              f"--rdzv-endpoint=<host:port> -m framework.worker {shlex.quote(job_dir)}")
+        print(f"launch the {run.world_size} ranks with, on each node (this job directory on a filesystem every node "
+              "sees; torchrun's options, docs/multinode.md):\n  python -m framework.launch.node --nnodes=<N> "
+              f"--nproc-per-node=<{run.world_size} / N> --rdzv-backend=c10d --rdzv-endpoint=<host:port> "
+              f"{shlex.quote(job_dir)}\n(plain `torchrun <the same options> -m framework.worker {shlex.quote(job_dir)}` "
+              "runs the ranks too, but writes no summary.json or error.txt when one fails)")
         return None
     try:
         summary = launch_local(run, job_dir, info)

@@ -21,7 +21,7 @@ from .progress import RUN_LOG
 JOB_OUTPUTS = ("config.yaml", "run_info.json", "summary.json", "summary.json.tmp", "metrics.jsonl",
                "metrics.jsonl.partial", "error.txt", "hang.txt", "trace.json", "timeline.png", "final_model.pt",
                "final_model", "final_model.tmp",
-               "plan.json", "wandb", "rank_failures", ".flight", "calibration.json", "predicted_trace.json",
+               "plan.json", "wandb", "rank_failures", ".flight", "nodes", "calibration.json", "predicted_trace.json",
                "prediction.json")
 PREVIOUS_DIR = ".previous"
 # A sweep directory's own files (besides its numbered job directories): Hydra's record, the

@@ -2,15 +2,18 @@
 
 Ranks never run Hydra: the launching process composed, validated and wrote
 `<job_dir>/config.yaml` and `<job_dir>/run_info.json`. Locally `launch_local` calls
-`rank_main`; on a cluster run `torchrun ... -m framework.worker <job_dir>`.
+`rank_main`; on several nodes `python -m framework.launch.node ... <job_dir>` (torchrun's
+agent with the watchdog and the diagnosis) calls it too, and plain
+`torchrun ... -m framework.worker <job_dir>` runs `main` below (failures then told only in
+torchrun's logs).
 
 What a rank leaves for the launcher (which only reads it, framework/launch/):
 - `.flight/rank<r>`: its flight recorder (framework/flight.py), created before anything
   that can block, so the hang watchdog sees every rank that started.
-- `rank_failures/rank<r>.json`: written when the rank raises, BEFORE the process group is
-  destroyed. Destroying it (or exiting) closes the rank's connections, and its blocked
-  peers then fail with "connection closed by peer" within milliseconds; recording first
-  makes the true cause the earliest record every time, not in most runs.
+- `rank_failures/rank<r>.json`: its traceback, time and host, written when the rank raises,
+  BEFORE the process group is destroyed. Destroying it (or exiting) closes the rank's
+  connections, and its blocked peers then fail with "connection closed by peer" within
+  milliseconds; recording first makes the true cause the earliest record every time.
 - A stop (SIGINT / SIGTERM, framework/signals.py) is no failure: no record, exit 130 / 143.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -38,7 +42,7 @@ from .validate import check_rank_env
 
 FAILURES_DIR = "rank_failures"
 # A collective blocked this much longer than trainer.hang_timeout_s raises in the rank: the
-# launcher's watchdog (which names the stalled rank) acts first, and under launcher=external,
+# launcher's watchdog (which names the stalled rank) acts first, and under plain torchrun,
 # where no watchdog runs, torch's timeout still ends the job.
 PG_TIMEOUT_MARGIN_S = 30.0
 
@@ -119,8 +123,8 @@ CONNECTION_ERRORS = ("Connection closed by peer", "Connection reset by peer", "B
 
 def record_failure(job_dir: str, rank: int) -> None:
     """This rank's traceback with a precise time (elastic's own error files keep whole
-    seconds), and which peers on this node had already died (a rank killed by a signal
-    leaves no record of its own). Written atomically; on a full disk it is lost and the
+    seconds), its host, and which peers on this node had already died (a rank killed by a
+    signal leaves no record of its own; another node's deaths are its launcher's to tell). Written atomically; on a full disk it is lost and the
     launcher falls back to exit codes, so this never raises."""
     path = os.path.join(job_dir, FAILURES_DIR, f"rank{rank}.json")
     when, tb = time.time(), traceback.format_exc()
@@ -130,7 +134,8 @@ def record_failure(job_dir: str, rank: int) -> None:
     deadline = time.monotonic() + (PEER_DEATH_SETTLE_S if any(c in tb for c in CONNECTION_ERRORS) else 0.1)
     while not (dead := dead_ranks(job_dir, node, rank)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    text = json.dumps({"rank": rank, "time": when, "traceback": tb, "peers_dead": dead})
+    text = json.dumps({"rank": rank, "time": when, "traceback": tb, "peers_dead": dead,
+                       "host": socket.gethostname()})
     write_report(path, text, who=f"rank {rank}: ")
 
 

@@ -8,6 +8,9 @@ A failed job is told (`diagnose`, printed once by framework.job) as:
 
 The inputs are the ranks' failure records (`read_records`: `rank_failures/` in the job
 directory, written by framework/worker.py) and each rank's exit code as its launcher saw it.
+On several nodes (`hosts` given, launch/node.py) each rank is named with its host, and a
+record that only says a connection closed is a consequence wherever it falls in time: its
+writer saw only its own node's dead peers, and wall clocks of two hosts differ a little.
 Nothing here starts, watches or signals a process.
 """
 
@@ -20,7 +23,7 @@ import signal
 from dataclasses import dataclass
 from typing import Optional
 
-from ..worker import FAILURES_DIR
+from ..worker import CONNECTION_ERRORS, FAILURES_DIR
 
 
 class RankFailure(RuntimeError):
@@ -92,16 +95,28 @@ def _signal_name(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
-def _root(ends: dict[int, RankEnd]) -> Optional[int]:
+def _victim(record: dict) -> bool:
+    """The record of a rank that failed because a peer's connection closed."""
+    return any(c in _last_line(record["traceback"]) for c in CONNECTION_ERRORS)
+
+
+def _root(ends: dict[int, RankEnd], nodes: bool = False) -> Optional[int]:
     """The earliest record (written before the recording rank's peers could fail) is the
     cause, unless a peer had already died without a record when it was written: then that
     rank is (the recorder failed because its connection to it closed); a rank the agent had
     stopped is never that peer unless nothing else is. With no record at all: the failure
-    elastic saw first, then a signal other than the agent's, then any failed exit."""
-    recorded = sorted((e.record["time"], r) for r, e in ends.items() if e.record)
+    elastic saw first, then a signal other than the agent's, then any failed exit.
+    `nodes` (several nodes): a victim's record comes after any other, and a victim's dead
+    peer may be one another node's record names, or one that node's agent saw die first."""
+    recorded = sorted(((nodes and _victim(e.record)), e.record["time"], r) for r, e in ends.items() if e.record)
     if recorded:
-        first = recorded[0][1]
-        dead = [d for d in ends[first].record.get("peers_dead", []) if d in ends and not ends[d].record]
+        first = recorded[0][2]
+        named = list(ends[first].record.get("peers_dead", []))
+        if nodes and _victim(ends[first].record):
+            named += [d for *_, r in recorded for d in ends[r].record.get("peers_dead", [])]
+            named += [r for r, e in sorted(ends.items())
+                      if e.first_seen and e.exitcode not in (None, 0) and _stop_rank(e.exitcode) < 2]
+        dead = [d for d in dict.fromkeys(named) if d in ends and not ends[d].record]
         dead.sort(key=lambda d: _stop_rank(ends[d].exitcode))
         return dead[0] if dead else first
     order = [r for r, e in ends.items() if e.first_seen and e.exitcode]
@@ -111,33 +126,35 @@ def _root(ends: dict[int, RankEnd]) -> Optional[int]:
     return order[0] if order else None
 
 
-def _describe(end: RankEnd) -> tuple[str, str]:
-    """(headline, detail) of one rank's end."""
+def _describe(end: RankEnd, hosts: Optional[dict[int, str]] = None) -> tuple[str, str]:
+    """(headline, detail) of one rank's end; `hosts`: name the rank's host too."""
+    who = f"rank {end.rank}" + (f" (host {hosts.get(end.rank) or 'unknown'})" if hosts is not None else "")
     if end.record:
         tb = end.record["traceback"]
-        return f"rank {end.rank} failed: {_last_line(tb)}", tb
+        return f"{who} failed: {_last_line(tb)}", tb
     if end.exitcode == -signal.SIGABRT:
-        return (f"rank {end.rank} killed by SIGABRT",
+        return (f"{who} killed by SIGABRT",
                 "no Python traceback: aborted in native code (an NCCL watchdog timeout or a C++ assertion)")
     if end.exitcode is not None and end.exitcode < 0:
-        return (f"rank {end.rank} killed by {_signal_name(end.exitcode)}",
+        return (f"{who} killed by {_signal_name(end.exitcode)}",
                 "no Python traceback: the process was ended from outside (kill, the out-of-memory killer) "
                 "or crashed in native code")
     if end.exitcode in (130, 143):
-        return f"rank {end.rank} stopped by {'SIGINT' if end.exitcode == 130 else 'SIGTERM'}", ""
+        return f"{who} stopped by {'SIGINT' if end.exitcode == 130 else 'SIGTERM'}", ""
     code = "unknown" if end.exitcode is None else end.exitcode
-    return f"rank {end.rank} exited with code {code} without a traceback", ""
+    return f"{who} exited with code {code} without a traceback", ""
 
 
-def diagnose(ends: dict[int, RankEnd], notes: list[str]) -> RankFailure:
-    root = _root(ends)
+def diagnose(ends: dict[int, RankEnd], notes: list[str], hosts: Optional[dict[int, str]] = None) -> RankFailure:
+    """`hosts` (rank -> host; a job on several nodes): each rank is named with its host."""
+    root = _root(ends, nodes=hosts is not None)
     if root is None:
         return RankFailure("the job failed, but no rank recorded why\n" + "\n".join(notes), "unknown failure")
-    headline, detail = _describe(ends[root])
+    headline, detail = _describe(ends[root], hosts)
     others = [r for r, e in sorted(ends.items())
               if r != root and (e.record or (e.exitcode is not None and e.exitcode < 0
                                              and -e.exitcode not in (signal.SIGTERM, signal.SIGKILL)))]
     lines = [headline, detail.rstrip()]
     if others:
-        lines.append("then, as a consequence: " + "; ".join(_describe(ends[r])[0] for r in others))
+        lines.append("then, as a consequence: " + "; ".join(_describe(ends[r], hosts)[0] for r in others))
     return RankFailure("\n".join(ln for ln in lines + notes if ln), headline)

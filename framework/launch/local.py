@@ -5,8 +5,8 @@ torch elastic launcher (the library behind torchrun): when a rank exits with an 
 agent stops the others (SIGTERM, then SIGKILL after 30 s). A hang watchdog
 (launch/watchdog.py) runs beside it; how the ranks ended is told by launch/diagnosis.py.
 This package reads what the ranks leave (failure records, flight recorders; it removes them
-once read) and imports nothing of the rank side but its entry point; the same rank code runs
-under `torchrun -m framework.worker`.
+once read) and imports nothing of the rank side but its entry point. `run_ranks` is the
+agent's run shared with a node of a multi-node job (launch/node.py).
 """
 
 from __future__ import annotations
@@ -50,22 +50,19 @@ def _preload_forkserver() -> None:
     fs.set_forkserver_preload(["framework.worker", "framework.trainer"])
 
 
-def _ends(err, watchdog: Watchdog, job_dir: str) -> tuple[dict[int, RankEnd], list[str]]:
+def ends_of(err, watchdog: Watchdog, job_dir: str, records: dict[int, dict]) -> dict[int, RankEnd]:
     """Each rank's end: its record, and its exit code (from the handles the watchdog kept,
-    else elastic's one reported failure). Local launches are one node: rank = local rank."""
-    records, notes = read_records(job_dir)
+    else elastic's one reported failure, keyed by global rank)."""
     ends = {r: RankEnd(r, record=rec) for r, rec in records.items()}
-    for r in range(watchdog.world):
-        f = flight.read(job_dir, r)
-        p = watchdog.processes.get(f.pid) if f else None
-        code = p._popen.returncode if p is not None and p._popen is not None else None  # joined by now
-        if code is not None and code != 0:
+    flights = {r: flight.read(job_dir, r) for r in range(watchdog.world)}
+    for r, code in watchdog.exit_codes(flights).items():
+        if code != 0:
             ends.setdefault(r, RankEnd(r)).exitcode = code
-    for local_rank, failure in getattr(err, "failures", {}).items():
-        ends.setdefault(local_rank, RankEnd(local_rank)).first_seen = True
-        if ends[local_rank].exitcode is None:
-            ends[local_rank].exitcode = failure.exitcode
-    return ends, notes
+    for rank, failure in getattr(err, "failures", {}).items():
+        ends.setdefault(rank, RankEnd(rank)).first_seen = True
+        if ends[rank].exitcode is None:
+            ends[rank].exitcode = failure.exitcode
+    return ends
 
 
 def _quiet_elastic() -> None:
@@ -77,38 +74,52 @@ def _quiet_elastic() -> None:
             _logging.getLogger(name).setLevel(_logging.CRITICAL)
 
 
+def run_ranks(config, job_dir: str, info: dict, watchdog: Watchdog) -> dict:
+    """Run this node's ranks (`rank_main`) under the elastic agent of `config` (a
+    LaunchConfig) while `watchdog` runs; return their results by global rank. Raises
+    ChildFailedError (a rank failed, or the watchdog killed them: then its `report`) or
+    Stopped (SIGINT / SIGTERM reached this process). The watchdog is stopped on return."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import elastic_launch
+
+    _quiet_elastic()
+    _preload_forkserver()
+    handlers = {s: signal.getsignal(s) for s in ELASTIC_SIGNALS}  # elastic replaces them
+    try:
+        try:
+            return elastic_launch(config, rank_main)(job_dir, info)
+        finally:  # before any diagnosis: a signal now is this process's again, not elastic's
+            for s, h in handlers.items():
+                signal.signal(s, h)
+    except SignalException as e:
+        raise Stopped(e.sigval) from None
+    finally:
+        watchdog.stop()
+
+
 def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
     """Start world_size ranks on this node, wait, return rank 0's summary, or raise
     RankFailure (a rank failed or hung) or Stopped (SIGINT / SIGTERM reached this process)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    _quiet_elastic()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=run.world_size, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, as torchrun --standalone
         max_restarts=0, monitor_interval=0.2, start_method="forkserver",
     )
-    _preload_forkserver()
-    handlers = {s: signal.getsignal(s) for s in ELASTIC_SIGNALS}  # elastic replaces them
     watchdog = Watchdog(job_dir, run.world_size, run.trainer.hang_timeout_s).start()
     try:
-        try:
-            results = elastic_launch(config, rank_main)(job_dir, asdict(info))
-        finally:  # before any diagnosis: a signal now is this process's again, not elastic's
-            for s, h in handlers.items():
-                signal.signal(s, h)
+        results = run_ranks(config, job_dir, asdict(info), watchdog)
     except ChildFailedError as e:
-        watchdog.stop()
         if watchdog.report is not None:
             read_records(job_dir)  # the killed ranks' records are consequences of the hang
             raise watchdog.report from None
-        raise diagnose(*_ends(e, watchdog, job_dir)) from None
-    except SignalException as e:
+        records, notes = read_records(job_dir)
+        raise diagnose(ends_of(e, watchdog, job_dir, records), notes) from None
+    except Stopped:
         shutil.rmtree(os.path.join(job_dir, FAILURES_DIR), ignore_errors=True)  # a stop blames no one
-        raise Stopped(e.sigval) from None
+        raise
     finally:
-        watchdog.stop()
         shutil.rmtree(os.path.join(job_dir, flight.FLIGHT_DIR), ignore_errors=True)  # read; not a result
     return results[0]
