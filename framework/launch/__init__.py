@@ -3,6 +3,9 @@
 - local.py      the local launch: the torch elastic agent starts world_size ranks on this node
 - watchdog.py   the hang watchdog: reads the ranks' flight recorders, ends a stalled job
 - diagnosis.py  how the ranks ended: root cause first, then the consequences, in one block
+- node.py       one node of a multi-node job (`python -m framework.launch.node`): torchrun's agent,
+                the watchdog, and the exit path that writes the job's error.txt / summary.json
+                (not imported here: it is a program)
 
 The rank side is framework/worker.py; this package only reads what the ranks leave.
 """
