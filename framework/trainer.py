@@ -305,13 +305,16 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
         if saver is not None:
             saver.wait()
             io["checkpoint_save"] = saver.last
-        if saving and stop is not None:
-            stop.undefer()  # a stop after the last step's agreement: the training is done, finish
         if run.trainer.save_checkpoint:
             ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
             save_checkpoint(runner, full, ctx, job_dir, transformers_tokenizer(run))
         ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
-        return logger.finish({**rank_memory(runner, rec, run, ctx.device), **startup, **io})  # summary.json last: marks completion
+        summary = logger.finish({**rank_memory(runner, rec, run, ctx.device), **startup, **io})  # last: marks completion
+        # A stop during or after the last step's agreement: the training is done, so the job
+        # finished (summary.json completed); the rank still exits as stopped, since the
+        # launcher is stopping and would not read a returned summary (elastic would hold
+        # the rank until its SIGKILL).
+        late_stop = stop.requested if saving and stop is not None else None
     except BaseException:
         # Said before W&B's finish (which may take a while): the watchdog then knows this is
         # a failure being reported, not a hang, and its peers stay blocked on it until the
@@ -324,6 +327,9 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
         if stop is not None:
             stop.undefer()
         logger.close()
+    if late_stop:
+        raise Stopped(late_stop)
+    return summary
 
 
 def _agreed_stop(stop: Optional[StopSignals], ctx: ParallelContext) -> int:

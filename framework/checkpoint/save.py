@@ -90,7 +90,8 @@ def _cause(e: BaseException, root: str) -> str:
     while todo:
         x = todo.pop(0)
         seen.append(x)
-        todo += [v for v in getattr(x, "failures", {}).values() if isinstance(v, BaseException)]
+        for v in getattr(x, "failures", {}).values():  # rank -> (exception, its traceback)
+            todo += [w for w in (v if isinstance(v, tuple) else (v,)) if isinstance(w, BaseException)]
         todo += [c for c in (x.__cause__, x.__context__) if c is not None and c not in seen]
     for x in seen:
         if isinstance(x, OSError) and x.errno == errno.ENOSPC:
@@ -102,7 +103,8 @@ def _cause(e: BaseException, root: str) -> str:
     for x in seen:
         if isinstance(x, OSError):
             return f"{type(x).__name__}: {x}"
-    return f"{type(e).__name__}: {e}"
+    first = (str(seen[-1]).strip().splitlines() or [""])[0]  # one line: the reason line quotes it
+    return f"{type(seen[-1]).__name__}: {first}"
 
 
 class Saver:

@@ -102,17 +102,17 @@ def set_aside_newer(job_dir: str, resume: str) -> Optional[str]:
     return dest
 
 
-def finished(run: RunConfig, job_dir: str) -> Optional[dict]:
-    """With trainer.resume=auto: the job's summary.json when it completed trainer.steps
+def finished(resume: Optional[str], steps: int, job_dir: str) -> Optional[dict]:
+    """With trainer.resume=auto: the job's summary.json when it completed `steps` (or more)
     already (relaunching it is a no-op, not an error), else None."""
-    if run.trainer.resume != "auto":
+    if resume != "auto":
         return None
     try:
         with open(os.path.join(job_dir, "summary.json")) as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return None
-    if summary.get("status") == "completed" and summary.get("steps", -1) >= run.trainer.steps:
+    if summary.get("status") == "completed" and isinstance(steps, int) and summary.get("steps", -1) >= steps:
         return summary
     return None
 
