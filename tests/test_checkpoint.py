@@ -1,4 +1,4 @@
-"""Checkpoints (framework/checkpoint.py): a run cut off by a real rank fault and resumed
+"""Checkpoints (framework/checkpoint/): a run cut off by a real rank fault and resumed
 with trainer.resume=auto equals the uninterrupted run bit for bit (fp32, same layout); a
 checkpoint resumed under another layout continues the single-process run to the fp64
 equivalence tolerance, the data stream included; SIGTERM saves one; bad resumes are
