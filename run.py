@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, RunConfig, check_overrides, load_config
+from framework.checkpoint import finished
 from framework.job import run_job
 from framework.jobdir import set_aside_previous, write_outcome
 from framework.launch import RankFailure
@@ -109,7 +110,10 @@ def sweeper_installed(argv: list[str]) -> bool:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
-    set_aside_previous(hc.runtime.output_dir)
+    # A finished job relaunched with trainer.resume=auto keeps its files (framework.job says so)
+    if finished(OmegaConf.select(cfg, "trainer.resume", default=None), OmegaConf.select(cfg, "trainer.steps"),
+                hc.runtime.output_dir) is None:
+        set_aside_previous(hc.runtime.output_dir)
     with console_to_run_log(hc.runtime.output_dir):  # run.log: the job's whole console
         return outcome(cfg, hc)
 

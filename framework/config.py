@@ -103,8 +103,9 @@ class TrainerConfig:
     # A rank that makes no progress this long ends the job (launcher's watchdog, hang.txt);
     # the process-group timeout is this plus framework.worker.PG_TIMEOUT_MARGIN_S.
     hang_timeout_s: float = 300.0
-    # Distributed checkpoints (framework/checkpoint.py): every N steps to checkpoints/step_<k>/; 0 = off.
+    # Distributed checkpoints (framework/checkpoint/): every N steps to checkpoints/step_<k>/; 0 = off.
     checkpoint_interval: int = 0
+    checkpoint_async: bool = True  # the step waits for a host copy of the rank's part, not the file system
     keep_checkpoints: Optional[int] = 2  # newest complete checkpoints kept; null = all
     resume: Optional[str] = None  # null | auto (newest complete checkpoint in the job dir, else start) | a path
     eval_interval: int = 0  # steps between held-out evaluations (val_loss); 0 = off
@@ -138,6 +139,9 @@ class DebugConfig:
     # Every rank first builds the whole model, then keeps its part: the start-up before
     # per-rank materialisation, kept to measure what that saves (experiments/startup_memory).
     materialise_whole: bool = False
+    # Checkpoint writes see a file system of this many bytes (the checkpoints directory):
+    # past it they fail with ENOSPC, as a full disk would. null = the real disk.
+    checkpoint_disk_bytes: Optional[int] = None
 
 
 @dataclass

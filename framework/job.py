@@ -216,6 +216,10 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     """Validate, then dry-run, prepare for an external launcher, or launch locally.
     However it ends, the job directory says so (`write_outcome`) and holds no earlier
     run's results (`set_aside_previous`)."""
+    if (done := checkpoint.finished(run.trainer.resume, run.trainer.steps, job_dir)) is not None:
+        print(f"{job_dir}: finished already ({done['steps']} of trainer.steps={run.trainer.steps} steps, "
+              "summary.json completed): nothing to run", flush=True)
+        return done
     set_aside_previous(job_dir)
     try:
         check_job_dir(job_dir)
@@ -252,10 +256,23 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
         write_outcome(job_dir, "failed", e.reason)
         raise
     except Stopped as e:
-        write_outcome(job_dir, "interrupted", f"stopped by {e.name}")
-        raise
+        if (summary := _completed(job_dir)) is None:
+            write_outcome(job_dir, "interrupted", f"stopped by {e.name}")
+            raise
+        print(f"stopped by {e.name} after the last step: the job completed", flush=True)
     print(summary_lines(summary), flush=True)
     return summary
+
+
+def _completed(job_dir: str) -> Optional[dict]:
+    """This run's summary.json when its ranks finished every step (a stop agreed at the last
+    step finishes the job normally), else None."""
+    try:
+        with open(os.path.join(job_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == "completed" else None
 
 
 class JobDirCallback:

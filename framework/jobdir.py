@@ -64,10 +64,13 @@ def write_outcome(job_dir: str, status: str, reason: str) -> None:
 def set_aside_checkpoints(job_dir: str, resume: Optional[str]) -> None:
     """A run that does not continue this job's own checkpoints starts a new lineage: the
     earlier ones go to `.previous/` too, so `trainer.resume=auto` never finds a checkpoint of
-    another run. (checkpoints/ is not in JOB_OUTPUTS: a resuming run must find it.)"""
+    another run. One resuming from its own step_k sets the newer ones aside (an abandoned
+    continuation). (checkpoints/ is not in JOB_OUTPUTS: a resuming run must find it.)"""
     root = os.path.join(os.path.abspath(job_dir), checkpoint.CHECKPOINTS_DIR)
     if os.path.isdir(root) and not (resume and os.path.abspath(resume).startswith(root + os.sep)):
         _move_aside(job_dir, [checkpoint.CHECKPOINTS_DIR], "an earlier run's checkpoints")
+    elif resume:
+        checkpoint.set_aside_newer(job_dir, resume)  # one lineage: newer ones were abandoned
 
 
 def set_aside_sweep(sweep_dir: str) -> Optional[str]:

@@ -245,8 +245,9 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
     # Materialisation draws each module under its own seed (forked generator): the stream
     # training reads (dropout) starts from trainer.seed here, the same on every rank.
     torch.manual_seed(run.trainer.seed)
+    io = {}  # what this rank's checkpoint load and last save cost (summary.json's ranks)
     if info.resume_from:
-        checkpoint.load(info.resume_from, runner, full, ctx, run)
+        io["checkpoint_load"] = checkpoint.load(info.resume_from, runner, full, ctx, run)
         if hasattr(runner, "weights_loaded"):
             runner.weights_loaded()
     # Start-up memory: the model built (this rank's part only) and the checkpoint loaded,
@@ -258,6 +259,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                        checkpoint.history(info.resume_from, first) if info.resume_from and ctx.rank == 0 else [],
                        first_step=first + 1)
     saving = run.trainer.checkpoint_interval > 0
+    saver = checkpoint.Saver(run, ctx, job_dir, info.resume_from) if saving else None
     if saving and stop is not None:
         stop.defer()
     try:
@@ -285,34 +287,49 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                 logger.gather_and_log(pending)
                 pending = []
             if saving:
+                saver.poll()  # a background write that failed is told here, on every rank
                 signum = _agreed_stop(stop, ctx)
-                if signum or k % run.trainer.checkpoint_interval == 0:
+                last = k == run.trainer.steps  # a stop agreed here finishes the job normally
+                if (signum and not last) or k % run.trainer.checkpoint_interval == 0:
                     if pending:  # the checkpoint's metrics.jsonl holds every step up to it
                         logger.gather_and_log(pending)
                         pending = []
-                    checkpoint.save(runner, full, ctx, run, job_dir, k, run.model.vocab_size or info.vocab_size,
-                                    logger.partial_path if ctx.rank == 0 else None)
-                    runner.tp_comm.take_bytes()  # the save's tp gathers are not the next step's traffic
-                if signum:
+                    saver.save(runner, full, k, run.model.vocab_size or info.vocab_size,
+                               logger.partial_path if ctx.rank == 0 else None)
+                if signum and not last:
+                    saver.wait()  # written and marked complete before the rank exits
                     logger.say(f"stopped by {signal.Signals(signum).name}: checkpoint saved after step {k}")
                     raise Stopped(signum)
-        if saving and stop is not None and (signum := stop.undefer()):
-            raise Stopped(signum)  # arrived after the last step's agreement: no step left to save
+                if signum:
+                    logger.say(f"{signal.Signals(signum).name} at the last step: finishing the job normally")
+        if saver is not None:
+            saver.wait()
+            io["checkpoint_save"] = saver.last
         if run.trainer.save_checkpoint:
             ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
             save_checkpoint(runner, full, ctx, job_dir, transformers_tokenizer(run))
         ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
-        return logger.finish({**rank_memory(runner, rec, run, ctx.device), **startup})  # summary.json last: marks completion
+        summary = logger.finish({**rank_memory(runner, rec, run, ctx.device), **startup, **io})  # last: marks completion
+        # A stop during or after the last step's agreement: the training is done, so the job
+        # finished (summary.json completed); the rank still exits as stopped, since the
+        # launcher is stopping and would not read a returned summary (elastic would hold
+        # the rank until its SIGKILL).
+        late_stop = stop.requested if saving and stop is not None else None
     except BaseException:
         # Said before W&B's finish (which may take a while): the watchdog then knows this is
         # a failure being reported, not a hang, and its peers stay blocked on it until the
         # rank's record is written (framework.worker).
+        if saver is not None:  # the checkpoint being written completes first (its own group)
+            saver.drain(run.trainer.hang_timeout_s)
         ctx.recorder.note("rank failed (closing the logger)")
         raise
     finally:
         if stop is not None:
             stop.undefer()
         logger.close()
+    if late_stop:
+        raise Stopped(late_stop)
+    return summary
 
 
 def _agreed_stop(stop: Optional[StopSignals], ctx: ParallelContext) -> int:

@@ -1,4 +1,4 @@
-"""Checkpoints (framework/checkpoint.py): a run cut off by a real rank fault and resumed
+"""Checkpoints (framework/checkpoint/): a run cut off by a real rank fault and resumed
 with trainer.resume=auto equals the uninterrupted run bit for bit (fp32, same layout); a
 checkpoint resumed under another layout continues the single-process run to the fp64
 equivalence tolerance, the data stream included; SIGTERM saves one; bad resumes are
@@ -181,7 +181,9 @@ def test_bad_resumes_are_rejected_before_launch(tmp_path, data_cache):
     (ckpt / "COMPLETE").unlink()
     _reject(tmp_path / "e", [*args, "trainer.steps=4", f"trainer.resume={ckpt}"], "trainer.resume",
             "incomplete checkpoint")
-    # auto without a complete checkpoint starts at step 1, and sets the stale one aside
+    # auto without a complete checkpoint starts at step 1, and sets the stale one aside (the
+    # job must look unfinished: with its summary.json completed, auto would say it is done)
+    (job / "summary.json").unlink()
     summary = run_local(job, *args, "trainer.resume=auto", "trainer.steps=1")
     assert summary["first_step"] == 1 and not (job / "checkpoints").exists()
     assert any((p / "checkpoints" / "step_2").exists() for p in (job / ".previous").iterdir())

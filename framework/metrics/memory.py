@@ -179,3 +179,28 @@ def device_memory(device: torch.device) -> dict[str, int]:
         return {}
     return {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+
+
+class RssSampler:
+    """The highest resident memory of this process over a window (a save, a load), sampled
+    every `interval_s` from /proc by a thread: getrusage's peak cannot be reset, and resetting
+    /proc's VmHWM would corrupt the run's rss_peak_bytes. A spike shorter than the interval
+    can be missed; the window's start and end are sampled exactly."""
+
+    def __init__(self, interval_s: float = 0.005):
+        import threading
+
+        self.interval_s, self.peak = interval_s, current_rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="rss-sampler")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, current_rss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss_bytes())
+        return self.peak

@@ -1,0 +1,212 @@
+"""Saving: each rank writes only its own boxes, in the background, and the job is told when it fails.
+
+`Saver.save(k)` (collective over the world, at a step boundary):
+1. staging, which the step waits for: every tensor this rank writes (its parameters or
+   ZeRO slice, their optimizer states, its RNG state) is copied once into host memory, so
+   training may change them while the write goes on. That copy is the rank's own part
+   (params + states of what it holds), not its stage's: no gather over tp or dp happens.
+2. writing, in a background thread (`trainer.checkpoint_async=true`, the default): DCP's
+   save of those boxes on a gloo group of its own (its collectives never queue behind the
+   training's), then on rank 0 `meta.json`, the metrics rows and, last, `COMPLETE`; then a
+   barrier on that group, so no rank's write ends before the marker exists. At most one
+   save is in flight: the next `save` and the end of training wait for it (`wait`), and so
+   does a rank leaving with an exception, so a fault after step k does not take down
+   checkpoint k. With `checkpoint_async=false` the step waits for both phases, and no copy
+   is made (DCP reads the views directly, cloning one box at a time).
+A write that fails (a full disk, a lost mount) is re-raised in the training thread at the
+next step boundary on every rank as `CheckpointWriteError`, naming the checkpoint and the
+cause (`No space left on device` and the bytes free where that is it); rank 0 removes the
+incomplete directory so the earlier complete checkpoint survives and there is room to
+report. `debug.checkpoint_disk_bytes` emulates a full file system for that test.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from ..config import RunConfig
+from ..files import write_atomic
+from ..metrics.memory import RssSampler, current_rss_bytes
+from .shards import SavePlanner, rank_parts
+from .store import CHECKPOINTS_DIR, MARKER, META, METRICS, prune, step_dir
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing checkpoint step_<k> failed; the earlier complete checkpoints are intact."""
+
+
+def layout_of(run: RunConfig) -> dict:
+    p, s = run.parallelism, run.schedule
+    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
+            "virtual_stages": s.virtual_stages, "sequence_parallel": p.sequence_parallel and p.tp > 1}
+
+
+def _meta(run: RunConfig, step: int, vocab_size: int, parent: Optional[str]) -> dict:
+    return {"step": step, "time": time.time(), "layout": layout_of(run), "world_size": run.world_size,
+            "model": {**asdict(run.model), "vocab_size": vocab_size}, "precision": run.trainer.precision,
+            "optimizer": run.optimizer, "seed": run.trainer.seed, "global_batch": run.global_batch,
+            "data": {k: getattr(run.data, k) for k in ("name", "seq_len", "tokenizer")},
+            "steps": run.trainer.steps, "resumed_from": parent, "format": "sharded-boxes-v1"}
+
+
+class _LimitedWriter(FileSystemWriter):
+    """debug.checkpoint_disk_bytes: the checkpoints directory behaves as a file system of that
+    many bytes; a write past it raises ENOSPC, as the kernel would."""
+
+    def __init__(self, path: str, limit: int):
+        super().__init__(path, thread_count=1)
+        self.limit, self.root = limit, os.path.dirname(path)
+
+    def _used(self) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.root) for f in fs)
+
+    def write_data(self, plan, planner):
+        used = self._used()
+        need = sum(planner.resolve_data(i).numel() * planner.resolve_data(i).element_size()
+                   for i in plan.items if i.tensor_data is not None)
+        if used + need > self.limit:
+            raise OSError(errno.ENOSPC, f"No space left on device (debug.checkpoint_disk_bytes={self.limit}: "
+                                        f"{used} used, {need} more needed)", self.path)
+        return super().write_data(plan, planner)
+
+
+def _cause(e: BaseException, root: str) -> str:
+    """The first OSError under DCP's wrapping (CheckpointException keeps each rank's), or the
+    exception itself; a full disk says so with the bytes free."""
+    seen, todo = [], [e]
+    while todo:
+        x = todo.pop(0)
+        seen.append(x)
+        for v in getattr(x, "failures", {}).values():  # rank -> (exception, its traceback)
+            todo += [w for w in (v if isinstance(v, tuple) else (v,)) if isinstance(w, BaseException)]
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None and c not in seen]
+    for x in seen:
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            try:
+                free = f"; {shutil.disk_usage(root).free} bytes free there"
+            except OSError:
+                free = ""
+            return f"No space left on device ({x}){free}"
+    for x in seen:
+        if isinstance(x, OSError):
+            return f"{type(x).__name__}: {x}"
+    first = (str(seen[-1]).strip().splitlines() or [""])[0]  # one line: the reason line quotes it
+    return f"{type(seen[-1]).__name__}: {first}"
+
+
+class Saver:
+    """One rank's checkpoint writer (created on every rank by the trainer when
+    trainer.checkpoint_interval > 0: its gloo group is created collectively)."""
+
+    def __init__(self, run: RunConfig, ctx, job_dir: str, parent: Optional[str]):
+        self.run, self.ctx, self.job_dir, self.parent = run, ctx, job_dir, parent
+        self.asynchronous = run.trainer.checkpoint_async
+        timeout = timedelta(seconds=run.trainer.hang_timeout_s + 30)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.asynchronous else ctx.log_group
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[CheckpointWriteError] = None
+        self.last: dict = {}  # the last save's numbers (summary.json's checkpoint_save)
+
+    def save(self, runner, full, step: int, vocab_size: int, metrics_path: Optional[str]) -> str:
+        self.wait()  # the previous save first: one in flight
+        ctx, path = self.ctx, step_dir(self.job_dir, step)
+        t0, rss0 = time.time(), current_rss_bytes()
+        sampler = RssSampler()
+        if ctx.rank == 0:
+            if os.path.exists(path):
+                shutil.rmtree(path)  # an incomplete one (a save cut off)
+            os.makedirs(path)
+            if metrics_path and os.path.exists(metrics_path):  # the rows up to step k, as of now
+                shutil.copyfile(metrics_path, os.path.join(path, METRICS))
+        dist.barrier(group=self.group)
+        ctx.recorder.note(f"checkpoint step {step}: stage this rank's boxes", wait=True)
+        stage = self._stage if self.asynchronous else None
+        parts, scalars = rank_parts(runner, full, ctx, writers_only=True, source=stage)
+        state: dict = {**parts, **scalars, f"rng/rank{ctx.rank}": torch.get_rng_state()}
+        if ctx.device.type == "cuda":
+            state[f"rng_cuda/rank{ctx.rank}"] = torch.cuda.get_rng_state(ctx.device)
+        own = sum(p.nbytes() for p in parts.values())
+        self.last = {"step": step, "rank_bytes": own, "staged_bytes": own if self.asynchronous else 0,
+                     "step_wait_s": None, "write_s": None, "rss_before_bytes": rss0, "peak_rss_bytes": None}
+        meta = _meta(self.run, step, vocab_size, self.parent)
+        if self.asynchronous:
+            self.last["step_wait_s"] = time.time() - t0
+            self.thread = threading.Thread(target=self._write, args=(state, path, meta, t0, sampler), daemon=True,
+                                           name=f"checkpoint-step_{step}")
+            self.thread.start()
+        else:
+            self._write(state, path, meta, t0, sampler)
+            self.last["step_wait_s"] = time.time() - t0
+            self.raise_error()
+        return path
+
+    @staticmethod
+    def _stage(slot, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    def _write(self, state: dict, path: str, meta: dict, t0: float, sampler: RssSampler) -> None:
+        ctx = self.ctx
+        try:
+            self._dcp_save(state, path, meta)
+        except BaseException as e:  # noqa: BLE001 - told in the training thread, with the checkpoint's name
+            self.error = CheckpointWriteError(f"checkpoint {path}: writing failed: {_cause(e, path)}; the earlier "
+                                              f"complete checkpoints are intact")
+            self.error.__cause__ = e
+            if ctx.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)  # room to report; resume=auto takes the previous one
+            sampler.stop()
+            return
+        # No rank's write ends before the marker exists: a failure right after this
+        # checkpoint (the training thread waits for it first) must not take it down.
+        dist.barrier(group=self.group)
+        self.last.update(write_s=time.time() - t0, peak_rss_bytes=sampler.stop())
+
+    def _dcp_save(self, state: dict, path: str, meta: dict) -> None:
+        limit = self.run.debug.checkpoint_disk_bytes
+        writer = _LimitedWriter(path, limit) if limit is not None else FileSystemWriter(path, thread_count=1)
+        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
+        if self.ctx.rank == 0:
+            write_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+            write_atomic(os.path.join(path, MARKER), f"step {meta['step']}\n")
+            prune(self.job_dir, self.run.trainer.keep_checkpoints)
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any); raise its failure."""
+        if self.thread is not None:
+            self.ctx.recorder.note("wait for the checkpoint write in flight", wait=True)
+            self.thread.join()
+            self.thread = None
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+    def poll(self) -> None:
+        """At a step boundary: a finished write's failure surfaces here."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
+    def drain(self, timeout_s: float) -> None:
+        """A rank leaving with an exception: let the write in flight finish (bounded), so the
+        checkpoint it was writing is complete; its own failure is not raised over the first."""
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+            self.thread = None
+
+
+__all__ = ["CHECKPOINTS_DIR", "CheckpointWriteError", "Saver", "layout_of"]

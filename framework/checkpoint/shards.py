@@ -1,0 +1,260 @@
+"""What this rank holds, as boxes of the single-process tensors: the geometry of a sharded checkpoint.
+
+Every tensor the optimizer steps (a `Slot`: a parameter, or a ZeRO unit's flat slice) is
+cut into boxes (offsets and sizes in the transformers tensor of each parameter it covers):
+- a ZeRO slice holds a contiguous flat range of each parameter it touches; a flat range of a
+  row-major tensor is at most a partial row, whole rows, a partial row (recursively per
+  dimension), each box contiguous in the slice (`flat_boxes`);
+- a tp shard holds some positions along one dimension (`TPShard.index`: runs, e.g. GPT-2's
+  fused q | k | v columns are three runs; positions >= the vocabulary are padding, never
+  stored); each run is one box along that dimension (`_tp_runs`).
+A `Part` is one name's boxes on this rank, each a VIEW of the slot's memory (or of a staged
+copy), and speaks DCP's protocol for it (write items with global offsets; the chunk list a
+load overlaps with what was stored), so DCP writes and reads only those boxes.
+
+Who writes a box (`rank_parts(writers_only=True)`): exactly one rank per element, so no DCP
+dedup or overlap is relied on: dp replicas (no ZeRO) only from dp rank 0, tp-replicated
+parameters only from tp rank 0, the tied embedding only from the stage that embeds (pp rank
+0; the head's copy on the last stage is identical). A 0-d state (AdamW's `step`) is one
+whole tensor, written by every rank holding part of its parameter and deduplicated by DCP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..parallel.zero import FlatUnit, HostOptimizer
+
+
+@dataclass
+class Piece:
+    name: str  # the single-process (transformers) name
+    param: torch.Tensor  # this rank's parameter: the whole tensor, or a tp shard (`tp_shard`)
+    offset: int = 0  # where it starts in its ZeRO unit's flat buffer
+
+
+@dataclass
+class Slot:
+    """One tensor the optimizer steps: a parameter, or a ZeRO unit's flat slice."""
+
+    key: torch.Tensor  # the optimizer's key (ZeRO-Offload: the host copy)
+    pieces: list[Piece]
+    unit: Optional[FlatUnit] = None
+
+    def tensor(self) -> torch.Tensor:
+        """The memory the slot's values live in: the parameter, or this dp rank's slice."""
+        return self.unit.shard if self.unit is not None else self.pieces[0].param
+
+
+def slots(runner, hf_model) -> tuple[torch.optim.Optimizer, list[Slot]]:
+    names = {id(p): n for n, p in hf_model.named_parameters()}  # a tied weight: its first name
+    opt = runner.optimizer
+    host = {}
+    if isinstance(opt, HostOptimizer):
+        host = {id(s): h for s, h in zip(opt.shards, opt.host, strict=True)}
+        opt = opt.inner
+    zero = getattr(runner, "zero", None)
+    if zero is None:
+        return opt, [Slot(p, [Piece(names[id(p)], p)]) for p in runner.params]
+    out = []
+    for f in zero.flat:
+        offsets = [0]
+        for p in f.params:
+            offsets.append(offsets[-1] + p.numel())
+        pieces = [Piece(names[id(p)], p, o) for p, o in zip(f.params, offsets, strict=False)]
+        out.append(Slot(host.get(id(f.shard), f.shard), pieces, f))
+    return opt, out
+
+
+def global_shape(piece: Piece) -> torch.Size:
+    spec = getattr(piece.param, "tp_shard", None)
+    shape = list(piece.param.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full_size
+    return torch.Size(shape)
+
+
+# ---- boxes ----
+
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of boxes covering the row-major elements [a, b) of `shape`, in order;
+    each box is contiguous in memory (leading sizes 1, one partial dimension, then whole ones)."""
+    if a >= b:
+        return []
+    if len(shape) == 0:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    out = []
+    row = a // inner
+    if a % inner:  # a partial first row
+        end = min(b, (row + 1) * inner)
+        out += [((row, *o), (1, *s)) for o, s in flat_boxes(shape[1:], a - row * inner, end - row * inner)]
+        a, row = end, row + 1
+    whole = b // inner
+    if a < b and whole > row:
+        out.append(((row, *[0] * (len(shape) - 1)), (whole - row, *shape[1:])))
+        a = whole * inner
+    if a < b:  # a partial last row
+        out += [((whole, *o), (1, *s)) for o, s in flat_boxes(shape[1:], 0, b - whole * inner)]
+    return out
+
+
+def _tp_runs(index: torch.Tensor, start: int, length: int, full_size: int) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of the runs of consecutive positions in
+    index[start:start+length], vocab padding (>= full_size) left out."""
+    pos = index[start:start + length].tolist()
+    runs: list[tuple[int, int, int]] = []
+    for i, g in enumerate(pos):
+        if g >= full_size:
+            continue
+        if runs and runs[-1][1] + runs[-1][2] == g and runs[-1][0] + runs[-1][2] == start + i:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((start + i, g, 1))
+    return runs
+
+
+def piece_boxes(piece: Piece, flat: torch.Tensor, lo: int, hi: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """The piece's elements [lo, hi) (row-major, in its local shape), whose values are
+    `flat` (hi - lo elements), as (global offsets, view) boxes."""
+    shape = tuple(piece.param.shape)
+    spec = getattr(piece.param, "tp_shard", None)
+    out = []
+    at = 0
+    for offs, sizes in flat_boxes(shape, lo, hi):
+        n = math.prod(sizes)
+        view = flat[at:at + n].view(sizes)
+        at += n
+        if spec is None:
+            out.append((offs, view))
+            continue
+        d = spec.dim
+        for local, g, length in _tp_runs(spec.index, offs[d], sizes[d], spec.full_size):
+            o = list(offs)
+            o[d] = g
+            out.append((tuple(o), view.narrow(d, local - offs[d], length)))
+    return out
+
+
+def slot_boxes(slot: Slot, values: torch.Tensor) -> list[tuple[Piece, list]]:
+    """Each piece's boxes, as views of `values` (the slot's tensor, or a tensor shaped like it:
+    a state, a staged copy)."""
+    flat = values.view(-1)
+    if slot.unit is None:
+        p = slot.pieces[0]
+        return [(p, piece_boxes(p, flat, 0, p.param.numel()))]
+    u = slot.unit
+    start, end = u.rank * u.slice, (u.rank + 1) * u.slice
+    out = []
+    for p in slot.pieces:
+        lo, hi = max(start, p.offset), min(end, p.offset + p.param.numel())
+        if lo < hi:
+            out.append((p, piece_boxes(p, flat[lo - start:hi - start], lo - p.offset, hi - p.offset)))
+    return out
+
+
+class Part:
+    """One name's boxes on this rank, for DCP: written with their global offsets; on load,
+    DCP reads into them only what overlaps them."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+        self.boxes: list[tuple[tuple[int, ...], torch.Tensor]] = []
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for _, v in self.boxes)
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o), v.shape),
+                                                      properties=TensorProperties(dtype=self.dtype),
+                                                      size=self.shape))
+                for o, v in self.boxes]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), v.shape) for o, v in self.boxes]
+
+    def box(self, offsets) -> torch.Tensor:
+        for o, v in self.boxes:
+            if torch.Size(o) == offsets:
+                return v
+        raise KeyError(f"no box at {tuple(offsets)}")
+
+
+def _lookup(state_dict, index: MetadataIndex):
+    obj = state_dict[index.fqn]
+    return obj.box(index.offset) if isinstance(obj, Part) else obj
+
+
+class SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        return _lookup(self.state_dict, index)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's own set-up walks the state dict and replaces every value it does not know
+        # (a Part) with None; this one's values are already flat tensors and Parts.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _lookup(self.state_dict, index)
+
+
+def rank_parts(runner, full, ctx, states: Optional[dict] = None, writers_only: bool = False,
+               source=None) -> tuple[dict[str, Part], dict[str, torch.Tensor]]:
+    """This rank's boxes of every parameter (`model/<name>`) and optimizer state
+    (`optim/<name>/<state>`), as `Part`s, plus the 0-d states as whole tensors.
+    `states`: slot index -> {state name: tensor shaped like the slot} (default: the optimizer's);
+    `source(slot, tensor) -> tensor`: what the views are taken of (default: the tensor itself;
+    a save passes a staged copy). `writers_only`: leave out boxes another rank writes."""
+    opt, slot_list = slots(runner, full.hf_model)
+    c = ctx.coords
+    tied = getattr(runner, "tied", None)
+    source = source or (lambda slot, t: t)
+    parts: dict[str, Part] = {}
+    scalars: dict[str, torch.Tensor] = {}
+
+    def skip(piece: Piece, unit: Optional[FlatUnit]) -> bool:
+        if not writers_only:
+            return False
+        if unit is None and c.dp != 0:
+            return True  # a dp replica
+        if getattr(piece.param, "tp_shard", None) is None and c.tp != 0:
+            return True  # replicated over tp
+        return tied is not None and piece.param is tied and c.pp != 0  # the head's copy of the embedding
+
+    for i, slot in enumerate(slot_list):
+        values = {"": slot.tensor().detach()}
+        own = states[i] if states is not None else opt.state.get(slot.key, {})
+        values.update({k: v for k, v in sorted(own.items()) if isinstance(v, torch.Tensor)})
+        for k, t in values.items():
+            if t.dim() == 0:  # a step count: the same for every piece of the slot
+                for p in slot.pieces:
+                    if not skip(p, slot.unit):
+                        scalars[f"optim/{p.name}/{k}"] = source(slot, t)
+                continue
+            for p, boxes in slot_boxes(slot, source(slot, t)):
+                if skip(p, slot.unit):
+                    continue
+                key = f"model/{p.name}" if k == "" else f"optim/{p.name}/{k}"
+                part = parts.setdefault(key, Part(global_shape(p), t.dtype))
+                part.boxes += boxes
+    return parts, scalars

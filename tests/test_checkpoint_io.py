@@ -1,0 +1,160 @@
+"""Sharded checkpoints (framework/checkpoint/): the box geometry, what a ZeRO-3 rank holds while
+it saves and loads, one lineage per job, a stop at the last step, and a full disk told as such.
+(Resume equality, same layout bit for bit and across layouts in fp64: tests/test_checkpoint.py.)"""
+
+import json
+import math
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import flight
+from framework.checkpoint.shards import _tp_runs, flat_boxes
+from framework.launch import RankFailure
+
+from .conftest import ROOT, TINY, final_params, read_metrics, run_local
+from .test_checkpoint import _base
+
+
+def test_flat_ranges_become_contiguous_boxes_of_the_tensor():
+    """Any flat range of any shape: the boxes cover exactly its elements, in order, each a
+    contiguous view (what a ZeRO slice holds of a parameter, in global offsets)."""
+    rng = random.Random(0)
+    for _ in range(500):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        n = math.prod(shape)
+        a = rng.randint(0, n)
+        b = rng.randint(a, n)
+        t = torch.arange(n).view(shape)
+        got = []
+        for offs, sizes in flat_boxes(shape, a, b):
+            view = t[tuple(slice(o, o + s) for o, s in zip(offs, sizes, strict=True))]
+            assert view.is_contiguous()
+            got += view.reshape(-1).tolist()
+        assert got == list(range(a, b)), (shape, a, b)
+    # GPT-2's fused c_attn at tp 2, rank 1 (q, k, v columns 2-3, 6-7, 10-11 of 12): three runs;
+    # the vocab padding row (>= 10) of a tp shard is never stored
+    assert _tp_runs(torch.tensor([2, 3, 6, 7, 10, 11]), 0, 6, 12) == [(0, 2, 2), (2, 6, 2), (4, 10, 2)]
+    assert _tp_runs(torch.tensor([8, 9, 10, 11]), 0, 4, 10) == [(0, 8, 2)]
+
+
+# ---- ZeRO-3: each rank writes and reads only its own part ----
+
+MEDIUMISH = ["model.n_layer=4", "model.n_embd=512", "model.n_head=8", "data.seq_len=32", "logger=none",
+             "data=synthetic", "trainer.micro_batch_size=1", "metrics.skip_first=0", "metrics.peak_tflops=1.0",
+             "parallelism=zero3", "parallelism.dp=4", "schedule.microbatches=1", "trainer.checkpoint_interval=1"]
+
+
+def test_a_zero3_rank_saves_and_loads_only_its_part(tmp_path, data_cache):
+    """dp 4, ZeRO-3, a 12.7M-parameter model (AdamW: 152 MB of parameters and states in
+    all). Every element is written exactly once over the ranks (the boxes' bytes sum to the
+    whole), each rank's boxes are a quarter, and the resident memory a save or a load adds
+    to a rank (sampled) stays far below the whole model's state: a gather would add all of it."""
+    save_job, load_job = tmp_path / "save", tmp_path / "load"
+    summary = run_local(save_job, *MEDIUMISH, f"data.cache_dir={data_cache}", "trainer.steps=1")
+    whole = summary["model_params"] * 4 * 3  # fp32 parameters, exp_avg, exp_avg_sq
+    saves = [r["checkpoint_save"] for r in summary["ranks"]]
+    assert sum(s["rank_bytes"] for s in saves) == whole
+    assert all(abs(s["rank_bytes"] - whole / 4) < 0.01 * whole for s in saves)
+    assert all(s["staged_bytes"] == s["rank_bytes"] and s["write_s"] > 0 for s in saves)  # asynchronous
+    for s in saves:
+        assert s["peak_rss_bytes"] - s["rss_before_bytes"] < 0.4 * whole, s
+
+    summary = run_local(load_job, *MEDIUMISH, f"data.cache_dir={data_cache}", "trainer.steps=2",
+                        f"trainer.resume={save_job / 'checkpoints' / 'step_1'}")
+    loads = [r["checkpoint_load"] for r in summary["ranks"]]
+    assert sum(ld["rank_bytes"] for ld in loads) == whole and all(ld["step"] == 1 for ld in loads)
+    for ld in loads:
+        assert ld["peak_rss_bytes"] - ld["rss_before_bytes"] < 0.4 * whole, ld
+
+
+# ---- one lineage; a finished job; a stop at the last step ----
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data_cache):
+    job = tmp_path / "job"
+    args = [*_base(data_cache, 4), "trainer.checkpoint_interval=2", "trainer.save_checkpoint=false"]
+    run_local(job, *args)
+    first = (job / "checkpoints" / "step_4" / "meta.json").read_text()
+    summary = run_local(job, *args, f"trainer.resume={job / 'checkpoints' / 'step_2'}")
+    assert summary["first_step"] == 3
+    kept = job / "checkpoints"
+    assert sorted(p.name for p in kept.iterdir()) == ["step_2", "step_4"]
+    meta = json.loads((kept / "step_4" / "meta.json").read_text())
+    assert meta["resumed_from"] == str(kept / "step_2")  # the new step_4, continuing step_2
+    aside = [p for p in (job / ".previous").glob("*/checkpoints/step_4")]
+    assert len(aside) == 1 and (aside[0] / "meta.json").read_text() == first  # the abandoned one, kept
+
+    # resume=auto on the finished job: told so, nothing runs, nothing is set aside
+    before = sorted(p.name for p in (job / ".previous").iterdir())
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "trainer.resume=auto", f"hydra.run.dir={job}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "finished already (4 of trainer.steps=4 steps" in out.stdout, out.stdout + out.stderr
+    assert sorted(p.name for p in (job / ".previous").iterdir()) == before
+    assert [m["step"] for m in read_metrics(job)] == [1, 2, 3, 4]
+
+
+def test_a_stop_at_the_last_step_finishes_the_job(tmp_path, data_cache):
+    """SIGTERM reaches the launcher during the last step: the ranks agree on it after that
+    step, which is the last, so the job completes (exit 0, summary completed), not 143."""
+    job = tmp_path / "job"
+    steps = 3
+    args = [*_base(data_cache, steps), "parallelism=dp2", "schedule.microbatches=2", "trainer.log_interval=1",
+            "trainer.checkpoint_interval=100", "model.n_embd=256", "model.n_head=4", "data.seq_len=128",
+            "trainer.micro_batch_size=8", f"hydra.run.dir={job}"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    def in_last_step(r: int) -> bool:  # its flight recorder: the last step started (step 2's agreement done)
+        f = flight.read(str(job), r)
+        return f is not None and any(n.text == f"step {steps}" for n in f.notes)
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (in_last_step(0) and in_last_step(1)):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM at the last step: finishing the job normally" in out, out
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["status"] == "completed" and [m["step"] for m in read_metrics(job)] == [1, 2, 3]
+
+
+# ---- a full disk ----
+
+def test_a_full_disk_is_told_and_the_earlier_checkpoint_resumes(tmp_path, data_cache):
+    """dp 2, a checkpoint every 2 steps, the checkpoints directory limited to 2.5 checkpoints
+    (debug.checkpoint_disk_bytes): the third save fails with ENOSPC; the job says which
+    checkpoint and why; step_4 is intact; resume=auto (room again) finishes bit for bit."""
+    args = [*_base(data_cache, 6), "parallelism=dp2", "schedule.microbatches=2", "trainer.checkpoint_interval=2",
+            "trainer.keep_checkpoints=null"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run_local(whole, *args)
+    size = sum(f.stat().st_size for f in (whole / "checkpoints" / "step_2").rglob("*") if f.is_file())
+    with pytest.raises(RankFailure) as e:
+        run_local(cut, *args, f"debug.checkpoint_disk_bytes={int(2.5 * size)}")
+    reason = json.loads((cut / "summary.json").read_text())["reason"]
+    assert f"checkpoint {cut / 'checkpoints' / 'step_6'}: writing failed: No space left on device" in reason, reason
+    assert "No space left on device" in (cut / "error.txt").read_text() and "step_6" in e.value.reason
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_2", "step_4"]  # step_6 removed
+
+    summary = run_local(cut, *args, "trainer.resume=auto")
+    assert summary["first_step"] == 5
+    ref, got = read_metrics(whole), read_metrics(cut)
+    assert [m["loss"] for m in got] == [m["loss"] for m in ref] and len(got) == 6
+    a, b = final_params(whole), final_params(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tp_only_run_is_saved_once(tmp_path, data_cache):
+    """tp 2 (no ZeRO): each tp rank writes its runs of the sharded weights, only tp rank 0 the
+    replicated ones (layer norms, row-parallel biases): the boxes' bytes are the whole once."""
+    summary = run_local(tmp_path / "job", *TINY, f"data.cache_dir={data_cache}", "data=synthetic",
+                        "parallelism=tp2", "trainer.steps=1", "trainer.checkpoint_interval=1")
+    whole = summary["model_params"] * 4 * 3
+    assert sum(r["checkpoint_save"]["rank_bytes"] for r in summary["ranks"]) == whole
+    assert Path(tmp_path / "job" / "checkpoints" / "step_1" / "COMPLETE").exists()
