@@ -1,7 +1,8 @@
 """The exported model: a transformers directory (`save_pretrained`) that
 `AutoModelForCausalLM.from_pretrained` loads and `model.pretrained` accepts for the next run.
 
-Written by the logging rank from the merged state dict (framework.trainer.save_checkpoint):
+Written by the logging rank from the merged state dict (`save_final_model`, at the end of a run
+with trainer.save_checkpoint=true; final_model.pt beside it):
 `config.json` (the run's transformers config: its real sizes and vocabulary), the weights
 as safetensors, and the tokenizer when it is a transformers one. With `data.tokenizer=bytes`
 there is no tokenizer to save: token ids are UTF-8 bytes (0-255) and 256 ends a document
@@ -13,8 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Optional
 
 import torch
+import torch.distributed as dist
+
+from .parallel.pipeline.stage import stage_state_dict
 
 EXPORT_DIR = "final_model"
 
@@ -47,3 +52,28 @@ def _is_tied(model, name: str) -> bool:
     """A parameter the model shares with another one (the tied LM head)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     return name in params and any(p is params[name] for n, p in params.items() if n != name)
+
+
+def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] = None) -> None:
+    """final_model.pt (transformers parameter names, merged over pipeline stages and tp on
+    rank 0) and final_model/, the same weights as a transformers directory (framework.export)."""
+    if getattr(runner, "zero", None) is not None and runner.zero.stage == 3:
+        runner.zero.gather_all()  # parameters are sharded over dp between steps
+    # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
+    part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
+    part = part if ctx.coords.tp == 0 else {}
+    parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
+    dist.gather_object(part, parts, dst=0, group=ctx.log_group)  # CPU objects: gloo under NCCL too
+    if ctx.rank == 0:
+        ctx.recorder.note("write final_model.pt (rank 0)")
+        merged = {k: v for p in parts for k, v in p.items()}
+        path = os.path.join(job_dir, "final_model.pt")
+        torch.save(merged, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        ctx.recorder.note("write final_model/ (rank 0)")
+        export_pretrained(merged, full.hf_model.config, tokenizer, job_dir)
+
+
+def transformers_tokenizer(run) -> Optional[str]:
+    """The tokenizer to export beside the model: None for synthetic data and bytes."""
+    return None if run.data.name == "synthetic" or run.data.tokenizer == "bytes" else run.data.tokenizer

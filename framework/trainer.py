@@ -14,7 +14,6 @@ adds no sync point to each step).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
 from typing import Callable, Optional
@@ -26,7 +25,7 @@ from . import checkpoint
 from .config import RunConfig
 from .data import ShardedSampler, TokenData
 from .evaluate import HeldOut, evaluate
-from .export import export_pretrained
+from .export import save_final_model, transformers_tokenizer
 from .logging import RunLogger
 from .records import RunInfo
 from .metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, model_state_bytes,
@@ -42,7 +41,6 @@ from .parallel.tp_comm import TPComm
 from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.schedules import Op
-from .parallel.pipeline.stage import stage_state_dict
 from .records import StateBytes, StepRecord, StepResult
 from .signals import Stopped, StopSignals
 from .topology import ParallelContext
@@ -207,31 +205,6 @@ def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) 
     return mem
 
 
-def save_checkpoint(runner, full, ctx: ParallelContext, job_dir: str, tokenizer: Optional[str] = None) -> None:
-    """final_model.pt (transformers parameter names, merged over pipeline stages and tp on
-    rank 0) and final_model/, the same weights as a transformers directory (framework.export)."""
-    if getattr(runner, "zero", None) is not None and runner.zero.stage == 3:
-        runner.zero.gather_all()  # parameters are sharded over dp between steps
-    # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
-    part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
-    part = part if ctx.coords.tp == 0 else {}
-    parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
-    dist.gather_object(part, parts, dst=0, group=ctx.log_group)  # CPU objects: gloo under NCCL too
-    if ctx.rank == 0:
-        ctx.recorder.note("write final_model.pt (rank 0)")
-        merged = {k: v for p in parts for k, v in p.items()}
-        path = os.path.join(job_dir, "final_model.pt")
-        torch.save(merged, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        ctx.recorder.note("write final_model/ (rank 0)")
-        export_pretrained(merged, full.hf_model.config, tokenizer, job_dir)
-
-
-def transformers_tokenizer(run: RunConfig) -> Optional[str]:
-    """The tokenizer to export beside the model: None for synthetic data and bytes."""
-    return None if run.data.name == "synthetic" or run.data.tokenizer == "bytes" else run.data.tokenizer
-
-
 def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
           stop: Optional[StopSignals] = None) -> Optional[dict]:
     """Run every step on this rank; the logging rank returns the summary, others None.
@@ -307,7 +280,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
             io["checkpoint_save"] = saver.last
         if run.trainer.save_checkpoint:
             ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
-            save_checkpoint(runner, full, ctx, job_dir, transformers_tokenizer(run))
+            save_final_model(runner, full, ctx, job_dir, transformers_tokenizer(run))
         ctx.recorder.note("gather memory to rank 0, write summary", wait=True)
         summary = logger.finish({**rank_memory(runner, rec, run, ctx.device), **startup, **io})  # last: marks completion
         # A stop during or after the last step's agreement: the training is done, so the job

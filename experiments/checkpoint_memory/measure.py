@@ -15,6 +15,11 @@ every rank); a `sitecustomize.py` put on PYTHONPATH wraps its `checkpoint.save` 
 the same sampler and writes `ckpt_io/rank<r>.json` into the job directory.
 
     python experiments/checkpoint_memory/measure.py [--gather <worktree of acbb1e3>] [--only zero3,tp4,pp4] out_dir
+    python experiments/checkpoint_memory/measure.py --table <sharded out_dir> <gather out_dir>
+
+The table's "added" columns are the sampled peak minus the resident memory just before: what
+the save or load cost the rank on top of what it held. Wall times: save = staging to the
+marker (this code: `write_s`; the step waited `step_wait_s` of it), load = the whole load.
 """
 
 from __future__ import annotations
@@ -101,7 +106,32 @@ def gathered(layout: str, out: Path, code: Path) -> list[dict]:
     return rows
 
 
+def table(sharded: Path, gather: Path) -> str:
+    new, old = (json.loads((d / "results.json").read_text()) for d in (sharded, gather))
+    mib = 2 ** 20
+    lines = ["| layout | rank | its part (MiB) | save: added RSS, gather / sharded (MiB) | save wall, gather / sharded "
+             "(s) | step waited, sharded (s) | load: added RSS, gather / sharded (MiB) | load wall, gather / sharded (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for layout in LAYOUTS:
+        n, o = new.get(f"{layout}/sharded"), old.get(f"{layout}/gather")
+        if n is None or o is None:
+            continue
+        for a, b in zip(n, o):
+            ns, nl, os_, ol = a["save"], a["load"], b["save"], b["load"]
+            lines.append(f"| {layout} | {a['rank']} | {ns['rank_bytes'] / mib:.0f} "
+                         f"| {(os_['peak_rss_bytes'] - os_['rss_before_bytes']) / mib:.0f} / "
+                         f"{(ns['peak_rss_bytes'] - ns['rss_before_bytes']) / mib:.0f} "
+                         f"| {os_['wall_s']:.1f} / {ns['write_s']:.1f} | {ns['step_wait_s']:.1f} "
+                         f"| {(ol['peak_rss_bytes'] - ol['rss_before_bytes']) / mib:.0f} / "
+                         f"{(nl['peak_rss_bytes'] - nl['rss_before_bytes']) / mib:.0f} "
+                         f"| {ol['wall_s']:.1f} / {nl['load_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:
+        print(table(Path(sys.argv[2]), Path(sys.argv[3])))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--gather", type=Path, default=None)

@@ -1,10 +1,11 @@
 """Saving: each rank writes only its own boxes, in the background, and the job is told when it fails.
 
 `Saver.save(k)` (collective over the world, at a step boundary):
-1. staging, which the step waits for: every tensor this rank writes (its parameters or
-   ZeRO slice, their optimizer states, its RNG state) is copied once into host memory, so
-   training may change them while the write goes on. That copy is the rank's own part
-   (params + states of what it holds), not its stage's: no gather over tp or dp happens.
+1. staging, which the step waits for: every box this rank writes (of its parameters or
+   ZeRO slice and their optimizer states) is copied once into host memory, one compact
+   tensor per box, so training may change the originals while the write goes on. That copy
+   is the rank's own part (what it writes of what it holds), not its stage's: no gather over
+   tp or dp happens.
 2. writing, in a background thread (`trainer.checkpoint_async=true`, the default): DCP's
    save of those boxes on a gloo group of its own (its collectives never queue behind the
    training's), then on rank 0 `meta.json`, the metrics rows and, last, `COMPLETE`; then a
@@ -133,8 +134,10 @@ class Saver:
                 shutil.copyfile(metrics_path, os.path.join(path, METRICS))
         dist.barrier(group=self.group)
         ctx.recorder.note(f"checkpoint step {step}: stage this rank's boxes", wait=True)
-        stage = self._stage if self.asynchronous else None
-        parts, scalars = rank_parts(runner, full, ctx, writers_only=True, source=stage)
+        parts, scalars = rank_parts(runner, full, ctx, writers_only=True)
+        if self.asynchronous:  # training may change the originals while the write goes on
+            parts = {k: p.staged() for k, p in parts.items()}
+            scalars = {k: t.detach().to("cpu", copy=True) for k, t in scalars.items()}
         state: dict = {**parts, **scalars, f"rng/rank{ctx.rank}": torch.get_rng_state()}
         if ctx.device.type == "cuda":
             state[f"rng_cuda/rank{ctx.rank}"] = torch.cuda.get_rng_state(ctx.device)
@@ -152,10 +155,6 @@ class Saver:
             self.last["step_wait_s"] = time.time() - t0
             self.raise_error()
         return path
-
-    @staticmethod
-    def _stage(slot, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
 
     def _write(self, state: dict, path: str, meta: dict, t0: float, sampler: RssSampler) -> None:
         ctx = self.ctx

@@ -171,6 +171,13 @@ class Part:
     def size(self) -> torch.Size:
         return self.shape
 
+    def staged(self) -> Part:
+        """A copy in host memory, one compact tensor per box (so DCP serialises each as is,
+        without the clone it makes of a view into a larger buffer)."""
+        out = Part(self.shape, self.dtype)
+        out.boxes = [(o, v.detach().to("cpu", copy=True)) for o, v in self.boxes]
+        return out
+
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for _, v in self.boxes)
 
@@ -218,17 +225,15 @@ class LoadPlanner(DefaultLoadPlanner):
         return _lookup(self.state_dict, index)
 
 
-def rank_parts(runner, full, ctx, states: Optional[dict] = None, writers_only: bool = False,
-               source=None) -> tuple[dict[str, Part], dict[str, torch.Tensor]]:
+def rank_parts(runner, full, ctx, states: Optional[dict] = None,
+               writers_only: bool = False) -> tuple[dict[str, Part], dict[str, torch.Tensor]]:
     """This rank's boxes of every parameter (`model/<name>`) and optimizer state
     (`optim/<name>/<state>`), as `Part`s, plus the 0-d states as whole tensors.
-    `states`: slot index -> {state name: tensor shaped like the slot} (default: the optimizer's);
-    `source(slot, tensor) -> tensor`: what the views are taken of (default: the tensor itself;
-    a save passes a staged copy). `writers_only`: leave out boxes another rank writes."""
+    `states`: slot index -> {state name: tensor shaped like the slot} (default: the optimizer's).
+    `writers_only`: leave out boxes another rank writes."""
     opt, slot_list = slots(runner, full.hf_model)
     c = ctx.coords
     tied = getattr(runner, "tied", None)
-    source = source or (lambda slot, t: t)
     parts: dict[str, Part] = {}
     scalars: dict[str, torch.Tensor] = {}
 
@@ -249,9 +254,9 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None, writers_only: b
             if t.dim() == 0:  # a step count: the same for every piece of the slot
                 for p in slot.pieces:
                     if not skip(p, slot.unit):
-                        scalars[f"optim/{p.name}/{k}"] = source(slot, t)
+                        scalars[f"optim/{p.name}/{k}"] = t
                 continue
-            for p, boxes in slot_boxes(slot, source(slot, t)):
+            for p, boxes in slot_boxes(slot, t):
                 if skip(p, slot.unit):
                     continue
                 key = f"model/{p.name}" if k == "" else f"optim/{p.name}/{k}"
