@@ -180,7 +180,7 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     sim: SimConfig = field(default_factory=SimConfig)
-    device: str = "auto"  # auto | cpu | cuda; resolved once in framework/launch.py
+    device: str = "auto"  # auto | cpu | cuda; resolved once in framework/device.py
     launcher: str = "local"  # local: start the ranks here | external: write the job dir for torchrun
     dry_run: bool = False  # print and write plan.json; start no rank
     objective: str = "loss"  # summary.json key returned to a Hydra sweeper

@@ -29,7 +29,7 @@ from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, with_pretrained_sizes
 from .plan import make_plan, render_plan
-from .jobdir import set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
+from .jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
 from .signals import Stopped
 from .sweep_sim import finish as finish_simulated_search
 from .sweep_sim import predict_job
@@ -256,23 +256,12 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
         write_outcome(job_dir, "failed", e.reason)
         raise
     except Stopped as e:
-        if (summary := _completed(job_dir)) is None:
+        if (summary := completed_summary(job_dir)) is None:
             write_outcome(job_dir, "interrupted", f"stopped by {e.name}")
             raise
         print(f"stopped by {e.name} after the last step: the job completed", flush=True)
     print(summary_lines(summary), flush=True)
     return summary
-
-
-def _completed(job_dir: str) -> Optional[dict]:
-    """This run's summary.json when its ranks finished every step (a stop agreed at the last
-    step finishes the job normally), else None."""
-    try:
-        with open(os.path.join(job_dir, "summary.json")) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return summary if summary.get("status") == "completed" else None
 
 
 class JobDirCallback:

@@ -61,6 +61,19 @@ def write_outcome(job_dir: str, status: str, reason: str) -> None:
                 json.dumps({"status": status, "reason": reason, "time": time.time()}, indent=2))
 
 
+def completed_summary(job_dir: str) -> Optional[dict]:
+    """The job's summary.json when its ranks finished every step, else None. A stop that
+    reaches the launcher during the last step (the ranks agree on it after that step) ends
+    the launch as stopped, but the job is complete: launchers read this before saying
+    `interrupted`."""
+    try:
+        with open(os.path.join(job_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == "completed" else None
+
+
 def set_aside_checkpoints(job_dir: str, resume: Optional[str]) -> None:
     """A run that does not continue this job's own checkpoints starts a new lineage: the
     earlier ones go to `.previous/` too, so `trainer.resume=auto` never finds a checkpoint of

@@ -38,7 +38,7 @@ import uuid
 from .. import flight
 from ..config import read_config
 from ..files import write_report
-from ..jobdir import write_outcome
+from ..jobdir import completed_summary, write_outcome
 from ..signals import Stopped
 from ..worker import FAILURES_DIR
 from .diagnosis import RankEnd, RankFailure, diagnose, peek_records
@@ -107,6 +107,9 @@ def main(argv: list[str]) -> int:
         return 1
     except Stopped as s:
         shutil.rmtree(os.path.join(job_dir, FAILURES_DIR), ignore_errors=True)  # a stop blames no one
+        if completed_summary(job_dir) is not None:  # agreed at the last step: the job completed
+            print(f"stopped by {s.name} after the last step: the job completed", flush=True)
+            return 0
         write_outcome(job_dir, "interrupted", f"stopped by {s.name}")
         print(f"stopped by {s.name}: this node's ranks ended; exit {s.exit_code}", file=sys.stderr, flush=True)
         return s.exit_code
