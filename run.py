@@ -107,12 +107,21 @@ def sweeper_installed(argv: list[str]) -> bool:
     return False
 
 
+def _finished(cfg: DictConfig, job_dir: str) -> bool:
+    """A finished job relaunched as it was with trainer.resume=auto keeps its files
+    (framework.job says so and runs nothing)."""
+    if OmegaConf.select(cfg, "trainer.resume", default=None) != "auto":
+        return False
+    try:
+        return finished(load_config(cfg), job_dir) is not None
+    except ConfigError:
+        return False  # told by the usual path
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
-    # A finished job relaunched with trainer.resume=auto keeps its files (framework.job says so)
-    if finished(OmegaConf.select(cfg, "trainer.resume", default=None), OmegaConf.select(cfg, "trainer.steps"),
-                hc.runtime.output_dir) is None:
+    if not _finished(cfg, hc.runtime.output_dir):
         set_aside_previous(hc.runtime.output_dir)
     with console_to_run_log(hc.runtime.output_dir):  # run.log: the job's whole console
         return outcome(cfg, hc)

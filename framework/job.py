@@ -216,7 +216,7 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
     """Validate, then dry-run, prepare for an external launcher, or launch locally.
     However it ends, the job directory says so (`write_outcome`) and holds no earlier
     run's results (`set_aside_previous`)."""
-    if (done := checkpoint.finished(run.trainer.resume, run.trainer.steps, job_dir)) is not None:
+    if (done := checkpoint.finished(run, job_dir)) is not None:
         print(f"{job_dir}: finished already ({done['steps']} of trainer.steps={run.trainer.steps} steps, "
               "summary.json completed): nothing to run", flush=True)
         return done

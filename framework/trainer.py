@@ -292,9 +292,9 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
         # Said before W&B's finish (which may take a while): the watchdog then knows this is
         # a failure being reported, not a hang, and its peers stay blocked on it until the
         # rank's record is written (framework.worker).
+        ctx.recorder.note("rank failed (finishing the checkpoint write in flight, closing the logger)")
         if saver is not None:  # the checkpoint being written completes first (its own group)
-            saver.drain(run.trainer.hang_timeout_s)
-        ctx.recorder.note("rank failed (closing the logger)")
+            saver.drain(min(60.0, run.trainer.hang_timeout_s / 2))
         raise
     finally:
         if stop is not None:

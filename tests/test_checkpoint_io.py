@@ -16,9 +16,11 @@ import torch
 
 from framework import flight
 from framework.checkpoint.shards import _tp_runs, flat_boxes
+from framework.config import ConfigError
+from framework.job import run_job
 from framework.launch import RankFailure
 
-from .conftest import ROOT, TINY, final_params, read_metrics, run_local
+from .conftest import ROOT, TINY, compose, final_params, read_metrics, run_local
 from .test_checkpoint import _base
 
 
@@ -97,6 +99,9 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data_c
     assert out.returncode == 0 and "finished already (4 of trainer.steps=4 steps" in out.stdout, out.stdout + out.stderr
     assert sorted(p.name for p in (job / ".previous").iterdir()) == before
     assert [m["step"] for m in read_metrics(job)] == [1, 2, 3, 4]
+    # another config in that directory is not "the job, finished": the usual checks apply
+    with pytest.raises(ConfigError, match="already at step 4"):
+        run_job(compose(*args, "trainer.resume=auto", "optimizer.lr=1e-3"), str(job))
 
 
 def test_a_stop_at_the_last_step_finishes_the_job(tmp_path, data_cache):

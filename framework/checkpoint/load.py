@@ -44,7 +44,7 @@ def load(path: str, runner, full, ctx, run: RunConfig) -> dict:
     for slot in slot_list:
         prefix = f"optim/{slot.pieces[0].name}/"
         names = sorted(k[len(prefix):] for k in md if k.startswith(prefix))
-        t = slot.tensor()
+        t = slot.key  # where the optimizer keeps its states (ZeRO-Offload: the host copy)
         states.append({k: (torch.zeros((), dtype=md[prefix + k].properties.dtype) if len(md[prefix + k].size) == 0
                            else torch.zeros_like(t, memory_format=torch.contiguous_format)) for k in names})
     parts, scalars = rank_parts(runner, full, ctx, states=states)

@@ -14,9 +14,10 @@
    does a rank leaving with an exception, so a fault after step k does not take down
    checkpoint k. With `checkpoint_async=false` the step waits for both phases, and no copy
    is made (DCP reads the views directly, cloning one box at a time).
-A write that fails (a full disk, a lost mount) is re-raised in the training thread at the
-next step boundary on every rank as `CheckpointWriteError`, naming the checkpoint and the
-cause (`No space left on device` and the bytes free where that is it); rank 0 removes the
+A write that fails (a full disk, a lost mount, rank 0's meta or marker) is re-raised in the
+training thread as `CheckpointWriteError`, naming the checkpoint and the cause: DCP and the
+closing all-reduce end the write alike on every rank, so each raises it at its next step
+boundary whose write has ended, or when it next waits for it (the next save, the end) (`No space left on device` and the bytes free where that is it); rank 0 removes the
 incomplete directory so the earlier complete checkpoint survives and there is room to
 report. `debug.checkpoint_disk_bytes` emulates a full file system for that test.
 """
@@ -42,7 +43,7 @@ from ..config import RunConfig
 from ..files import write_atomic
 from ..metrics.memory import RssSampler, current_rss_bytes
 from .shards import SavePlanner, rank_parts
-from .store import CHECKPOINTS_DIR, MARKER, META, METRICS, prune, step_dir
+from .store import CHECKPOINTS_DIR, MARKER, META, METRICS, is_complete, prune, step_dir
 
 
 class CheckpointWriteError(RuntimeError):
@@ -68,7 +69,7 @@ class _LimitedWriter(FileSystemWriter):
     many bytes; a write past it raises ENOSPC, as the kernel would."""
 
     def __init__(self, path: str, limit: int):
-        super().__init__(path, thread_count=1)
+        super().__init__(path, thread_count=1, per_thread_copy_ahead=0)
         self.limit, self.root = limit, os.path.dirname(path)
 
     def _used(self) -> int:
@@ -126,13 +127,20 @@ class Saver:
         ctx, path = self.ctx, step_dir(self.job_dir, step)
         t0, rss0 = time.time(), current_rss_bytes()
         sampler = RssSampler()
+        problem = None
         if ctx.rank == 0:
-            if os.path.exists(path):
-                shutil.rmtree(path)  # an incomplete one (a save cut off)
-            os.makedirs(path)
-            if metrics_path and os.path.exists(metrics_path):  # the rows up to step k, as of now
-                shutil.copyfile(metrics_path, os.path.join(path, METRICS))
-        dist.barrier(group=self.group)
+            try:
+                if os.path.exists(path):
+                    shutil.rmtree(path)  # an incomplete one (a save cut off)
+                os.makedirs(path)
+                if metrics_path and os.path.exists(metrics_path):  # the rows up to step k, as of now
+                    shutil.copyfile(metrics_path, os.path.join(path, METRICS))
+            except OSError as e:
+                problem = e
+        if self._agree(problem is not None):  # instead of a barrier: every rank learns rank 0's outcome
+            sampler.stop()
+            self._fail(path, problem or RuntimeError("rank 0 could not create the checkpoint directory"))
+            self.raise_error()
         ctx.recorder.note(f"checkpoint step {step}: stage this rank's boxes", wait=True)
         parts, scalars = rank_parts(runner, full, ctx, writers_only=True)
         if self.asynchronous:  # training may change the originals while the write goes on
@@ -156,31 +164,48 @@ class Saver:
             self.raise_error()
         return path
 
+    def _agree(self, failed: bool) -> bool:
+        """Whether any rank failed (an 8-byte all-reduce on the checkpoint group)."""
+        flag = torch.tensor([int(failed)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def _fail(self, path: str, e: BaseException) -> None:
+        self.error = CheckpointWriteError(f"checkpoint {path}: writing failed: {_cause(e, path)}; the earlier "
+                                          f"complete checkpoints are intact")
+        self.error.__cause__ = e
+        if self.ctx.rank == 0 and not is_complete(path):
+            shutil.rmtree(path, ignore_errors=True)  # room to report; resume=auto takes the previous one
+
     def _write(self, state: dict, path: str, meta: dict, t0: float, sampler: RssSampler) -> None:
         ctx = self.ctx
+        if ctx.device.type == "cuda":  # a new thread starts on device 0; DCP syncs the current one
+            torch.cuda.set_device(ctx.device)
+        problem: Optional[BaseException] = None
         try:
-            self._dcp_save(state, path, meta)
-        except BaseException as e:  # noqa: BLE001 - told in the training thread, with the checkpoint's name
-            self.error = CheckpointWriteError(f"checkpoint {path}: writing failed: {_cause(e, path)}; the earlier "
-                                              f"complete checkpoints are intact")
-            self.error.__cause__ = e
+            limit = self.run.debug.checkpoint_disk_bytes
+            # per_thread_copy_ahead=0: the staged boxes are on the host already (no CUDA loader)
+            writer = (_LimitedWriter(path, limit) if limit is not None
+                      else FileSystemWriter(path, thread_count=1, per_thread_copy_ahead=0))
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
             if ctx.rank == 0:
-                shutil.rmtree(path, ignore_errors=True)  # room to report; resume=auto takes the previous one
+                write_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+                write_atomic(os.path.join(path, MARKER), f"step {meta['step']}\n")
+        except BaseException as e:  # noqa: BLE001 - told in the training thread, with the checkpoint's name
+            problem = e
+        try:
+            # No rank's write ends before the marker exists (a failure right after this
+            # checkpoint must not take it down), and every rank learns rank 0's outcome.
+            failed = self._agree(problem is not None)
+        except BaseException as e:  # noqa: BLE001 - a peer gone: the training thread fails on it too
+            failed, problem = True, problem or e
+        if failed:
+            self._fail(path, problem or RuntimeError("another rank failed to write its part or the marker"))
             sampler.stop()
             return
-        # No rank's write ends before the marker exists: a failure right after this
-        # checkpoint (the training thread waits for it first) must not take it down.
-        dist.barrier(group=self.group)
+        if ctx.rank == 0:
+            prune(self.job_dir, self.run.trainer.keep_checkpoints)  # never raises
         self.last.update(write_s=time.time() - t0, peak_rss_bytes=sampler.stop())
-
-    def _dcp_save(self, state: dict, path: str, meta: dict) -> None:
-        limit = self.run.debug.checkpoint_disk_bytes
-        writer = _LimitedWriter(path, limit) if limit is not None else FileSystemWriter(path, thread_count=1)
-        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
-        if self.ctx.rank == 0:
-            write_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
-            write_atomic(os.path.join(path, MARKER), f"step {meta['step']}\n")
-            prune(self.job_dir, self.run.trainer.keep_checkpoints)
 
     def wait(self) -> None:
         """Wait for the save in flight (if any); raise its failure."""

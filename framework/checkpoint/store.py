@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, read_config
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -102,19 +102,33 @@ def set_aside_newer(job_dir: str, resume: str) -> Optional[str]:
     return dest
 
 
-def finished(resume: Optional[str], steps: int, job_dir: str) -> Optional[dict]:
-    """With trainer.resume=auto: the job's summary.json when it completed `steps` (or more)
-    already (relaunching it is a no-op, not an error), else None."""
-    if resume != "auto":
+def finished(run: RunConfig, job_dir: str) -> Optional[dict]:
+    """With trainer.resume=auto: the job's summary.json when this same job (its config.yaml
+    equal to `run` but for trainer.resume) completed `trainer.steps` already: relaunching it
+    is a no-op, not an error. Otherwise None (another config goes through the usual checks)."""
+    if run.trainer.resume != "auto":
         return None
     try:
         with open(os.path.join(job_dir, "summary.json")) as f:
             summary = json.load(f)
-    except (OSError, ValueError):
+        saved = read_config(os.path.join(job_dir, "config.yaml"))
+    except (OSError, ValueError, ConfigError):
         return None
-    if summary.get("status") == "completed" and isinstance(steps, int) and summary.get("steps", -1) >= steps:
-        return summary
-    return None
+    if summary.get("status") != "completed" or summary.get("steps") != run.trainer.steps:
+        return None
+    return summary if _identity(saved) == _identity(run) else None
+
+
+def _identity(run: RunConfig) -> dict:
+    """What makes it the same training: the trainer (but resume), optimizer, layout, data,
+    model and schedule. Not what the launch fills in (a pretrained model's sizes, the run
+    name from the overrides, zb-auto's measured times) nor where it logs."""
+    d = asdict(run)
+    d["trainer"].pop("resume")
+    return {"trainer": d["trainer"], "optimizer": d["optimizer"], "parallelism": d["parallelism"], "data": d["data"],
+            "model": {k: d["model"][k] for k in ("name", "pretrained", "arch", "dropout")} | (
+                {} if run.model.pretrained else {k: d["model"][k] for k in _SIZE_KEYS if k in d["model"]}),
+            "schedule": {k: d["schedule"][k] for k in ("name", "microbatches", "virtual_stages")}}
 
 
 # ---- resume ----

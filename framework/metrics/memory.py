@@ -187,7 +187,7 @@ class RssSampler:
     /proc's VmHWM would corrupt the run's rss_peak_bytes. A spike shorter than the interval
     can be missed; the window's start and end are sampled exactly."""
 
-    def __init__(self, interval_s: float = 0.005):
+    def __init__(self, interval_s: float = 0.02):
         import threading
 
         self.interval_s, self.peak = interval_s, current_rss_bytes()
