@@ -293,7 +293,16 @@ class HostOptimizer:
         if pin:
             self.host = [nn.Parameter(h.data.pin_memory()) for h in self.host]
         self.inner = build_optimizer(spec, self.host)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    # Read through, not copied: torch's load_state_dict replaces the inner optimizer's
+    # param_groups and state objects (a copy would leave the lr schedule setting stale groups).
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
 
     def step(self) -> None:
         for s, h in zip(self.shards, self.host, strict=True):
