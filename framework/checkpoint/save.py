@@ -85,9 +85,21 @@ class _LimitedWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _cause(e: BaseException, root: str) -> str:
+FULL = "No space left on device"
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _cause(e: BaseException, root: str, need: int) -> str:
     """The first OSError under DCP's wrapping (CheckpointException keeps each rank's), or the
-    exception itself; a full disk says so with the bytes free."""
+    exception itself, in one line. A full disk says so with the bytes free, also when the
+    error hides it: torch's zip writer reports ENOSPC as `unexpected pos ...`, so a file
+    system with less room than this rank's part (`need` bytes) is named as the cause."""
     seen, todo = [], [e]
     while todo:
         x = todo.pop(0)
@@ -95,18 +107,16 @@ def _cause(e: BaseException, root: str) -> str:
         for v in getattr(x, "failures", {}).values():  # rank -> (exception, its traceback)
             todo += [w for w in (v if isinstance(v, tuple) else (v,)) if isinstance(w, BaseException)]
         todo += [c for c in (x.__cause__, x.__context__) if c is not None and c not in seen]
+    free = _free_bytes(root)
+    there = "" if free is None else f"; {free} bytes free there"
     for x in seen:
         if isinstance(x, OSError) and x.errno == errno.ENOSPC:
-            try:
-                free = f"; {shutil.disk_usage(root).free} bytes free there"
-            except OSError:
-                free = ""
-            return f"No space left on device ({x}){free}"
-    for x in seen:
-        if isinstance(x, OSError):
-            return f"{type(x).__name__}: {x}"
-    first = (str(seen[-1]).strip().splitlines() or [""])[0]  # one line: the reason line quotes it
-    return f"{type(seen[-1]).__name__}: {first}"
+            return f"{FULL} ({x}){there}"
+    x = next((x for x in seen if isinstance(x, OSError)), seen[-1])
+    said = f"{type(x).__name__}: {(str(x).strip().splitlines() or [''])[0]}"
+    if free is not None and free < need:
+        return f"{FULL}: {free} bytes free there, {need} needed for this rank's part ({said})"
+    return said
 
 
 class Saver:
@@ -137,7 +147,7 @@ class Saver:
                     shutil.copyfile(metrics_path, os.path.join(path, METRICS))
             except OSError as e:
                 problem = e
-        if self._agree(problem is not None):  # instead of a barrier: every rank learns rank 0's outcome
+        if self._agree(problem is not None)[0]:  # instead of a barrier: every rank learns rank 0's outcome
             sampler.stop()
             self._fail(path, problem or RuntimeError("rank 0 could not create the checkpoint directory"))
             self.raise_error()
@@ -164,18 +174,23 @@ class Saver:
             self.raise_error()
         return path
 
-    def _agree(self, failed: bool) -> bool:
-        """Whether any rank failed (an 8-byte all-reduce on the checkpoint group)."""
-        flag = torch.tensor([int(failed)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+    def _agree(self, failed: bool, full: bool = False) -> tuple[bool, bool]:
+        """Whether any rank failed, and whether any found its disk full (one all-reduce of
+        two int64 on the checkpoint group)."""
+        flags = torch.tensor([int(failed), int(full)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flags[0]), bool(flags[1])
 
-    def _fail(self, path: str, e: BaseException) -> None:
-        self.error = CheckpointWriteError(f"checkpoint {path}: writing failed: {_cause(e, path)}; the earlier "
+    def _fail(self, path: str, e: BaseException, cause: Optional[str] = None) -> None:
+        cause = cause or self._cause(path, e)
+        self.error = CheckpointWriteError(f"checkpoint {path}: writing failed: {cause}; the earlier "
                                           f"complete checkpoints are intact")
         self.error.__cause__ = e
         if self.ctx.rank == 0 and not is_complete(path):
             shutil.rmtree(path, ignore_errors=True)  # room to report; resume=auto takes the previous one
+
+    def _cause(self, path: str, e: BaseException) -> str:
+        return _cause(e, os.path.dirname(path), self.last.get("rank_bytes") or 0)
 
     def _write(self, state: dict, path: str, meta: dict, t0: float, sampler: RssSampler) -> None:
         ctx = self.ctx
@@ -193,14 +208,18 @@ class Saver:
                 write_atomic(os.path.join(path, MARKER), f"step {meta['step']}\n")
         except BaseException as e:  # noqa: BLE001 - told in the training thread, with the checkpoint's name
             problem = e
+        # The cause now, while the partial files still fill the disk (rank 0 removes them).
+        cause = self._cause(path, problem) if problem is not None else None
         try:
             # No rank's write ends before the marker exists (a failure right after this
             # checkpoint must not take it down), and every rank learns rank 0's outcome.
-            failed = self._agree(problem is not None)
+            failed, full = self._agree(problem is not None, cause is not None and cause.startswith(FULL))
         except BaseException as e:  # noqa: BLE001 - a peer gone: the training thread fails on it too
-            failed, problem = True, problem or e
+            failed, full, problem = True, False, problem or e
+        if failed and full and not (cause or "").startswith(FULL):  # told alike on every rank
+            cause = f"{FULL} (another rank's file system had less room than its part); here: {cause or 'no error'}"
         if failed:
-            self._fail(path, problem or RuntimeError("another rank failed to write its part or the marker"))
+            self._fail(path, problem or RuntimeError("another rank failed to write its part or the marker"), cause)
             sampler.stop()
             return
         if ctx.rank == 0:
