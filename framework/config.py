@@ -95,7 +95,7 @@ class TrainerConfig:
     warmup_steps: int = 3  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
-    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 parameters and optimizer states) | fp64 (verification)
+    precision: str = "fp32"  # fp32 | bf16-autocast (alias bf16) | fp64 (verification); framework/precision.py
     activation_checkpointing: bool = False
     seed: int = 1234
     log_interval: int = 5

@@ -29,6 +29,7 @@ from .metrics.flops import flops_per_token, matmul_params
 from .metrics.peak import PENDING, device_peak, fixed_peak
 from .models import build_hf_model, with_pretrained_sizes
 from .plan import make_plan, render_plan
+from .precision import policy_of
 from .jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
 from .signals import Stopped
 from .sweep_sim import finish as finish_simulated_search
@@ -91,7 +92,7 @@ def p2p_message_bytes(run: RunConfig, hidden: int) -> int:
     (/ tp under sequence parallelism) x hidden, in fp32 (fp64 when verifying)."""
     p = run.parallelism
     seq = run.data.seq_len // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
-    return run.trainer.micro_batch_size * seq * hidden * (8 if run.trainer.precision == "fp64" else 4)
+    return run.trainer.micro_batch_size * seq * hidden * policy_of(run).comm_bytes
 
 
 def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:

@@ -22,6 +22,7 @@ from .metrics.memory import optimizer_state_ratio, zero_model_states
 from .parallel.tensor_parallel import shard_numels
 from .parallel.pipeline.schedules import resolve
 from .parallel.pipeline.simulate import grid
+from .precision import policy_of
 from .topology import ParallelDims
 
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
@@ -80,7 +81,7 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     for rank in range(p.pp):  # a rank holds its v chunks
         n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
         # fp32 parameters (bf16 runs autocast and keep fp32 weights; fp64 8 bytes); ZeRO shards over dp
-        word = 8 if run.trainer.precision == "fp64" else 4
+        word = policy_of(run).param_bytes
         est = {k: int(v) for k, v in zero_model_states(p.zero, n, p.dp, ratio, word=word).items()}
         bf16 = sum(zero_model_states(p.zero, n, p.dp, ratio, bf16=True).values())
         memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),

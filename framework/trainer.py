@@ -34,7 +34,7 @@ from .metrics.peak import resolve_rank_peak
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import data_parallel
-from .precision import autocast_context
+from .precision import autocast_context, policy_of
 from .parallel.grads import clip_grad_norm
 from .parallel.tensor_parallel import sync_replicated_grads
 from .parallel.tp_comm import TPComm
@@ -196,7 +196,7 @@ def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) 
     p = run.parallelism
     psi = sum(q.numel() for q in runner.module.parameters())
     ratio = optimizer_state_ratio(run.optimizer)
-    word = 8 if run.trainer.precision == "fp64" else 4
+    word = policy_of(run).param_bytes
     mem.update(psi=psi, model_state_formula_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, word=word).values()),
                model_state_formula_bf16_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()),
                zero_transient_peak_bytes=st.zero_transient_peak_bytes)

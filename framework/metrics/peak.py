@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from .flops import probe_peak_flops
+from ..precision import policy_of
 
 PENDING = "pending"  # source while a CUDA run's ranks have yet to look the peak up
 
@@ -89,14 +90,14 @@ def table_peak(device_name: str, dtype: str) -> Optional[float]:
 
 def peak_dtype(precision: str) -> str:
     """Which datasheet column a run's matmuls use (see the module docstring)."""
-    if precision == "bf16":
+    if policy_of(precision).peak_column == "bf16":
         return "bf16"
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def fixed_peak(run) -> Optional[tuple[Optional[float], str]]:
     """The peak that needs no device: none for fp64, or the configured one; else None."""
-    if run.trainer.precision == "fp64":
+    if policy_of(run).peak_column is None:  # fp64
         return None, "none"
     if run.metrics.peak_tflops:
         return run.metrics.peak_tflops * 1e12, "config"
@@ -113,7 +114,7 @@ def device_peak(precision: str, device: torch.device) -> tuple[float, str]:
         warnings.warn(f"no datasheet peak for GPU {name!r} (framework/metrics/peak.py): MFU divides by a "
                       "measured matmul peak instead; set metrics.peak_tflops to compare with other machines",
                       stacklevel=2)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if policy_of(precision).peak_column == "bf16" else torch.float32
     return cached_probe(device, dtype), "probe"
 
 

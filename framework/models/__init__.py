@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..config import ModelConfig
+from ..precision import policy_of
 from . import gpt2, llama
 from .checks import HF_MODEL_TYPES, check_model_type, check_tp_sizes
 from .materialise import PretrainedWeights, RandomInit, materialise, materialise_buffers
@@ -19,9 +20,8 @@ ARCHS = {"gpt2": gpt2, "llama": llama}
 
 
 def param_dtype(precision: str) -> torch.dtype:
-    """The one place the parameter dtype is decided: fp64 in verification mode, else fp32
-    (bf16 autocasts the matmuls; its parameters and optimizer states stay fp32)."""
-    return torch.float64 if precision == "fp64" else torch.float32
+    """The parameters' dtype under a trainer.precision mode (framework/precision.py decides)."""
+    return policy_of(precision).param_dtype
 
 
 def meta_hf_model(m: ModelConfig, vocab_size: int, precision: str = "fp32"):

@@ -14,6 +14,7 @@ import os
 
 
 from ..config import ConfigError, DataConfig, RunConfig
+from ..precision import PRECISIONS
 from ..parallel.pipeline.partition import PartitionError
 from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
@@ -30,7 +31,6 @@ __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", 
 
 ARCHS = ("gpt2", "llama")
 DATASETS = ("pycode", "synthetic", "hf")
-PRECISIONS = ("fp32", "bf16", "fp64")
 DEVICES = ("auto", "cpu", "cuda")
 LAUNCHERS = ("local", "external")
 # Summary keys a sweeper may optimise (see framework/logging.py for their meaning).

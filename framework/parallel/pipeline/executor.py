@@ -198,7 +198,7 @@ class PipelineExecutor:
         else:
             self.produced[msg] = t
 
-    def forward(self, a: Action, x, y, loss_scale: float, params: Optional[dict] = None) -> None:
+    def forward(self, a: Action, x, y, microbatch_weight: float, params: Optional[dict] = None) -> None:
         g = self.peers.smap.stage(self.peers.pp_rank, a.chunk)
         chunk = self.chunks[a.chunk]
         last = g == self.peers.num_stages - 1
@@ -209,7 +209,7 @@ class PipelineExecutor:
             out = torch.func.functional_call(chunk, params, args) if params is not None else chunk(*args)
         if last:
             self.losses[a.microbatch] = out.detach()
-            out = out * loss_scale
+            out = out * microbatch_weight
         else:
             out = out.to(self.act_dtype)  # activations travel in fp32 (fp64), whatever autocast produced
             self._produce(a, out.detach())
@@ -234,7 +234,7 @@ class PipelineExecutor:
         backward_weight(self.pending_w.pop((a.microbatch, a.chunk)))
         self.on_backward_done(a.microbatch, a.chunk)
 
-    def run(self, first: int, last: int, batch_of, loss_scale: float, params_of=None,
+    def run(self, first: int, last: int, batch_of, microbatch_weight: float, params_of=None,
             update: Optional[Callable[[int], None]] = None) -> list:
         """Actions first..last-1 of the plan, each followed by its batch; `batch_of(j)` gives
         micro-batch j's (tokens, labels). Returns raw marks (action, start, compute start,
@@ -252,7 +252,7 @@ class PipelineExecutor:
             if a.op is Op.F:
                 x, y = batch_of(a.microbatch)
                 x = received.requires_grad_(True) if received is not None else x
-                self.forward(a, x, y, loss_scale, params_of(a.microbatch, a.chunk) if params_of else None)
+                self.forward(a, x, y, microbatch_weight, params_of(a.microbatch, a.chunk) if params_of else None)
             elif a.op is Op.B:
                 self.backward(a, received)
             elif a.op is Op.I:

@@ -158,7 +158,7 @@ def run_async_reference(run: RunConfig, vocab_size: int, tokens_path, start: Opt
     applied = [0] * p
     data = TokenData.load(run, tokens_path)
     sampler = ShardedSampler(data.num_samples, run.trainer.micro_batch_size, m, 0, 1, run.trainer.seed)
-    scale = rule.loss_scale(m)
+    scale = rule.microbatch_weight(m)
     losses: list[list[float]] = [[] for _ in range(steps)]
     for j in range(m * steps):
         step = first + j // m

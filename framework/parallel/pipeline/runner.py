@@ -39,6 +39,7 @@ from .tiling import TiledPlan
 from .schedules import resolve
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
+from ...precision import policy_of
 from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
 from ..zero import Zero
 from .weights import VersionUses, WeightVersions
@@ -81,7 +82,7 @@ class PipelineRunner:
         # Sequence parallelism: stages exchange their sequence shard (B, T/tp, H).
         seq = run.data.seq_len // (tp_comm.size if run.parallelism.sequence_parallel else 1)
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
-        act_dtype = torch.float64 if run.trainer.precision == "fp64" else torch.float32
+        act_dtype = policy_of(run).comm_dtype  # p2p messages: the precision policy's
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.
         if self.is_async:  # never flushed: a template run proved and tiled (tiling.py), any length
             self.tiled = TiledPlan(self.schedule, self.smap, m, steps)
@@ -132,7 +133,7 @@ class PipelineRunner:
             k = step - self.first_step
             self.executor.plan = self._segment_plan(k)  # batch 0 of a later step's segment is empty
             marks = self.executor.run(0, len(self.executor.plan.actions), batch_of,
-                                      self.schedule.asynchronous.loss_scale(self.m),
+                                      self.schedule.asynchronous.microbatch_weight(self.m),
                                       params_of=lambda j, c: self.versions.params(self._version(j)),
                                       update=self._async_update)
             if k == self.steps - 1:

@@ -127,11 +127,11 @@ class AsyncRule:
     """What an asynchronous (never-flushed) schedule declares for its updates.
     `version_of(j, stage, num_stages, m)`: the weight version micro-batch j runs on (the
     executor's rule); `updates_per_step`: m (every micro-batch) or 1 (every step);
-    `loss_scale(m)`: what each micro-batch's loss is multiplied by before its backward."""
+    `microbatch_weight(m)`: what each micro-batch's loss is multiplied by before its backward."""
 
     version_of: Callable[[int, int, int, int], int]
     updates_per_step: Callable[[int], int]
-    loss_scale: Callable[[int], float]
+    microbatch_weight: Callable[[int], float]
 
 
 @dataclass(frozen=True)

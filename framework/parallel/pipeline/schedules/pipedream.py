@@ -49,12 +49,12 @@ register(Schedule(
     name="1f1b", generate=lambda pp, m, v=1, steps=1: _async(pp, m, steps, lambda j: True),
     ops=frozenset({Op.F, Op.B, Op.U}), bubble=_bubble, memory_bound=lambda pp, n, v, r: min(pp - r, n),
     doc="PipeDream 1F1B (asynchronous): an update after every micro-batch, weight stashing",
-    asynchronous=AsyncRule(version_of=version_1f1b, updates_per_step=lambda m: m, loss_scale=lambda m: 1.0)))
+    asynchronous=AsyncRule(version_of=version_1f1b, updates_per_step=lambda m: m, microbatch_weight=lambda m: 1.0)))
 register(Schedule(
     name="2bw", generate=lambda pp, m, v=1, steps=1: _async(pp, m, steps, lambda j: (j + 1) % m == 0),
     ops=frozenset({Op.F, Op.B, Op.U}), bubble=_bubble, memory_bound=lambda pp, n, v, r: min(pp - r, n),
     doc="PipeDream-2BW (asynchronous): one update per step from two weight versions",
-    asynchronous=AsyncRule(version_of=version_2bw, updates_per_step=lambda m: 1, loss_scale=lambda m: 1.0 / m),
+    asynchronous=AsyncRule(version_of=version_2bw, updates_per_step=lambda m: 1, microbatch_weight=lambda m: 1.0 / m),
     constraint=lambda pp, m, v: None if m >= pp else Violation(
         "schedule.microbatches", f"2bw keeps two weight versions only when microbatches >= pp={pp} (a stage must "
         "finish a step's backward before the step after next starts)", f"use schedule.microbatches >= {pp}")))
