@@ -95,7 +95,7 @@ class TrainerConfig:
     warmup_steps: int = 3  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
-    precision: str = "fp32"  # fp32 | bf16-autocast (alias bf16) | fp64 (verification); framework/precision.py
+    precision: str = "fp32"  # fp32 | bf16-autocast (alias bf16) | bf16-mixed | fp16-mixed | fp64; framework/precision.py
     activation_checkpointing: bool = False
     seed: int = 1234
     log_interval: int = 5
@@ -142,6 +142,30 @@ class DebugConfig:
     # Checkpoint writes see a file system of this many bytes (the checkpoints directory):
     # past it they fail with ENOSPC, as a full disk would. null = the real disk.
     checkpoint_disk_bytes: Optional[int] = None
+    inf_grad_step: Optional[int] = None  # fp16-mixed: an inf gradient on the last rank at this step (1-based)
+
+
+@dataclass
+class LossScaleConfig:
+    """fp16-mixed's dynamic loss scaler (framework/parallel/loss_scale.py). Defaults: DeepSpeed's
+    (initial 2**16; Megatron starts at 2**32, ~32 skipped steps before the first update);
+    the rest are both libraries' (x2 after 1000 clean steps, x0.5 on overflow, hysteresis 2,
+    minimum 1)."""
+
+    initial: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000  # clean steps before the scale grows
+    hysteresis: int = 2  # overflows tolerated before the first back-off (re-armed when the scale grows)
+    min_scale: float = 1.0  # an overflow at this scale stops the run with an error
+
+
+@dataclass
+class PrecisionConfig:
+    """Keys beside trainer.precision (framework/precision.py)."""
+
+    reduce_dtype: Optional[str] = None  # gradient collectives: null = the mode's (fp32 when mixed) | fp32 | param
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
 
 @dataclass
@@ -175,6 +199,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     optimizer: dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.optim.AdamW", "lr": 3e-4})
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
