@@ -204,8 +204,12 @@ def summary_lines(summary: dict) -> str:
                      f"times: {ops or 'none'})")
     for r in summary["ranks"]:
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
-                     f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
+                     f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | master {r['master_bytes'] / 2**20:.1f} MiB"
+                     f" | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
                      f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
+        lines.append(f"    model states {r['model_state_bytes']:,} B measured | {r['model_state_formula_bytes']:,} B "
+                     f"this configuration's formula | {r['model_state_formula_paper_bytes']:,.0f} B the ZeRO paper's "
+                     f"{'2 + 2 + 12' if summary.get('precision', '').endswith('-mixed') else '4 + 4 + 8'} form")
     return "\n".join(lines)
 
 

@@ -38,9 +38,11 @@ from .config import RunConfig
 from .files import write_atomic
 from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
+from .metrics.memory import memory_summary
 from .metrics.predict import RunPredictor, predicted_keys, summary_prediction, timeline_records
 from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import kept_steps, render_timeline, write_trace
+from .precision import policy_of
 from .progress import Progress
 from .records import RunInfo, StepRecord
 from .topology import ParallelContext
@@ -51,7 +53,8 @@ MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bw
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
 # Of each step's row, what rank 0 keeps for the summary (the rest is in metrics.jsonl): a few
 # numbers a step, not every rank's lists.
-KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction")
+KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
+                           "loss_scale", "skipped_steps")
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
 # warm-up) and last loss are written by finish() instead, so W&B computes none for these.
 SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
@@ -113,7 +116,12 @@ class RunLogger:
         tflops, achieved_mfu = self._mfu(r0.step, tps)
         return {
             "step": r0.step, "loss": sum(losses) / len(losses), "lr": r0.lr,
-            "grad_norm": max(r.grad_norm for r in per_rank),
+            # null on a step skipped for overflow (its norm is inf or nan: no JSON number)
+            "grad_norm": None if r0.overflow else max(r.grad_norm for r in per_rank),
+            # fp16-mixed's loss scaler: the same on every rank (the overflow flag comes from
+            # the global norm); absent in the modes without one
+            **({"loss_scale": r0.loss_scale, "overflow": r0.overflow, "skipped_steps": r0.skipped_steps}
+               if r0.loss_scale is not None else {}),
             "step_time_s": step_time, "tokens_per_s": tps,
             "tflops": tflops, "mfu": achieved_mfu,
             "data_s": max(r.data_s for r in per_rank), "fwd_bwd_s": max(r.fwd_bwd_s for r in per_rank),
@@ -185,7 +193,7 @@ class RunLogger:
 
     def _print(self, r: dict) -> None:
         self.progress.gathered(r, f"step {r['step']:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} "
-                               f"| lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
+                               f"| lr {r['lr']:.2e} | {_grad(r)} | {r['tokens_per_s']:,.0f} tok/s "
                                f"| {r['step_time_s'] * 1e3:.0f} ms/step "
                                f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}"
                                + (f" | bubble {r['bubble_fraction']:.2f} (analytic {r['bubble_fraction_analytic']:.2f})"
@@ -247,15 +255,10 @@ class RunLogger:
             **self._prediction(med),
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
             "virtual_stages": run.schedule.virtual_stages,
-            "weight_version_bytes_max": max(r["weight_version_bytes"] for r in ranks),
-            "p2p_buffer_peak_bytes_max": max(r["p2p_buffer_peak_bytes"] for r in ranks),
-            "memory_peak_bytes": max(r["memory_peak_bytes"] for r in ranks),
-            "model_state_bytes_max": max(r["model_state_bytes"] for r in ranks),
-            "model_state_formula_bytes_max": max(r["model_state_formula_bytes"] for r in ranks),
-            "model_state_formula_bf16_bytes_max": max(r["model_state_formula_bf16_bytes"] for r in ranks),
-            "zero_transient_peak_bytes_max": max(r["zero_transient_peak_bytes"] for r in ranks),
-            "offload_optimizer": run.parallelism.offload_optimizer,
-            "activation_peak_bytes_max": max(r["activation_peak_bytes"] for r in ranks),
+            **memory_summary(ranks), "offload_optimizer": run.parallelism.offload_optimizer,
+            "precision": policy_of(run).mode,
+            **({"loss_scale": self.records[-1]["loss_scale"], "skipped_steps": self.records[-1]["skipped_steps"]}
+               if "loss_scale" in self.records[-1] else {}),
             "layout": layout_keys(run)["layout"],
             "world_size": run.world_size, "dp": run.parallelism.dp, "tp": run.parallelism.tp,
             "pp": run.parallelism.pp, "zero": run.parallelism.zero,
@@ -320,6 +323,14 @@ class RunLogger:
         if self.wandb is not None:
             self.ctx.recorder.note("W&B finish (rank 0)")
             self.wandb.finish(exit_code=0 if self.completed else 1)
+
+
+def _grad(r: dict) -> str:
+    """The console's gradient field: the norm, and fp16-mixed's loss scale."""
+    norm = "grad overflow (step skipped)" if r["grad_norm"] is None else f"grad {r['grad_norm']:.3f}"
+    if "loss_scale" not in r:
+        return norm
+    return f"{norm} | scale {r['loss_scale']:g} (skipped {r['skipped_steps']})"
 
 
 def _median(values: list) -> Optional[float]:

@@ -18,7 +18,7 @@ from torch import nn
 from .config import RunConfig
 from .metrics.bubble import analytic_bubble
 from .models import ARCHS
-from .metrics.memory import optimizer_state_ratio, zero_model_states
+from .metrics.model_states import config_model_states, optimizer_state_ratio, zero_model_states
 from .parallel.tensor_parallel import shard_numels
 from .parallel.pipeline.schedules import resolve
 from .parallel.pipeline.simulate import grid
@@ -80,9 +80,10 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     memory = []
     for rank in range(p.pp):  # a rank holds its v chunks
         n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
-        # fp32 parameters (bf16 runs autocast and keep fp32 weights; fp64 8 bytes); ZeRO shards over dp
-        word = policy_of(run).param_bytes
-        est = {k: int(v) for k, v in zero_model_states(p.zero, n, p.dp, ratio, word=word).items()}
+        # This configuration's formula (the precision policy's dtypes, master copies, ZeRO over
+        # dp) for the rank's n parameters, as one unit: no per-unit padding, no step counters
+        # (each under dp elements / a few bytes per tensor; summary.json has the exact value).
+        est = config_model_states(p.zero, [n], p.dp, policy_of(run), ratio, offload=p.offload_optimizer)
         bf16 = sum(zero_model_states(p.zero, n, p.dp, ratio, bf16=True).values())
         memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})
@@ -92,6 +93,7 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
     return {
         "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp}, "zero": p.zero,
+        "precision": policy_of(run).mode,
         "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp")}, "layout": draw_layout(dims),
         "stages": stages, "schedule": {"name": s.name, "microbatches": s.microbatches,
                                        "virtual_stages": s.virtual_stages},
@@ -115,9 +117,9 @@ def render_plan(plan: dict) -> str:
                      f"| {st['params'] / 1e6:.2f}M params")
     for mem in plan["memory_estimate_per_rank"]:
         lines.append(f"  pp rank {mem['pp_rank']} per rank est.: params {mem['params_bytes'] / 2**20:.1f} MiB, "
-                     f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB "
-                     f"(ZeRO-{plan['zero']} formula, fp32; bf16 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} "
-                     "MiB in all)")
+                     f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, master {mem['master_bytes'] / 2**20:.1f} MiB, "
+                     f"optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB (ZeRO-{plan['zero']}, {plan['precision']}; "
+                     f"the paper's 2 + 2 + 12 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} MiB in all)")
     s = plan["schedule"]
     lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
                  f"analytic bubble {plan['bubble_fraction_analytic']:.3f}")

@@ -30,6 +30,7 @@ class StateBytes:
     grads_bytes: int
     optimizer_bytes: int
     zero_transient_peak_bytes: int = 0  # ZeRO only: peak of gathered units / full gradients
+    master_bytes: int = 0  # the optimizer's copy of the parameters (fp32 master weights; ZeRO-Offload's host copy)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class StepResult:
     records: list[ActionRecord] = field(default_factory=list)  # the executor's timed actions
     weight_version_bytes: int = 0  # asynchronous schedules: peak bytes of stashed weights
     p2p_buffer_peak_bytes: int = 0
+    loss_scale: Optional[float] = None  # fp16-mixed: the scale this step's backward ran at
+    overflow: bool = False  # fp16-mixed: the step's gradients overflowed, so it was skipped
+    skipped_steps: int = 0  # fp16-mixed: overflowed steps so far (cumulative)
 
 
 @dataclass
@@ -72,6 +76,9 @@ class StepRecord:
     tp_comm_bytes: int
     actions: list[tuple[str, float, float, float]]  # (action, start, compute_start, end), unix seconds
     states: StateBytes
+    loss_scale: Optional[float] = None
+    overflow: bool = False
+    skipped_steps: int = 0
     val_loss: Optional[float] = None  # held-out loss after this step (trainer.eval_interval), same on every rank
     eval_s: float = 0.0  # its wall time (not part of step_time_s)
 

@@ -28,11 +28,13 @@ from .evaluate import HeldOut, evaluate
 from .export import save_final_model, transformers_tokenizer
 from .logging import RunLogger
 from .records import RunInfo
-from .metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, model_state_bytes,
-                             optimizer_state_ratio, peak_rss_bytes, zero_model_states)
+from .metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, master_bytes, model_state_bytes,
+                             peak_rss_bytes)
+from .metrics.model_states import formula_report
 from .metrics.peak import resolve_rank_peak
 from .models import build_model
-from .optim import build_optimizer, lr_at, set_lr
+from . import master
+from .optim import lr_at
 from .parallel import data_parallel
 from .precision import autocast_context, policy_of
 from .parallel.grads import clip_grad_norm
@@ -42,6 +44,7 @@ from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.schedules import Op
 from .records import StateBytes, StepRecord, StepResult
+from .update import Update
 from .signals import Stopped, StopSignals
 from .topology import ParallelContext
 
@@ -72,20 +75,24 @@ class AccumulationRunner:
         stage = run.parallelism.zero
         if stage:
             units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
-            self.zero = Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None))
+            self.zero = Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
+                             reduce_dtype=policy_of(run).reduce_dtype)
             self.wrapped, self.params = model, self.zero.shards
-            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer)
+            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, policy_of(run))
         else:
             self.zero = None
             if hasattr(model, "fill"):
                 model.fill(model.parameters())  # built on the meta device: the whole model is this rank's
-            self.wrapped, self.params = data_parallel.wrap(model, ctx), list(model.parameters())
-            self.optimizer = build_optimizer(run.optimizer, self.params)
+            self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype)
+            self.params = list(model.parameters())
+            self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
+        self.update = Update(run, self.optimizer, ctx.rank)
         tracker.set_params(model.parameters())  # final storages: ZeRO's flat buffers, if any
 
     def step(self, step: int, batch_of) -> StepResult:
         dev, m = self.ctx.device, self.run.schedule.microbatches
-        set_lr(self.optimizer, lr_at(step, self.run))
+        self.update.set_lr(step)
+        weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed), else None
         t1 = _now(dev)
         loss_sum = torch.zeros((), device=dev)
         if self.zero:
@@ -98,7 +105,7 @@ class AccumulationRunner:
             with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
                 with self.tracker.forward(j), autocast_context(self.run, dev):
                     loss = self.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
-                loss.backward()
+                (loss if weight is None else loss * weight).backward()
             if self.zero:
                 self.zero.finish_backward()
             self.tracker.backward_done(j)
@@ -109,19 +116,20 @@ class AccumulationRunner:
             self.zero.reduce_gradients()
         if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
             sync_replicated_grads(self.params, self.tp_comm)
-        grad_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, tp_comm=self.tp_comm,
+        grad_norm = clip_grad_norm(self.params, 0.0, tp_comm=self.tp_comm,  # the norm only: Update clips
                                    dp_group=self.ctx.dp_group if self.zero else None)
-        self.optimizer.step()
-        if self.zero:
+        grad_norm = self.update.apply(self.params, grad_norm, step)
+        if self.zero and not self.update.overflow:
             self.zero.after_step()
         t3 = _now(dev)
         # untimed; gradients still held
         states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
                                else model_state_bytes(self.module, self.optimizer)))
+        states.master_bytes = master_bytes(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
-                          states=states)
+                          states=states, **self.update.step_fields())
 
 
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step: int = 0):
@@ -175,9 +183,11 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
     t1 = _now(ctx.device)
+    lr = lr_at(runner.update.lr_index(step), run)  # before the step: an overflow there moves the index
     out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
     t2 = _now(ctx.device)
-    return StepRecord(step=step + 1, loss=out.loss, lr=lr_at(step, run), grad_norm=out.grad_norm,
+    return StepRecord(step=step + 1, loss=out.loss, lr=lr, grad_norm=out.grad_norm,
+                      loss_scale=out.loss_scale, overflow=out.overflow, skipped_steps=out.skipped_steps,
                       step_time_s=t2 - t0, data_s=t1 - t0, fwd_bwd_s=out.pipeline_s, optimizer_s=out.optimizer_s,
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
@@ -188,18 +198,12 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
 def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) -> dict:
     rss = peak_rss_bytes()
     st = last.states
-    mem = {"params_bytes": st.params_bytes, "grads_bytes": st.grads_bytes, "optimizer_bytes": st.optimizer_bytes}
+    mem = {"params_bytes": st.params_bytes, "grads_bytes": st.grads_bytes, "master_bytes": st.master_bytes,
+           "optimizer_bytes": st.optimizer_bytes}
     mem["weight_version_bytes"] = last.weight_version_bytes
     mem["model_state_bytes"] = sum(mem.values())
     mem["p2p_buffer_peak_bytes"] = last.p2p_buffer_peak_bytes
-    # The ZeRO paper's accounting for this rank's psi parameters (its tp / pp part), N = dp.
-    p = run.parallelism
-    psi = sum(q.numel() for q in runner.module.parameters())
-    ratio = optimizer_state_ratio(run.optimizer)
-    word = policy_of(run).param_bytes
-    mem.update(psi=psi, model_state_formula_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, word=word).values()),
-               model_state_formula_bf16_bytes=sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()),
-               zero_transient_peak_bytes=st.zero_transient_peak_bytes)
+    mem.update(formula_report(runner, run), zero_transient_peak_bytes=st.zero_transient_peak_bytes)
     mem.update(activation_peak_bytes=runner.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
     mem["memory_peak_bytes"] = mem.get("cuda_max_reserved_bytes", rss)
     return mem

@@ -177,7 +177,7 @@ def test_bad_resumes_are_rejected_before_launch(tmp_path, data_cache):
     _reject(tmp_path / "c", [*args, "trainer.steps=4", "model.n_layer=3", f"trainer.resume={ckpt}"], "model.n_layer",
             "saved with model.n_layer=2")
     _reject(tmp_path / "d", [*args, "trainer.steps=4", FP64, f"trainer.resume={ckpt}"], "trainer.precision",
-            "parameters are fp32")
+            "saved in fp32, whose weights and optimizer states are torch.float32")
     (ckpt / "COMPLETE").unlink()
     _reject(tmp_path / "e", [*args, "trainer.steps=4", f"trainer.resume={ckpt}"], "trainer.resume",
             "incomplete checkpoint")

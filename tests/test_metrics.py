@@ -12,7 +12,7 @@ from framework.metrics.flops import flops_per_token, matmul_params, mfu, probe_p
 from framework.metrics.memory import ActivationTracker, model_state_bytes
 from framework.models import build_hf_model, build_model
 from framework.optim import build_optimizer, lr_at
-from framework.metrics.memory import optimizer_state_ratio
+from framework.metrics.model_states import optimizer_state_ratio
 
 from .conftest import compose
 

@@ -10,7 +10,9 @@ sharded save, one rank's part of one parameter (a whole parameter when it was sa
 unsharded, e.g. by a single process).
 
 Collectives: DCP's planning on the logging group; ZeRO stages 1-2 then all-gather each
-unit's slices over dp into the full parameters the modules read (as after a step).
+unit's slices over dp into the full parameters the modules read (as after a step). With a
+master copy (framework/master.py) the weights are read into it and the parameters are its
+rounding, as after a step.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch.distributed.checkpoint as dcp
 
 from ..config import RunConfig
 from ..metrics.memory import RssSampler, current_rss_bytes
-from ..parallel.zero import HostOptimizer
+from ..master import MasterOptimizer
 from .save import layout_of
 from .shards import LoadPlanner, rank_parts, slots
 from .store import read_meta
+
+UPDATE_KEYS = ("update/", "scaler/")  # framework/update.py's state
 
 
 def load(path: str, runner, full, ctx, run: RunConfig) -> dict:
@@ -48,6 +52,8 @@ def load(path: str, runner, full, ctx, run: RunConfig) -> dict:
         states.append({k: (torch.zeros((), dtype=md[prefix + k].properties.dtype) if len(md[prefix + k].size) == 0
                            else torch.zeros_like(t, memory_format=torch.contiguous_format)) for k in names})
     parts, scalars = rank_parts(runner, full, ctx, states=states)
+    # The update's state as far as the checkpoint has it (another mode's has no scaler).
+    scalars = {k: t for k, t in scalars.items() if k in md or not k.startswith(UPDATE_KEYS)}
     want: dict = {**parts, **scalars}
     same_layout = meta["layout"] == layout_of(run)
     rng_keys = [f"rng/rank{ctx.rank}"] + ([f"rng_cuda/rank{ctx.rank}"] if ctx.device.type == "cuda" else [])
@@ -63,14 +69,14 @@ def load(path: str, runner, full, ctx, run: RunConfig) -> dict:
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     sd["state"] = {index[id(slot.key)]: st for slot, st in zip(slot_list, states, strict=True) if st}
     opt.load_state_dict(sd)  # casts the states to each parameter's dtype and device, as torch does
+    runner.update.load_state_dict({k: float(t) for k, t in scalars.items() if k.startswith(UPDATE_KEYS)})
     with torch.no_grad():
+        if isinstance(runner.optimizer, MasterOptimizer):  # the weights were read into the masters
+            runner.optimizer.copy_to_params()
         for slot in slot_list:
             u = slot.unit
             if u is not None and u.gathered:  # stages 1-2: every rank's slice into the full buffer
                 u.all_gather_updated()
-    if isinstance(runner.optimizer, HostOptimizer):
-        for s, h in zip(runner.optimizer.shards, runner.optimizer.host, strict=True):
-            h.data.copy_(s.data)
     if same_layout:
         torch.set_rng_state(want[rng_keys[0]])
         if ctx.device.type == "cuda" and rng_keys[1] in want:

@@ -16,7 +16,13 @@ Who writes a box (`rank_parts(writers_only=True)`): exactly one rank per element
 dedup or overlap is relied on: dp replicas (no ZeRO) only from dp rank 0, tp-replicated
 parameters only from tp rank 0, the tied embedding only from the stage that embeds (pp rank
 0; the head's copy on the last stage is identical). A 0-d state (AdamW's `step`) is one
-whole tensor, written by every rank holding part of its parameter and deduplicated by DCP.
+whole tensor, written by every rank holding part of its parameter and deduplicated by DCP;
+so is the update's state (`update/skipped_steps`, and fp16-mixed's `scaler/*`), the same on
+every rank.
+
+The weights stored are the optimizer's own copy where it has one (framework/master.py):
+fp32 master weights in bf16-mixed / fp16-mixed, so a checkpoint holds fp32 weights and
+states in every mode but fp64, and those modes resume each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..parallel.zero import FlatUnit, HostOptimizer
+from ..master import MasterOptimizer, master_of
+from ..parallel.zero import FlatUnit
 
 
 @dataclass
@@ -44,7 +51,7 @@ class Piece:
 class Slot:
     """One tensor the optimizer steps: a parameter, or a ZeRO unit's flat slice."""
 
-    key: torch.Tensor  # the optimizer's key (ZeRO-Offload: the host copy)
+    key: torch.Tensor  # the optimizer's key: the parameter or slice, or its master copy (framework/master.py)
     pieces: list[Piece]
     unit: Optional[FlatUnit] = None
 
@@ -56,13 +63,12 @@ class Slot:
 def slots(runner, hf_model) -> tuple[torch.optim.Optimizer, list[Slot]]:
     names = {id(p): n for n, p in hf_model.named_parameters()}  # a tied weight: its first name
     opt = runner.optimizer
-    host = {}
-    if isinstance(opt, HostOptimizer):
-        host = {id(s): h for s, h in zip(opt.shards, opt.host, strict=True)}
+    host = master_of(opt)  # the optimizer's own copies (fp32 masters; ZeRO-Offload's host copies)
+    if isinstance(opt, MasterOptimizer):
         opt = opt.inner
     zero = getattr(runner, "zero", None)
     if zero is None:
-        return opt, [Slot(p, [Piece(names[id(p)], p)]) for p in runner.params]
+        return opt, [Slot(host.get(id(p), p), [Piece(names[id(p)], p)]) for p in runner.params]
     out = []
     for f in zero.flat:
         offsets = [0]
@@ -247,7 +253,9 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
         return tied is not None and piece.param is tied and c.pp != 0  # the head's copy of the embedding
 
     for i, slot in enumerate(slot_list):
-        values = {"": slot.tensor().detach()}
+        # The weights stored are the optimizer's copy: the fp32 master where there is one (the
+        # 16-bit parameters are its rounding), so any precision mode can resume them.
+        values = {"": slot.key.detach()}
         own = states[i] if states is not None else opt.state.get(slot.key, {})
         values.update({k: v for k, v in sorted(own.items()) if isinstance(v, torch.Tensor)})
         for k, t in values.items():
@@ -262,4 +270,5 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
                 key = f"model/{p.name}" if k == "" else f"optim/{p.name}/{k}"
                 part = parts.setdefault(key, Part(global_shape(p), t.dtype))
                 part.boxes += boxes
+    scalars.update({k: torch.tensor(v, dtype=torch.float64) for k, v in runner.update.state_dict().items()})
     return parts, scalars

@@ -176,11 +176,19 @@ def check_compatible(run: RunConfig, path: str, vocab_size: int) -> dict:
     if meta["optimizer"].get("_target_") != target:
         raise ConfigError("optimizer._target_", target, f"the checkpoint holds {meta['optimizer'].get('_target_')} "
                           "states", "resume with the same optimizer")
-    from ..models import param_dtype
+    from ..precision import policy_of
 
-    if param_dtype(meta["precision"]) != param_dtype(run.trainer.precision):
-        raise ConfigError("trainer.precision", run.trainer.precision, f"the checkpoint's parameters are "
-                          f"{meta['precision']}", f"resume with trainer.precision={meta['precision']}")
+    # The rule: a checkpoint stores the optimizer's weights and states in the state dtype
+    # (fp32 in fp32, bf16-autocast, bf16-mixed and fp16-mixed; fp64 in fp64), so modes of the
+    # same state dtype resume each other's (16-bit parameters are the master's rounding; a
+    # scaler absent from the checkpoint starts afresh). fp64, the verification mode, resumes
+    # only fp64: a silent fp32 <-> fp64 cast would make a verification run unverifiable.
+    if policy_of(meta["precision"]).state_dtype != policy_of(run).state_dtype:
+        raise ConfigError("trainer.precision", run.trainer.precision, f"the checkpoint was saved in "
+                          f"{meta['precision']}, whose weights and optimizer states are "
+                          f"{policy_of(meta['precision']).state_dtype} (this mode's are {policy_of(run).state_dtype})",
+                          f"resume with trainer.precision={meta['precision']}, or a mode with the same state dtype "
+                          "(fp32, bf16-autocast, bf16-mixed and fp16-mixed resume each other)")
     data = {k: getattr(run.data, k) for k in ("name", "seq_len", "tokenizer")}
     for key, now in (("global_batch", run.global_batch), ("seed", run.trainer.seed), ("data", data)):
         if meta[key] != now:

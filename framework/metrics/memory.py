@@ -55,33 +55,19 @@ def tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def optimizer_state_ratio(spec: dict) -> float:
-    """Optimizer-state bytes per parameter byte (AdamW 2.0, SGD with momentum 1.0, plain SGD 0),
-    found by stepping the configured optimizer once on a small tensor."""
-    from ..optim import build_optimizer
-
-    p = nn.Parameter(torch.zeros(256))
-    p.grad = torch.ones(256)
-    opt = build_optimizer(spec, [p])
-    opt.step()
-    state = [v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel()]
-    return sum(v.numel() * v.element_size() for v in state) / (p.numel() * p.element_size())
+def memory_summary(ranks: list[dict]) -> dict:
+    """summary.json's memory keys: the largest rank's value of each."""
+    keys = ("weight_version_bytes", "p2p_buffer_peak_bytes", "model_state_bytes", "model_state_formula_bytes",
+            "model_state_formula_bf16_bytes", "model_state_formula_paper_bytes", "zero_transient_peak_bytes",
+            "activation_peak_bytes", "master_bytes")
+    out = {f"{k}_max": max(r[k] for r in ranks) for k in keys}
+    out["memory_peak_bytes"] = max(r["memory_peak_bytes"] for r in ranks)
+    return out
 
 
-def zero_model_states(stage: int, psi: int, n: int, state_ratio: float, bf16: bool = False,
-                      word: int = 4) -> dict[str, float]:
-    """Per-rank model-state bytes by the ZeRO paper's accounting (Rajbhandari et al., 2020, sec. 5):
-    psi parameters on this rank's model-parallel part, n = dp. fp32 training: 4 bytes of
-    parameters, 4 of gradients and K = 4 * state_ratio of optimizer states per parameter
-    (Adam: K = 8, so 16 psi in all). bf16 (the paper's mixed precision): 2 + 2 bytes, and K =
-    4 (fp32 master weights) + 4 * state_ratio. Stage s shards the optimizer (s >= 1), the
-    gradients (s >= 2) and the parameters (s = 3) over n. `word`: bytes of a full-precision
-    element, 4 (fp32) or 8 (fp64 verification mode: every 4-byte state takes 8)."""
-    p_bytes, g_bytes = (2, 2) if bf16 else (word, word)
-    k = (word if bf16 else 0) + word * state_ratio
-    return {"params_bytes": p_bytes * psi / (n if stage >= 3 else 1),
-            "grads_bytes": g_bytes * psi / (n if stage >= 2 else 1),
-            "optimizer_bytes": k * psi / (n if stage >= 1 else 1)}
+def master_bytes(optimizer) -> int:
+    """The optimizer's own copy of the parameters (framework/master.py), 0 when it has none."""
+    return tensor_bytes(getattr(optimizer, "master", []))
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

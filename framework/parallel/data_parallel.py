@@ -4,29 +4,35 @@ Sharded: the data: each dp rank reads its own slice of the global batch (framewo
 Replicated: parameters, gradients and optimizer states.
 Forward: no collective. Backward: torch DDP all-reduces (averages) gradients over the dp
 group in buckets overlapped with backward, only on the step's last micro-batch; the
-earlier ones run under `no_sync` so accumulation costs one all-reduce per step.
+earlier ones run under `no_sync` so accumulation costs one all-reduce per step. With
+16-bit parameters the buckets are reduced in the precision policy's reduce dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Optional
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..topology import ParallelContext
 
 
-def wrap(model: nn.Module, ctx: ParallelContext) -> nn.Module:
-    """DDP over ctx.dp_group; the bare model when dp = 1 (no peers, nothing to reduce)."""
+def wrap(model: nn.Module, ctx: ParallelContext, reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """DDP over ctx.dp_group; the bare model when dp = 1 (no peers, nothing to reduce).
+    `reduce_dtype` (the precision policy's, when not the parameters'): each bucket is
+    all-reduced in it (a transient copy) and rounded back into the parameters' gradients."""
     if ctx.dims.dp == 1:
         return model
     # Rotary inv_freq is the only buffer and is identical everywhere: no per-forward sync.
     # torch 2.13 renamed the flag; the supported range (2.6-2.13) has one or the other.
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
                       else {"broadcast_buffers": False})
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
         process_group=ctx.dp_group,
@@ -34,6 +40,27 @@ def wrap(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         gradient_as_bucket_view=True,
         **no_buffer_sync,
     )
+    if reduce_dtype is not None and reduce_dtype != next(model.parameters()).dtype:
+        ddp.register_comm_hook(ctx.dp_group, _reduce_in(reduce_dtype))
+    return ddp
+
+
+def _reduce_in(dtype: torch.dtype):
+    """A DDP communication hook: the bucket's mean over the group computed in `dtype`
+    (16-bit gradients summed in fp32, as FSDP2's reduce_dtype does)."""
+
+    def hook(group, bucket):
+        buf = bucket.buffer()
+        wide = buf.to(dtype).div_(dist.get_world_size(group))
+        fut = dist.all_reduce(wide, group=group, async_op=True).get_future()
+
+        def back(f):
+            buf.copy_(f.value()[0])
+            return buf
+
+        return fut.then(back)
+
+    return hook
 
 
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters

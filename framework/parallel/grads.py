@@ -18,12 +18,15 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .tensor_parallel import is_tp_sharded
 
 
-def all_reduce_grads(params: list[nn.Parameter], group, world: int) -> None:
-    """Average gradients over `group` in one flattened bucket."""
+def all_reduce_grads(params: list[nn.Parameter], group, world: int, dtype: Optional[torch.dtype] = None) -> None:
+    """Average gradients over `group` in one flattened bucket, in `dtype` (the precision
+    policy's reduce dtype; None: the gradients' own), rounded back into the gradients."""
     grads = [p.grad for p in params if p.grad is not None]
     if world == 1 or not grads:
         return
     flat = _flatten_dense_tensors(grads)
+    if dtype is not None and dtype != flat.dtype:
+        flat = flat.to(dtype)
     dist.all_reduce(flat, group=group)
     flat /= world
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):

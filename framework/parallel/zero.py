@@ -25,6 +25,12 @@ steps it holds stage 3's layout, never stage 2's "full parameters, sharded gradi
 (`set_reshard_after_backward(False)` only defers the reshard within accumulation). Flat
 per-unit buffers give the paper's partition exactly, for all three stages, and fit the
 pipeline runner's own gradient flow (ZeRO-1 with pp).
+
+Mixed precision (framework/precision.py): the flat buffers (parameters, gradients) are in
+the 16-bit parameter dtype; the reduce-scatter runs in the policy's reduce dtype (fp32 by
+default: a transient wide copy of the unit's gradient) and the reduced slice is held in 16
+bits; the optimizer's fp32 master copy and states exist for this rank's slice only
+(framework/master.py), and stage 3 gathers 16-bit parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..master import build as build_master
 from ..metrics.memory import tensor_bytes
 from .tensor_parallel import is_tp_sharded
 from .tp_comm import all_gather_single as _all_gather_single
@@ -44,9 +51,10 @@ from .tp_comm import reduce_scatter_single as _reduce_scatter_single
 class FlatUnit:
     """Some parameters as views into one flat buffer; this dp rank's slice as `shard`."""
 
-    def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None):
+    def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
+                 reduce_dtype: Optional[torch.dtype] = None):
         self.params, self.group, self.size, self.rank, self.stage = params, group, size, rank, stage
-        self.tracker = tracker
+        self.tracker, self.reduce_dtype = tracker, reduce_dtype
         p0 = params[0]
         numel = sum(p.numel() for p in params)
         self.slice = -(-numel // size)  # elements per rank; the last rank's slice ends in padding
@@ -110,9 +118,14 @@ class FlatUnit:
                 if p.grad is not None:
                     flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 offset += p.numel()
+        held = flat
+        if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
+            flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
         out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
         _reduce_scatter_single(out, flat, group=self.group)
         out /= self.size
+        if out.dtype != self.full.dtype:
+            out = out.to(self.full.dtype)
         if self.stage == 1:  # the reduced slice lives in the full buffer (no extra memory)
             own = self.grad_full[self.rank * self.slice:(self.rank + 1) * self.slice]
             own.copy_(out)
@@ -121,7 +134,8 @@ class FlatUnit:
             self.shard.grad += out
         else:
             self.shard.grad = out
-        transient = flat.numel() * flat.element_size() if self.grad_full is None else 0
+        transient = (flat.numel() * flat.element_size() if flat is not self.grad_full else 0) + \
+            (held.numel() * held.element_size() if held is not flat and held is not self.grad_full else 0)
         if self.stage >= 2:
             for p in self.params:
                 p.grad = None
@@ -132,19 +146,22 @@ class Zero:
     """The ZeRO state of one rank: its units, the shards the optimizer steps, the hooks."""
 
     def __init__(self, stage: int, units: list[list[nn.Module]], ctx, tracker=None,
-                 separate: Optional[nn.Parameter] = None, fill: Optional[Callable] = None):
+                 separate: Optional[nn.Parameter] = None, fill: Optional[Callable] = None,
+                 reduce_dtype: Optional[torch.dtype] = None):
         """`units`: groups of modules whose parameters share a buffer (and, at stage 3, are
         gathered together). `separate`: a parameter kept in a buffer of its own (a tied
         embedding's second copy on the last pipeline stage, left out of the grad norm).
         `fill(params)`: materialises meta parameters (framework/models/materialise.py), called
-        unit by unit, so a stage-3 rank never holds more than one whole unit at start-up."""
+        unit by unit, so a stage-3 rank never holds more than one whole unit at start-up.
+        `reduce_dtype`: the gradient reduce-scatter's dtype (the precision policy's); None:
+        the parameters'. The reduced slice is held in the parameters' dtype either way."""
         self.stage = stage
         size, rank, group = ctx.dims.dp, ctx.coords.dp, ctx.dp_group
         self.flat: list[FlatUnit] = []
         seen: set[int] = set()
         self.separate = None
         if separate is not None:
-            self.separate = FlatUnit([separate], group, size, rank, stage, tracker)
+            self.separate = FlatUnit([separate], group, size, rank, stage, tracker, reduce_dtype)
             self.flat.append(self.separate)
             seen.add(id(separate))
         self.transient_peak_bytes = 0
@@ -157,7 +174,7 @@ class Zero:
             if fill is not None:
                 fill(params)
             groups = [[p for p in params if is_tp_sharded(p)], [p for p in params if not is_tp_sharded(p)]]
-            flats = [FlatUnit(g, group, size, rank, stage, tracker) for g in groups if g]
+            flats = [FlatUnit(g, group, size, rank, stage, tracker, reduce_dtype) for g in groups if g]
             self.flat.extend(flats)
             if stage >= 2:
                 for f in flats:
@@ -264,54 +281,17 @@ class Zero:
             for f in self.flat:
                 self._free(f)
 
-    def build_optimizer(self, spec: dict, offload: bool):
-        from ..optim import build_optimizer
+    def build_optimizer(self, spec: dict, offload: bool, policy):
+        """Over this rank's slices: plain, or with master copies of the slices (fp32 in the
+        mixed modes; in host memory with ZeRO-Offload), framework/master.py."""
+        return build_master(spec, self.shards, policy, offload)
 
-        return HostOptimizer(spec, self.shards) if offload else build_optimizer(spec, self.shards)
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Model states this rank holds between steps (storage-deduplicated exact bytes)."""
+    def state_bytes(self, optimizer) -> dict[str, int]:
+        """Model states this rank holds between steps (storage-deduplicated exact bytes); the
+        master copies are counted by the runner (framework/master.py)."""
         params = [f.full for f in self.flat if f.gathered] + [f.shard for f in self.flat]
         grads = [f.grad_full for f in self.flat] if self.stage == 1 else [f.shard.grad for f in self.flat]
         opt = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return {"params_bytes": tensor_bytes(params), "grads_bytes": tensor_bytes(grads),
                 "optimizer_bytes": tensor_bytes(opt), "zero_transient_peak_bytes": self.transient_peak_bytes}
 
-
-class HostOptimizer:
-    """ZeRO-Offload (Ren et al., 2021): the optimizer states and the update of this rank's
-    shards live in host memory. Each step copies the shard gradients to the host, steps
-    there, and copies the updated shards back. On a CPU device the copies are host-to-host:
-    the same code path, so it is tested here, without the memory it saves on a GPU."""
-
-    def __init__(self, spec: dict, shards: list[nn.Parameter]):
-        from ..optim import build_optimizer
-
-        self.shards = shards
-        pin = shards[0].device.type == "cuda"
-        self.host = [nn.Parameter(s.detach().to("cpu", copy=True)) for s in shards]
-        if pin:
-            self.host = [nn.Parameter(h.data.pin_memory()) for h in self.host]
-        self.inner = build_optimizer(spec, self.host)
-
-    # Read through, not copied: torch's load_state_dict replaces the inner optimizer's
-    # param_groups and state objects (a copy would leave the lr schedule setting stale groups).
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def step(self) -> None:
-        for s, h in zip(self.shards, self.host, strict=True):
-            h.grad = None if s.grad is None else s.grad.detach().to("cpu", copy=True)
-        self.inner.step()
-        for s, h in zip(self.shards, self.host, strict=True):
-            s.data.copy_(h.data, non_blocking=True)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-        for s in self.shards:
-            s.grad = None

@@ -14,13 +14,13 @@ import os
 
 
 from ..config import ConfigError, DataConfig, RunConfig
-from ..precision import PRECISIONS
 from ..parallel.pipeline.partition import PartitionError
 from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .heldout import check_eval, flushing
 from .optimizer import check_optimizer
+from .precision import check_precision
 from .schedule import check_schedule, load_schedule_modules
 from ..models.checks import check_model_type, check_tp_sizes
 from .paths import check_job_dir, check_paths, local_data_files, safetensors_problem
@@ -38,7 +38,8 @@ OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes",
 
 
 def validate(run: RunConfig) -> None:
-    for check in (load_schedule_modules, _parallelism, _model, check_schedule, _trainer, _data, check_eval,
+    for check in (load_schedule_modules, _parallelism, _model, check_schedule, _trainer, check_precision, _data,
+                  check_eval,
                   check_optimizer, check_logger, _misc, check_node_capacity, check_paths):
         check(run)
 
@@ -104,7 +105,6 @@ def _trainer(run: RunConfig) -> None:
     positive("trainer.steps", t.steps)
     positive("trainer.micro_batch_size", t.micro_batch_size)
     positive("trainer.log_interval", t.log_interval)
-    choice("trainer.precision", t.precision, PRECISIONS)
     if t.global_batch_size is not None:  # schedule.microbatches is derived from it (framework.config)
         positive("trainer.global_batch_size", t.global_batch_size)
     if t.warmup_steps < 0:

@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...config import RunConfig
-from ...optim import build_optimizer, lr_at, set_lr
+from ...master import build as build_master
+from ...optim import lr_at, set_lr
+from ...update import Update
 from ...records import StateBytes, StepResult
 from ...topology import ParallelContext
 from ...metrics.clock import clock_for
@@ -66,14 +68,17 @@ class PipelineRunner:
         self.chunks = build_chunks(full, self.ranges, self.smap, ctx.coords.pp)
         self.module = nn.ModuleList(self.chunks)  # what this rank owns, for memory accounting
         self.tied = tied_weight(full, self.chunks)
+        self.policy = policy_of(run)
         self.zero = None
         if run.parallelism.zero:  # stage 1 only with pp > 1 (framework.validate): one buffer per chunk
-            self.zero = Zero(1, [[c] for c in self.chunks], ctx, tracker, separate=self.tied)
+            self.zero = Zero(1, [[c] for c in self.chunks], ctx, tracker, separate=self.tied,
+                             reduce_dtype=self.policy.reduce_dtype)
             self.params = self.zero.shards
-            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer)
+            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, self.policy)
         else:
             self.params = list(self.module.parameters())
-            self.optimizer = build_optimizer(run.optimizer, self.params)
+            self.optimizer = build_master(run.optimizer, self.params, self.policy)
+        self.update = Update(run, self.optimizer, ctx.rank)
         self.is_last = any(ch.head is not None for ch in self.chunks)
         self.tracker = tracker
         tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened
@@ -82,7 +87,7 @@ class PipelineRunner:
         # Sequence parallelism: stages exchange their sequence shard (B, T/tp, H).
         seq = run.data.seq_len // (tp_comm.size if run.parallelism.sequence_parallel else 1)
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
-        act_dtype = policy_of(run).comm_dtype  # p2p messages: the precision policy's
+        act_dtype = self.policy.comm_dtype  # p2p messages: the precision policy's
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.
         if self.is_async:  # never flushed: a template run proved and tiled (tiling.py), any length
             self.tiled = TiledPlan(self.schedule, self.smap, m, steps)
@@ -147,15 +152,16 @@ class PipelineRunner:
             window_end = max(r.end for r in records)
             start = min(r.start for r in records)
         else:
-            set_lr(self.optimizer, lr_at(step, self.run))
+            self.update.set_lr(step)
             if self.zero:
                 self.zero.start_step()
-            marks = self.executor.run(0, len(self.actions), batch_of, 1.0 / self.m)
+            weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed) multiplies 1/m
+            marks = self.executor.run(0, len(self.actions), batch_of, (1.0 if weight is None else weight) / self.m)
             self.executor.wait_sends()
             window_end = pipe_end = self._flush()
             records = self._records(marks)
             start = min(r.start for r in records)  # the first action's first mark
-            norm = self._sync_update()
+            norm = self._sync_update(step)
         done = time.time()
         busy = sum(r.compute_s for r in records)
         window = window_end - start
@@ -163,7 +169,7 @@ class PipelineRunner:
                           optimizer_s=done - pipe_end, states=self.states, bubble=1.0 - busy / window, busy_s=busy,
                           window_s=window, records=records,
                           weight_version_bytes=self.versions.peak_bytes if self.is_async else 0,
-                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes)
+                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes, **self.update.step_fields())
 
     def _flush(self) -> float:
         """The flush: returns when every stage has finished the step's compute. Ends each
@@ -179,11 +185,11 @@ class PipelineRunner:
         sec = self.clock.seconds
         return [ActionRecord(a, sec(s), sec(c), sec(e)) for a, s, c, e in marks]
 
-    def _sync_update(self) -> torch.Tensor:
+    def _sync_update(self, step: int) -> torch.Tensor:
         ctx = self.ctx
         ctx.recorder.note("gradient sync (dp / embedding / ZeRO / tp collectives), clip, optimizer step", wait=True)
         if not self.zero:
-            all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp)
+            all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
         sum_tied_grad(self.tied, ctx.groups.get("embedding"))
         if self.zero:  # ZeRO-1: the dp reduction is a reduce-scatter to each slice's owner
             self.zero.reduce_gradients()
@@ -191,10 +197,10 @@ class PipelineRunner:
         skip = self.tied if (self.tied is not None and self.is_last) else None  # count the tied weight once
         if skip is not None and self.zero:
             skip = self.zero.separate.shard
-        norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, ctx.pp_group, self.tp_comm, skip=skip,
+        norm = clip_grad_norm(self.params, 0.0, ctx.pp_group, self.tp_comm, skip=skip,  # the norm only: Update clips
                               dp_group=ctx.dp_group if self.zero else None)
-        self.optimizer.step()
-        if self.zero:
+        norm = self.update.apply(self.params, norm, step)
+        if self.zero and not self.update.overflow:
             self.zero.after_step()
         self.states = self._state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
@@ -204,8 +210,8 @@ class PipelineRunner:
         self.versions.take_grads(self._version(j))
         set_lr(self.optimizer, lr_at(self.first_step + j // self.m, self.run))
         self._sync_sequence_parallel()
-        self._last_norm = clip_grad_norm(self.params, self.run.trainer.grad_clip, None, self.tp_comm)
-        self.optimizer.step()
+        norm = clip_grad_norm(self.params, 0.0, None, self.tp_comm)  # this stage's: it updates alone
+        self._last_norm = self.update.apply(self.params, norm, self.first_step + j // self.m)
         self.states = self._state_bytes()
         self.optimizer.zero_grad(set_to_none=True)
         self.versions.updated()
@@ -215,10 +221,11 @@ class PipelineRunner:
             sync_replicated_grads(self.params, self.tp_comm)
 
     def _state_bytes(self) -> StateBytes:
-        from ...metrics.memory import model_state_bytes
+        from ...metrics.memory import master_bytes, model_state_bytes
 
         return StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
-                             else model_state_bytes(self.module, self.optimizer)))
+                             else model_state_bytes(self.module, self.optimizer)),
+                          master_bytes=master_bytes(self.optimizer))
 
     def _local_loss(self):
         """The last stage's mean loss over this step's micro-batches, else None. Reduced by

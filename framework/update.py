@@ -1,0 +1,98 @@
+"""The update after a step's gradients are reduced, the same for every runner and layout.
+
+`Update` owns what precision adds around the optimizer (framework/precision.py decides):
+- the loss's multiplier before backward (`loss_weight`): the loss scale in fp16-mixed
+  (framework/loss_scale.py), and inf on one rank at `debug.inf_grad_step` (the test of the
+  skip: the inf gradient reaches every rank through the reductions that follow);
+- the learning rate of the update's index: steps skipped on overflow do not advance the
+  schedule (Megatron and DeepSpeed skip the lr scheduler's step alike);
+- `apply(params, norm)`: `norm` is the global gradient norm already reduced over dp, tp
+  and pp (`clip_grad_norm(..., max_norm=0)`), so the overflow flag costs no collective and
+  is the same on every rank. Overflow: nothing is stepped. Otherwise the clip coefficient
+  of the unscaled norm, and either the optimizer steps the gradients clipped in place (no
+  master copy: fp32, bf16-autocast, fp64, exactly as before mixed precision existed) or the
+  master optimizer steps fp32 copies multiplied by clip / scale (framework/master.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .loss_scale import LossScaler
+from .master import MasterOptimizer
+from .optim import lr_at, set_lr
+from .precision import policy_of
+
+
+class Update:
+    def __init__(self, run, optimizer, rank: int):
+        self.run, self.optimizer = run, optimizer
+        self.policy = policy_of(run)
+        self.scaler: Optional[LossScaler] = LossScaler(run.precision.loss_scale) if self.policy.loss_scaling else None
+        self.injects = rank == run.world_size - 1  # a last pipeline stage, in every layout (topology order)
+        self.overflow = False  # the last applied step's
+        self.skipped_steps = 0  # overflowed steps over the whole run (a checkpoint carries it)
+        self.step_scale: Optional[float] = None  # the scale the last step's backward ran at
+
+    def lr_index(self, step: int) -> int:
+        """The schedule's index of step `step` (0-based): steps skipped so far do not count."""
+        return step - self.skipped_steps
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(self.lr_index(step), self.run)
+        set_lr(self.optimizer, lr)
+        return lr
+
+    def loss_weight(self, step: int) -> Optional[float]:
+        """What the loss is multiplied by before backward at step `step` (0-based); None: 1."""
+        if self.injects and self.run.debug.inf_grad_step == step + 1:
+            return math.inf
+        return self.scaler.scale if self.scaler else None
+
+    def apply(self, params: list, norm: torch.Tensor, step: int) -> torch.Tensor:
+        """Step the optimizer (or skip, on overflow) and return the unscaled global norm
+        (non-finite on an overflowed step)."""
+        scale = self.scaler.scale if self.scaler else None
+        self.step_scale = scale
+        if self.scaler is not None:
+            self.overflow = not bool(torch.isfinite(norm))
+            self.scaler.update(self.overflow, step + 1)
+            if self.overflow:
+                self.skipped_steps += 1
+                return norm
+            norm = norm / scale  # exact: a power of two
+        coef = torch.clamp(self.run.trainer.grad_clip / (norm + 1e-6), max=1.0) if self.run.trainer.grad_clip > 0 \
+            else None
+        if isinstance(self.optimizer, MasterOptimizer):
+            factor = coef if scale is None else (1.0 / scale if coef is None else coef / scale)
+            self.optimizer.step(None if factor is None else torch.as_tensor(factor, dtype=torch.float64))
+        else:
+            if coef is not None:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            self.optimizer.step()
+        return norm
+
+    def step_fields(self) -> dict:
+        """The loss scaler's StepResult fields (framework/records.py)."""
+        return {"loss_scale": self.step_scale, "overflow": self.overflow, "skipped_steps": self.skipped_steps}
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint carries (framework/checkpoint): the skipped steps (the lr
+        schedule's offset) in every mode, the scaler's state in fp16-mixed."""
+        out = {"update/skipped_steps": float(self.skipped_steps)}
+        if self.scaler is not None:
+            out.update({f"scaler/{k}": float(v) for k, v in self.scaler.state_dict().items()})
+        return out
+
+    def load_state_dict(self, sd: dict[str, float]) -> None:
+        """From a checkpoint of any mode: a scaler absent from it (another mode saved it)
+        starts at precision.loss_scale.initial."""
+        self.skipped_steps = int(sd.get("update/skipped_steps", 0))
+        scaler = {k.split("/", 1)[1]: v for k, v in sd.items() if k.startswith("scaler/")}
+        if self.scaler is not None and scaler:
+            self.scaler.load_state_dict(scaler)
