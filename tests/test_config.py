@@ -387,3 +387,24 @@ def test_job_dir_must_be_creatable_and_writable(tmp_path):
     if os.path.isdir("/proc/self"):  # not writable, even for root
         with pytest.raises(ConfigError, match=r"^hydra\.run\.dir='/proc/self': is not writable"):
             check_job_dir("/proc/self")
+
+
+PRECISION_BAD = [
+    (["trainer.precision=fp64", "precision.reduce_dtype=fp32"], "precision.reduce_dtype='fp32'", "verifies layouts"),
+    (["precision.reduce_dtype=bf16"], "precision.reduce_dtype='bf16'", "unknown reduce dtype"),
+    (["trainer.precision=fp16-mixed", "parallelism=pp2", "schedule=1f1b", "model.tie_embeddings=false"],
+     "trainer.precision='fp16-mixed'", "never flushes"),
+    (["trainer.precision=bf16-mixed", "debug.inf_grad_step=2"], "debug.inf_grad_step=2", "corrupt the weights"),
+    (["trainer.precision=fp16-mixed", "debug.inf_grad_step=0"], "debug.inf_grad_step=0", "positive integer"),
+    (["trainer.precision=fp16-mixed", "precision.loss_scale.backoff_factor=1.5"],
+     "precision.loss_scale.backoff_factor=1.5", "(0, 1)"),
+    (["trainer.precision=fp16-mixed", "precision.loss_scale.min_scale=1e9"], "precision.loss_scale.min_scale=1000000000.0",
+     "at most precision.loss_scale.initial"),
+    (["trainer.precision=fp16-mixed", "precision.loss_scale.hysteresis=0"], "precision.loss_scale.hysteresis=0",
+     "positive integer"),
+]
+
+
+@pytest.mark.parametrize("overrides,head,problem", PRECISION_BAD, ids=[b[1] for b in PRECISION_BAD])
+def test_bad_precision_keys_are_rejected(overrides, head, problem):
+    assert_config_error(overrides, head, problem)
