@@ -33,7 +33,7 @@ ACTION_COLOURS = {"F": "#9ecae1", "B": "#2171b5", "I": "#08519c", "W": "#fd8d3c"
 ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)", "U": "update",
                 "wait": "receive wait"}
 MEMORY_PARTS = (("params_bytes", "parameters", "#4292c6"), ("grads_bytes", "gradients", "#fd8d3c"),
-                ("optimizer_bytes", "optimizer states", "#74c476"),
+                ("master_bytes", "master weights", "#fdd0a2"), ("optimizer_bytes", "optimizer states", "#74c476"),
                 ("activation_peak_bytes", "activations (peak)", "#9e9ac8"))
 
 
@@ -190,7 +190,8 @@ def memory_figure(jobs: list[Job]):
 
     ranks = [(job, r) for job in jobs for r in job.summary.get("ranks", [])]
     totals = [sum(r.get(k) or 0 for k, _, _ in MEMORY_PARTS) for _, r in ranks]
-    formulas = [r.get("model_state_formula_bytes") for _, r in ranks]
+    formulas = [r.get("model_state_formula_bytes") for _, r in ranks] + [r.get("model_state_formula_paper_bytes")
+                                                                          for _, r in ranks]
     unit, size = byte_unit(max([*totals, *(f or 0 for f in formulas), 1]))
     x = [f"job {job.row['job']} · rank {r['rank']}" for job, r in ranks]
     hover = [f"{job.label}<br>rank {r['rank']} (pp {r.get('pp')}, dp {r.get('dp')}, tp {r.get('tp')})"
@@ -200,11 +201,15 @@ def memory_figure(jobs: list[Job]):
         values = [(r.get(key) or 0) / size for _, r in ranks]
         fig.add_trace(go.Bar(x=x, y=values, name=name, marker_color=colour, hovertext=hover,
                              hovertemplate="%{hovertext}<br>" + name + ": %{y:.2f} " + unit + "<extra></extra>"))
-    fig.add_trace(go.Scatter(x=x, y=[None if f is None else f / size for f in formulas], mode="markers",
-                             name="ZeRO formula (model states)", hovertext=hover,
-                             marker=dict(symbol="line-ew", size=34, line=dict(width=3, color="#de2d26")),
-                             hovertemplate="%{hovertext}<br>formula: %{y:.2f} " + unit + "<extra></extra>"))
-    return _layout(fig, "Memory per rank: model states and the activation peak, against the ZeRO formula",
+    # Beside the measured bars: this configuration's formula and the ZeRO paper's form (2 + 2 + 12 with
+    # master weights, 4 + 4 + 8 without), model states only
+    for key, name, colour in (("model_state_formula_bytes", "this configuration's formula", "#de2d26"),
+                              ("model_state_formula_paper_bytes", "the ZeRO paper's form", "#252525")):
+        values = [r.get(key) for _, r in ranks]
+        fig.add_trace(go.Scatter(x=x, y=[None if f is None else f / size for f in values], mode="markers", name=name,
+                                 hovertext=hover, marker=dict(symbol="line-ew", size=34, line=dict(width=3, color=colour)),
+                                 hovertemplate="%{hovertext}<br>" + name + ": %{y:.2f} " + unit + "<extra></extra>"))
+    return _layout(fig, "Memory per rank: model states and the activation peak, against the formulas",
                    barmode="stack", yaxis_title=unit, height=520)
 
 

@@ -11,6 +11,8 @@ gathers them to rank 0 once per log interval and rank 0 merges them into one row
               stderr and summary.json says mfu_above_one: true
   bubble_fraction  pipeline idle share, mean over ranks (each: 1 - compute / window,
               framework/parallel/pipeline/runner.py); _max and per rank beside it
+  loss_scale, overflow, skipped_steps  fp16-mixed only: the scale the step ran at, whether it
+              was skipped (grad_norm is then null), overflowed steps so far
   tp_comm_bytes bytes one rank sent in tp collectives during the step (forward, backward,
               grad sync; ring-algorithm count, framework/parallel/tp_comm.py), max over ranks
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
@@ -39,9 +41,9 @@ from .files import write_atomic
 from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
 from .metrics.memory import memory_summary
-from .metrics.predict import RunPredictor, predicted_keys, summary_prediction, timeline_records
+from .metrics.predict import RunPredictor, predicted_keys, summary_prediction
 from .parallel.pipeline.schedules import resolve
-from .metrics.timeline import kept_steps, render_timeline, write_trace
+from .metrics.timeline import kept_steps, write_run_timeline
 from .precision import policy_of
 from .progress import Progress
 from .records import RunInfo, StepRecord
@@ -281,37 +283,10 @@ class RunLogger:
         return keys
 
     def _write_timeline(self, summary: dict) -> None:
-        """trace.json (the kept steps, `kept_steps`) and timeline.png (of the kept measured
-        steps, the one with the median step time)."""
         self.ctx.recorder.note("write trace.json and timeline.png (rank 0)")
-        write_trace(self.actions, os.path.join(self.job_dir, "trace.json"))
-        measured = [r for r in self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
-                    if r["step"] in self.actions]
-        median_row = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]
-        chosen = median_row["step"]
-        png = os.path.join(self.job_dir, "timeline.png")
-        title = (f"{self.run.schedule.name}, pp={self.run.parallelism.pp}, m={self.run.schedule.microbatches}, "
-                 f"v={self.run.schedule.virtual_stages}: step {chosen} (median step time of {len(measured)}) | bubble "
-                 f"measured "
-                 f"{median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
-                 "(at its op times)")
-        pred = getattr(self, "prediction", None)
-        predicted = None if pred is None else timeline_records(pred)
-        if predicted is not None:
-            write_trace({chosen: predicted}, os.path.join(self.job_dir, "predicted_trace.json"))
-        render_timeline(self.actions[chosen], png, title, predicted,
-                        f"predicted (replay of the run's mean durations): step "
-                        f"{summary.get('predicted_step_time_s', 0) * 1e3:.1f} ms vs measured median "
-                        f"{summary['step_time_s'] * 1e3:.1f} ms ({summary.get('predicted_step_time_error', 0):+.1%}) | "
-                        f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}")
-        summary["timeline_step"] = chosen
-        if self.wandb is not None:
-            import wandb
-
-            rows = [[rank, step, a, s, cs - s, e - cs] for step, per in self.actions.items()
-                    for rank, recs in enumerate(per) for a, s, cs, e in recs]
-            self.wandb.log({"timeline": wandb.Image(png), "actions": wandb.Table(
-                columns=["rank", "step", "action", "start_unix_s", "wait_s", "compute_s"], data=rows)})
+        skip = min(self.run.metrics.skip_first, len(self.records) - 1)
+        write_run_timeline(self.run, self.job_dir, self.actions, self.records[skip:], summary,
+                           getattr(self, "prediction", None), self.wandb)
 
     def close(self) -> None:
         """Always runs (finally): a failed run's W&B run is marked failed and closed."""

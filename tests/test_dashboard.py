@@ -66,13 +66,14 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
     assert len(titles) == len(re.findall(r'class="plot-container plotly"', dom)) == 5, titles
     assert titles[:4] == ["Loss against step (training loss lines; held-out val_loss markers)", "Throughput per job",
                           "Pipeline bubble per job: measured (mean over ranks), the simulator's replay, and analytic",
-                          "Memory per rank: model states and the activation peak, against the ZeRO formula"]
+                          "Memory per rank: model states and the activation peak, against the formulas"]
     assert titles[4].startswith("2: parallelism=pp2: step ")  # the timeline of the pipeline job
     assert ", predicted " in titles[4] and "vs measured)" in titles[4]  # the simulator's step under it
     legends = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
     names = ["0: parallelism=single", "1: parallelism=dp2", "2: parallelism=pp2"]
     assert set(names) <= legends and {f"{n} (val_loss)" for n in names} <= legends
-    assert {"parameters", "gradients", "optimizer states", "activations (peak)", "ZeRO formula (model states)",
+    assert {"parameters", "gradients", "optimizer states", "activations (peak)", "this configuration's formula",
+            "the ZeRO paper's form",
             "forward", "backward", "predicted (simulator replay)"} <= legends
     assert "predicted rank 1" in dom  # the predicted step's rows under the measured ones
     bar_texts = set(re.findall(r'class="bartext[^"]*"[^>]*>(?:<[^>]*>)*([^<]+)<', dom))

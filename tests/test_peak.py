@@ -36,6 +36,7 @@ SHORT = ["data=synthetic", "data.num_samples=64", "trainer.steps=2", "trainer.wa
 def test_table_lookup_by_device_name(name, row, bf16, tf32):
     assert accelerator(name) == row
     assert table_peak(name, "bf16") == bf16 * 1e12 and table_peak(name, "tf32") == tf32 * 1e12
+    assert table_peak(name, "fp16") == bf16 * 1e12  # each datasheet prints one figure for FP16 and BF16
 
 
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GH200 480GB", "Tesla V100-SXM2-16GB", "NVIDIA L40"])
@@ -47,7 +48,8 @@ def test_fp32_uses_the_tf32_peak_only_when_tf32_matmuls_are_allowed():
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert peak_dtype("fp32") == "fp32" and peak_dtype("bf16") == "bf16"
+        assert peak_dtype("fp32") == "fp32" and peak_dtype("bf16") == "bf16" and peak_dtype("bf16-mixed") == "bf16"
+        assert peak_dtype("fp16-mixed") == "fp16"
         torch.set_float32_matmul_precision("high")
         assert peak_dtype("fp32") == "tf32"
     finally:

@@ -11,7 +11,8 @@ Resolution (first match wins), reported as `peak_source`:
           $XDG_CACHE_HOME/framework/peak_flops.json (default ~/.cache/framework), so every
           job of a sweep on one machine divides by the same number
 
-The dtype column: bf16 runs use the BF16 tensor-core peak. fp32 runs use the TF32 peak
+The dtype column (framework/precision.py's `peak_column`): bf16-autocast and bf16-mixed use
+the BF16 tensor-core peak, fp16-mixed the FP16 one. fp32 runs use the TF32 peak
 only when fp32 matmuls may run on TF32 tensor cores in the rank
 (torch.get_float32_matmul_precision() != "highest"); by default PyTorch keeps them in
 full fp32, and the framework does not change that, so fp32 runs use the plain FP32 peak.
@@ -47,21 +48,22 @@ from ..precision import policy_of
 
 PENDING = "pending"  # source while a CUDA run's ranks have yet to look the peak up
 
-# Dense TFLOP/s per GPU: (bf16 tensor core, tf32 tensor core, fp32 CUDA cores).
-DENSE_TFLOPS: dict[str, tuple[float, float, float]] = {
-    "A100 SXM": (312.0, 156.0, 19.5),
-    "A100 PCIe": (312.0, 156.0, 19.5),
-    "H100 SXM": (989.5, 494.5, 67.0),
-    "H100 PCIe": (756.5, 378.0, 51.0),
-    "H100 NVL": (835.5, 417.5, 60.0),
-    "H200 SXM": (989.5, 494.5, 67.0),
-    "H200 NVL": (835.5, 417.5, 60.0),
-    "B200 SXM": (2250.0, 1125.0, 75.0),  # HGX B200: 36 / 18 PFLOPS with sparsity over 8 GPUs
-    "L40S": (362.05, 183.0, 91.6),
-    "L4": (121.0, 60.0, 30.3),
-    "A10": (125.0, 62.5, 31.2),
+# Dense TFLOP/s per GPU: (bf16 tensor core, fp16 tensor core, tf32 tensor core, fp32 CUDA cores). The
+# datasheets print the same bf16 and fp16 tensor-core figure for every GPU listed.
+DENSE_TFLOPS: dict[str, tuple[float, float, float, float]] = {
+    "A100 SXM": (312.0, 312.0, 156.0, 19.5),
+    "A100 PCIe": (312.0, 312.0, 156.0, 19.5),
+    "H100 SXM": (989.5, 989.5, 494.5, 67.0),
+    "H100 PCIe": (756.5, 756.5, 378.0, 51.0),
+    "H100 NVL": (835.5, 835.5, 417.5, 60.0),
+    "H200 SXM": (989.5, 989.5, 494.5, 67.0),
+    "H200 NVL": (835.5, 835.5, 417.5, 60.0),
+    "B200 SXM": (2250.0, 2250.0, 1125.0, 75.0),  # HGX B200: 36 / 18 PFLOPS with sparsity over 8 GPUs
+    "L40S": (362.05, 362.05, 183.0, 91.6),
+    "L4": (121.0, 121.0, 60.0, 30.3),
+    "A10": (125.0, 125.0, 62.5, 31.2),
 }
-DTYPE_COLUMN = {"bf16": 0, "tf32": 1, "fp32": 2}
+DTYPE_COLUMN = {"bf16": 0, "fp16": 1, "tf32": 2, "fp32": 3}
 # Whole name tokens, not substrings: "A10" is in "A100" and "L4" in "L40S".
 MODELS = ("A100", "H100", "H200", "B200", "L40S", "L4", "A10")
 
@@ -83,15 +85,16 @@ def accelerator(device_name: str) -> Optional[str]:
 
 
 def table_peak(device_name: str, dtype: str) -> Optional[float]:
-    """Dense datasheet FLOP/s of the named GPU for dtype "bf16" | "tf32" | "fp32"."""
+    """Dense datasheet FLOP/s of the named GPU for dtype "bf16" | "fp16" | "tf32" | "fp32"."""
     row = accelerator(device_name)
     return None if row is None else DENSE_TFLOPS[row][DTYPE_COLUMN[dtype]] * 1e12
 
 
 def peak_dtype(precision: str) -> str:
     """Which datasheet column a run's matmuls use (see the module docstring)."""
-    if policy_of(precision).peak_column == "bf16":
-        return "bf16"
+    column = policy_of(precision).peak_column
+    if column in ("bf16", "fp16"):
+        return column
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
@@ -114,7 +117,7 @@ def device_peak(precision: str, device: torch.device) -> tuple[float, str]:
         warnings.warn(f"no datasheet peak for GPU {name!r} (framework/metrics/peak.py): MFU divides by a "
                       "measured matmul peak instead; set metrics.peak_tflops to compare with other machines",
                       stacklevel=2)
-    dtype = torch.bfloat16 if policy_of(precision).peak_column == "bf16" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy_of(precision).peak_column, torch.float32)
     return cached_probe(device, dtype), "probe"
 
 

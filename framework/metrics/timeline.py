@@ -89,3 +89,40 @@ def _gantt(ax, per_rank: list[list[Record]], cmap) -> None:
                 ax.text(x + w / 2, rank, name, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
+
+
+def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], summary: dict, prediction,
+                       wandb_run) -> None:
+    """A pipeline run's trace.json (the kept steps, `kept_steps`), predicted_trace.json (the
+    simulator's replay, when there is one) and timeline.png (of the kept measured steps, the
+    one with the median step time); both to W&B when it logs. `measured`: the rows after
+    warm-up. Sets summary["timeline_step"]."""
+    import os
+
+    from .predict import timeline_records
+
+    write_trace(actions, os.path.join(job_dir, "trace.json"))
+    measured = [r for r in measured if r["step"] in actions]
+    median_row = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]
+    chosen = median_row["step"]
+    png = os.path.join(job_dir, "timeline.png")
+    title = (f"{run.schedule.name}, pp={run.parallelism.pp}, m={run.schedule.microbatches}, "
+             f"v={run.schedule.virtual_stages}: step {chosen} (median step time of {len(measured)}) | bubble "
+             f"measured {median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
+             "(at its op times)")
+    predicted = None if prediction is None else timeline_records(prediction)
+    if predicted is not None:
+        write_trace({chosen: predicted}, os.path.join(job_dir, "predicted_trace.json"))
+    render_timeline(actions[chosen], png, title, predicted,
+                    f"predicted (replay of the run's mean durations): step "
+                    f"{summary.get('predicted_step_time_s', 0) * 1e3:.1f} ms vs measured median "
+                    f"{summary['step_time_s'] * 1e3:.1f} ms ({summary.get('predicted_step_time_error', 0):+.1%}) | "
+                    f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}")
+    summary["timeline_step"] = chosen
+    if wandb_run is not None:
+        import wandb
+
+        rows = [[rank, step, a, s, cs - s, e - cs] for step, per in actions.items()
+                for rank, recs in enumerate(per) for a, s, cs, e in recs]
+        wandb_run.log({"timeline": wandb.Image(png), "actions": wandb.Table(
+            columns=["rank", "step", "action", "start_unix_s", "wait_s", "compute_s"], data=rows)})
