@@ -13,6 +13,7 @@ relative, twice u); where a rounding flipped the sign of a tiny gradient, AdamW'
 (at most lr per step in size) went the other way: at most 2 lr per step more.
 """
 
+import glob
 import json
 import math
 import warnings
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from . import wandb_reader
 from .conftest import TINY, final_params, read_metrics, run_local
 
 U = 2.0 ** -9  # bf16's unit roundoff
@@ -131,11 +133,16 @@ def test_a_skipped_step_equals_a_run_without_its_batch(tmp_path, data_cache):
     not the one that did."""
     job = tmp_path / "skip"
     args = [*_base(data_cache), *LAYOUTS["single"], "trainer.precision=fp16-mixed", "debug.inf_grad_step=2"]
-    run_local(job, *args)
+    summary = run_local(job, *args, "logger=wandb", "logger.mode=offline")
     rows = read_metrics(job)
     assert [r["overflow"] for r in rows] == [False, True, False, False]
     assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 1]
     assert rows[1]["grad_norm"] is None and all(r["loss_scale"] == 65536.0 for r in rows)
+    assert summary["skipped_steps"] == 1 and summary["loss_scale"] == 65536.0 and summary["precision"] == "fp16-mixed"
+    logged = wandb_reader.history(glob.glob(str(job / "wandb" / "offline-run-*" / "run-*.wandb"))[0])
+    assert [(h["overflow"], h["skipped_steps"], h["loss_scale"]) for h in logged] == [
+        (r["overflow"], r["skipped_steps"], r["loss_scale"]) for r in rows]
+    assert "grad overflow (step skipped) | scale 65536 (skipped 1)" in (job / "run.log").read_text()
     assert rows[2]["lr"] == rows[1]["lr"]  # the skipped step did not move the schedule
     losses, params = _reference(job, args, skip=2)
     got = [r["loss"] for i, r in enumerate(rows) if i != 1]
