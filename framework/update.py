@@ -68,7 +68,7 @@ class Update:
             else None
         if isinstance(self.optimizer, MasterOptimizer):
             factor = coef if scale is None else (1.0 / scale if coef is None else coef / scale)
-            self.optimizer.step(None if factor is None else torch.as_tensor(factor, dtype=torch.float64))
+            self.optimizer.step(None if factor is None else torch.as_tensor(factor))
         else:
             if coef is not None:
                 for p in params:

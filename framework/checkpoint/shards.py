@@ -270,5 +270,5 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
                 key = f"model/{p.name}" if k == "" else f"optim/{p.name}/{k}"
                 part = parts.setdefault(key, Part(global_shape(p), t.dtype))
                 part.boxes += boxes
-    scalars.update({k: torch.tensor(v, dtype=torch.float64) for k, v in runner.update.state_dict().items()})
+    scalars.update({k: torch.tensor(v) for k, v in runner.update.state_dict().items()})  # powers of 2, counts: exact
     return parts, scalars
