@@ -69,6 +69,27 @@ def test_bf16_mixed_layouts_match_the_single_process(bf16_runs, layout):
         assert bool((diff <= bound).all()), (layout, k, float(diff.max()))
 
 
+def test_master_weights_in_every_layout(bf16_runs, tmp_path, data_cache):
+    """Every rank of every layout holds fp32 masters of exactly what it steps (the formula's
+    bytes: 4 per element it steps, 1/N of them under ZeRO), and 16-bit parameters; an
+    asynchronous pipeline's stashed weight versions are 16-bit too."""
+    job = tmp_path / "async"
+    async_summary = run_local(job, *_base(data_cache), "parallelism=pp2", "schedule=1f1b", "schedule.microbatches=4",
+                              "model.tie_embeddings=false", "trainer.precision=bf16-mixed")
+    for name, summary in [*((k, v[0]) for k, v in bf16_runs.items()), ("pp2-1f1b", async_summary)]:
+        for r in summary["ranks"]:
+            assert r["master_bytes"] == r["model_state_formula"]["master_bytes"] > 0, name
+            stashed = r["weight_version_bytes"]  # async: snapshots beside the model states the formula counts
+            assert r["model_state_bytes"] - stashed == r["model_state_formula_bytes"], name
+            # fp32 masters of the same elements as the bf16 parameters, but where ZeRO-1 keeps
+            # whole parameters and shards the master
+            assert (r["master_bytes"] == 2 * r["params_bytes"]) == (name != "zero1"), name
+    versions = max(r["weight_version_bytes"] for r in async_summary["ranks"])
+    assert versions > 0 and versions % 2 == 0
+    stage0 = async_summary["ranks"][0]
+    assert versions <= 2 * stage0["params_bytes"]  # at most p - s = 2 bf16 snapshots of stage 0's weights
+
+
 def test_pipeline_messages_travel_in_bf16(bf16_runs):
     summary, _, _, job = bf16_runs["pp2"]
     info = json.loads((job / "run_info.json").read_text())
