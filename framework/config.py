@@ -142,13 +142,13 @@ class DebugConfig:
     # Checkpoint writes see a file system of this many bytes (the checkpoints directory):
     # past it they fail with ENOSPC, as a full disk would. null = the real disk.
     checkpoint_disk_bytes: Optional[int] = None
-    inf_grad_step: Optional[int] = None  # fp16-mixed: an inf gradient on the last rank at this step (1-based)
+    inf_grad_step: Optional[int] = None  # fp16-mixed: an inf loss on one head-holding rank at this step (1-based)
 
 
 @dataclass
 class LossScaleConfig:
-    """fp16-mixed's dynamic loss scaler (framework/parallel/loss_scale.py). Defaults: DeepSpeed's
-    (initial 2**16; Megatron starts at 2**32, ~32 skipped steps before the first update);
+    """fp16-mixed's dynamic loss scaler (framework/loss_scale.py). Defaults: DeepSpeed's
+    (initial 2**16; Megatron starts at 2**32, ~17 skipped steps before the first update);
     the rest are both libraries' (x2 after 1000 clean steps, x0.5 on overflow, hysteresis 2,
     minimum 1)."""
 
@@ -156,7 +156,7 @@ class LossScaleConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 1000  # clean steps before the scale grows
-    hysteresis: int = 2  # overflows tolerated before the first back-off (re-armed when the scale grows)
+    hysteresis: int = 2  # the hysteresis-th overflow since the scale last grew backs off (2: one is tolerated)
     min_scale: float = 1.0  # an overflow at this scale stops the run with an error
 
 

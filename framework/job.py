@@ -185,6 +185,11 @@ def check_memory_budget(run: RunConfig) -> Optional[int]:
     return need
 
 
+def _paper_form(mode: str) -> str:
+    """The ZeRO paper's bytes per parameter for a precision mode, as the summary labels them."""
+    return "2 + 2 + 12" if mode.endswith("-mixed") else "8 + 8 + 16" if mode == "fp64" else "4 + 4 + 8"
+
+
 def _vocab_without_data(run: RunConfig) -> int:
     from .data import get_tokenizer
 
@@ -209,7 +214,7 @@ def summary_lines(summary: dict) -> str:
                      f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
         lines.append(f"    model states {r['model_state_bytes']:,} B measured | {r['model_state_formula_bytes']:,} B "
                      f"this configuration's formula | {r['model_state_formula_paper_bytes']:,.0f} B the ZeRO paper's "
-                     f"{'2 + 2 + 12' if summary.get('precision', '').endswith('-mixed') else '4 + 4 + 8'} form")
+                     f"{_paper_form(summary.get('precision', ''))} form")
     return "\n".join(lines)
 
 

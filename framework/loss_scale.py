@@ -8,8 +8,9 @@ over dp, tp and pp: framework/parallel/grads.py) tells overflow on every rank al
 or nan anywhere makes it non-finite. Then:
 - overflow: no optimizer step, no lr step, no copy back; the growth window restarts; the
   hysteresis counter drops by one, and once it reaches 0 every overflow multiplies the
-  scale by `backoff_factor` (not below `min_scale`). An overflow at `min_scale` stops the
-  run (`LossScaleError`): the gradients are not finite however small the scale.
+  scale by `backoff_factor` (not below `min_scale`). An overflow that would back off from
+  `min_scale` stops the run (`LossScaleError`): the gradients are not finite however small
+  the scale.
 - `growth_interval` clean steps in a row: the scale grows by `growth_factor` and the
   hysteresis counter is re-armed (Megatron's rule; the counter is not re-armed by a single
   clean step, DeepSpeed's default `consecutive_hysteresis=False` alike).
@@ -46,7 +47,7 @@ class LossScaler:
                 raise LossScaleError(
                     f"step {step}: the gradients overflow (inf or nan) at the minimum loss scale "
                     f"precision.loss_scale.min_scale={c.min_scale:g}: the run diverged, and a smaller scale would not "
-                    f"help. Fix: lower optimizer.lr or raise trainer.grad_clip's effect (a smaller clip), or train in "
+                    f"help. Fix: lower optimizer.lr (or raise trainer.warmup_steps), or train in "
                     f"trainer.precision=bf16-mixed (fp32's range)")
             self.scale = max(self.scale * c.backoff_factor, c.min_scale)
 

@@ -48,13 +48,15 @@ class MasterOptimizer:
         return self.inner.state
 
     def step(self, grad_factor: Optional[torch.Tensor] = None) -> None:
+        if grad_factor is not None:  # once, not per tensor (offload: one device-to-host copy)
+            grad_factor = grad_factor.to(self.master[0].device)
         for p, m in zip(self.params, self.master, strict=True):
             if p.grad is None:
                 m.grad = None
                 continue
             m.grad = p.grad.detach().to(device=m.device, dtype=m.dtype, copy=True)
             if grad_factor is not None:
-                m.grad.mul_(grad_factor.to(m.grad.device))
+                m.grad.mul_(grad_factor)
         self.inner.step()
         for m in self.master:
             m.grad = None  # held for the step only: the master's gradients are transient

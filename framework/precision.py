@@ -3,7 +3,7 @@
 Every other module asks the policy (`policy_of(run)`), never compares the mode's string:
 model materialisation (`param_dtype`), autocast (`autocast_context`), the pipeline's p2p
 buffers (`comm_dtype`), gradient collectives (`reduce_dtype`), the optimizer's master
-copy (`master_dtype`, framework/parallel/master.py), the loss scaler (`loss_scaling`),
+copy (`master_dtype`, framework/master.py), the loss scaler (`loss_scaling`),
 the memory formulas (`bytes_of`), the MFU peak's datasheet column (`peak_column`) and the
 checkpoint's compatibility check.
 
@@ -21,7 +21,8 @@ parameters existed): autocast over fp32 parameters, so its memory is fp32's.
 Gradient collectives run in `precision.reduce_dtype`: null takes the mode's default (fp32
 in the mixed modes, as torchtitan's FSDP2 `reduce_dtype` and Megatron's bf16 default: a sum
 over N ranks in 16 bits loses log2(N) bits), `param` the parameters' own dtype (the ZeRO
-paper's 2 + 2 + 12 bytes exactly). Gradients accumulate over micro-batches in the
+paper's bf16 reduction). The reduction runs on a transient wide copy and is rounded back:
+gradients are held in the parameters' dtype either way. They also accumulate over micro-batches in the
 parameters' dtype: autograd writes `p.grad` in `p`'s dtype, and an fp32 main-grad buffer
 beside each parameter (Megatron's `main_grad`) is not built (docs/precision.md).
 """
@@ -33,10 +34,6 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-NAMES = {v: k for k, v in DTYPES.items()}
-
 
 @dataclass(frozen=True)
 class Policy:

@@ -86,7 +86,8 @@ class AccumulationRunner:
             self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype)
             self.params = list(model.parameters())
             self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
-        self.update = Update(run, self.optimizer, ctx.rank)
+        c, d = ctx.coords, ctx.dims
+        self.update = Update(run, self.optimizer, injects=c.dp == d.dp - 1 and c.tp == d.tp - 1)
         tracker.set_params(model.parameters())  # final storages: ZeRO's flat buffers, if any
 
     def step(self, step: int, batch_of) -> StepResult:

@@ -2,8 +2,9 @@
 
 `Update` owns what precision adds around the optimizer (framework/precision.py decides):
 - the loss's multiplier before backward (`loss_weight`): the loss scale in fp16-mixed
-  (framework/loss_scale.py), and inf on one rank at `debug.inf_grad_step` (the test of the
-  skip: the inf gradient reaches every rank through the reductions that follow);
+  (framework/loss_scale.py), and inf on one rank holding the head at `debug.inf_grad_step`
+  (the test of the skip: the inf gradient reaches every rank through the reductions that
+  follow);
 - the learning rate of the update's index: steps skipped on overflow do not advance the
   schedule (Megatron and DeepSpeed skip the lr scheduler's step alike);
 - `apply(params, norm)`: `norm` is the global gradient norm already reduced over dp, tp
@@ -24,15 +25,18 @@ import torch
 from .loss_scale import LossScaler
 from .master import MasterOptimizer
 from .optim import lr_at, set_lr
+from .parallel.grads import clip_coefficient
 from .precision import policy_of
 
 
 class Update:
-    def __init__(self, run, optimizer, rank: int):
+    def __init__(self, run, optimizer, injects: bool):
+        """`injects`: this rank computes a loss and is the one debug.inf_grad_step makes inf
+        (the runner knows where the head is: with V placement it is on pp rank 0)."""
         self.run, self.optimizer = run, optimizer
         self.policy = policy_of(run)
         self.scaler: Optional[LossScaler] = LossScaler(run.precision.loss_scale) if self.policy.loss_scaling else None
-        self.injects = rank == run.world_size - 1  # a last pipeline stage, in every layout (topology order)
+        self.injects = injects
         self.overflow = False  # the last applied step's
         self.skipped_steps = 0  # overflowed steps over the whole run (a checkpoint carries it)
         self.step_scale: Optional[float] = None  # the scale the last step's backward ran at
@@ -63,9 +67,8 @@ class Update:
             if self.overflow:
                 self.skipped_steps += 1
                 return norm
-            norm = norm / scale  # exact: a power of two
-        coef = torch.clamp(self.run.trainer.grad_clip / (norm + 1e-6), max=1.0) if self.run.trainer.grad_clip > 0 \
-            else None
+            norm = norm / scale  # exact: a power of two (framework/validate/precision.py)
+        coef = clip_coefficient(norm, self.run.trainer.grad_clip)
         if isinstance(self.optimizer, MasterOptimizer):
             factor = coef if scale is None else (1.0 / scale if coef is None else coef / scale)
             self.optimizer.step(None if factor is None else torch.as_tensor(factor))

@@ -249,3 +249,11 @@ def test_a_bf16_mixed_checkpoint_resumes_in_fp32(tmp_path, data_cache):
     assert summary["first_step"] == 3 and summary["precision"] == "fp32"
     assert all(math.isfinite(r["loss"]) for r in read_metrics(job))
     assert final_params(job)["transformer.h.0.mlp.c_fc.weight"].dtype == torch.float32
+
+
+def test_the_inf_enters_where_the_head_is_under_v_placement(tmp_path, data_cache):
+    """zbv puts the head on pp rank 0: the injected inf still reaches every rank's norm."""
+    job = tmp_path / "zbv"
+    run_local(job, *_base(data_cache, 2), "parallelism=pp2", "schedule=zbv", "schedule.microbatches=4",
+              "trainer.precision=fp16-mixed", "debug.inf_grad_step=2", "model.n_layer=4")
+    assert [r["overflow"] for r in read_metrics(job)] == [False, True]

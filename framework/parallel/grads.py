@@ -18,19 +18,33 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .tensor_parallel import is_tp_sharded
 
 
+BUCKET_ELEMENTS = 2 ** 24  # per all-reduce when widened (precision.reduce_dtype): 64 MiB of fp32
+
+
 def all_reduce_grads(params: list[nn.Parameter], group, world: int, dtype: Optional[torch.dtype] = None) -> None:
-    """Average gradients over `group` in one flattened bucket, in `dtype` (the precision
-    policy's reduce dtype; None: the gradients' own), rounded back into the gradients."""
+    """Average gradients over `group`, flattened: in one bucket when reduced in their own
+    dtype; in `dtype` (the precision policy's reduce dtype, wider than the gradients) in
+    buckets of BUCKET_ELEMENTS, each rounded back into the gradients, so the transient is one
+    bucket's wide copy, not the stage's."""
     grads = [p.grad for p in params if p.grad is not None]
     if world == 1 or not grads:
         return
-    flat = _flatten_dense_tensors(grads)
-    if dtype is not None and dtype != flat.dtype:
-        flat = flat.to(dtype)
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
+    widen = dtype is not None and dtype != grads[0].dtype
+    buckets, size = [[]], 0
+    for g in grads:
+        if widen and buckets[-1] and size + g.numel() > BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel()
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        if widen:
+            flat = flat.to(dtype)
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            g.copy_(synced)
 
 
 def _counted(p: nn.Parameter, tp_comm) -> bool:
@@ -56,9 +70,15 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, t
         if group is not None:
             dist.all_reduce(local, group=group)
     norm = local.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> Optional[torch.Tensor]:
+    """What clipping to `max_norm` multiplies the gradients by (None: clipping is off). The
+    one formula: the runners' update (framework/update.py) and the pipeline reference share it."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None

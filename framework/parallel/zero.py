@@ -261,7 +261,7 @@ class Zero:
         """After the step's last backward (stage 1: the one reduce-scatter per unit)."""
         if self.stage == 1:
             for f in self.flat:
-                f.reduce_scatter_grads(accumulate=False)
+                self._note_peak(f.reduce_scatter_grads(accumulate=False))
 
     def after_step(self) -> None:
         if self.stage < 3:

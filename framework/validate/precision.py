@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ..config import ConfigError, RunConfig
 from ..parallel.pipeline.schedules import never_flushes
 from ..precision import PRECISIONS, REDUCE_DTYPES, policy_of
@@ -38,14 +40,22 @@ def check_precision(run: RunConfig) -> None:
         positive("debug.inf_grad_step", k)
 
 
+def _power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
 def _loss_scale(run: RunConfig) -> None:
+    """Every scale the scaler can reach is a power of two, so scaling the loss and unscaling
+    the gradients are exact (a skipped step then equals a run without its batch, bit for bit)."""
     c = run.precision.loss_scale
     pre = "precision.loss_scale."
-    number(pre + "initial", c.initial, lambda x: x > 0, "must be a finite number > 0", "e.g. 65536 (2**16)")
-    number(pre + "min_scale", c.min_scale, lambda x: 0 < x <= c.initial,
-           f"must be > 0 and at most precision.loss_scale.initial={c.initial:g}", "e.g. 1")
-    number(pre + "growth_factor", c.growth_factor, lambda x: x >= 1, "must be >= 1 (1: the scale never grows)",
-           "e.g. 2")
-    number(pre + "backoff_factor", c.backoff_factor, lambda x: 0 < x < 1, "must lie in (0, 1)", "e.g. 0.5")
+    two = "a power of two (scaling by it is exact)"
+    number(pre + "initial", c.initial, _power_of_two, f"must be {two}", "e.g. 65536 (2**16)")
+    number(pre + "min_scale", c.min_scale, lambda x: _power_of_two(x) and x <= c.initial,
+           f"must be {two}, at most precision.loss_scale.initial={c.initial:g}", "e.g. 1")
+    number(pre + "growth_factor", c.growth_factor, lambda x: x >= 1 and _power_of_two(x),
+           f"must be >= 1 and {two} (1: the scale never grows)", "e.g. 2")
+    number(pre + "backoff_factor", c.backoff_factor, lambda x: x < 1 and _power_of_two(x),
+           f"must be below 1 and {two}", "e.g. 0.5")
     positive(pre + "growth_interval", c.growth_interval)
     positive(pre + "hysteresis", c.hysteresis)

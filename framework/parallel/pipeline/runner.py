@@ -78,7 +78,9 @@ class PipelineRunner:
         else:
             self.params = list(self.module.parameters())
             self.optimizer = build_master(run.optimizer, self.params, self.policy)
-        self.update = Update(run, self.optimizer, ctx.rank)
+        c, d = ctx.coords, ctx.dims  # the last dp and tp rank of a stage holding the head (V: pp rank 0)
+        self.update = Update(run, self.optimizer, injects=any(ch.head is not None for ch in self.chunks)
+                             and c.dp == d.dp - 1 and c.tp == d.tp - 1)
         self.is_last = any(ch.head is not None for ch in self.chunks)
         self.tracker = tracker
         tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened
@@ -208,7 +210,7 @@ class PipelineRunner:
 
     def _async_update(self, j: int) -> None:
         self.versions.take_grads(self._version(j))
-        set_lr(self.optimizer, lr_at(self.first_step + j // self.m, self.run))
+        self.update.set_lr(self.first_step + j // self.m)
         self._sync_sequence_parallel()
         norm = clip_grad_norm(self.params, 0.0, None, self.tp_comm)  # this stage's: it updates alone
         self._last_norm = self.update.apply(self.params, norm, self.first_step + j // self.m)
