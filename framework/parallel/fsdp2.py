@@ -84,6 +84,8 @@ def chunk_start(p: DTensor) -> int:
 class FSDP2:
     """The FSDP2 state of one rank, with zero.Zero's duck-typed interface (AccumulationRunner)."""
 
+    sharded_between_steps = True  # at zero 2 too (the optimizer steps the shards): export gathers
+
     def __init__(self, run, model: nn.Module, ctx, tracker=None):
         self.stage = run.parallelism.zero  # 2 or 3 (validated)
         self.microbatches = run.schedule.microbatches
