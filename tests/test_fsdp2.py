@@ -22,6 +22,7 @@ FSDP2 = "parallelism.zero_impl=fsdp2"
 DP = {2: ["parallelism=dp2", "schedule.microbatches=2"], 4: ["parallelism=dp4", "schedule.microbatches=1"]}
 CASES = [(dp, z) for dp in (2, 4) for z in (2, 3)]
 CKPT = ["trainer.checkpoint_interval=2", "trainer.keep_checkpoints=null"]  # step_2 kept to resume from
+EVAL = "trainer.eval_interval=3"  # held-out loss after the last step: FSDP2's forward without backward
 
 
 def _common(data_cache):
@@ -37,10 +38,10 @@ def _run(tmp_path_factory, name, *overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     c = _common(data_cache)
-    out = {"ref": _run(tmp_path_factory, "dp2_zero0", *c, *DP[2], "parallelism.zero=0", *CKPT, FP64)}
-    for dp, z in CASES:  # dp 2 zero 3 also saves step_2, which our zero 3 resumes below
+    out = {"ref": _run(tmp_path_factory, "dp2_zero0", *c, *DP[2], "parallelism.zero=0", *CKPT, EVAL, FP64)}
+    for dp, z in CASES:  # dp 2 zero 3 also saves step_2, which our zero 3 resumes below, and evaluates
         out[dp, z] = _run(tmp_path_factory, f"fsdp2_dp{dp}_zero{z}", *c, *DP[dp], f"parallelism.zero={z}", FSDP2,
-                          *(CKPT if (dp, z) == (2, 3) else []), FP64)
+                          *(CKPT + [EVAL] if (dp, z) == (2, 3) else []), FP64)
     step2 = out[2, 3][3] / "checkpoints" / "step_2"
     out["fsdp2->ours"] = _run(tmp_path_factory, "ours_resumes_fsdp2", *c, *DP[2], "parallelism.zero=3",
                               f"trainer.resume={step2}", FP64)
@@ -55,6 +56,11 @@ def test_fsdp2_reproduces_data_parallel(runs, dp, zero):
     run, ref = runs[dp, zero], runs["ref"]
     assert_same_training(run[1], run[2], ref[1], ref[2])
     assert run[0]["zero"] == zero
+
+
+def test_fsdp2_evaluates_as_data_parallel(runs):
+    got, want = runs[2, 3][0]["val_loss"], runs["ref"][0]["val_loss"]
+    assert got is not None and got == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["fsdp2->ours", "dp->fsdp2"])

@@ -44,7 +44,7 @@ reduce-scatters in fp32 into fp32 gradients. fp16-mixed (loss scaling) is reject
 Measurement (`state_bytes`, as zero.py's): exact bytes of the local tensors' storages
 (parameters and gradients include the dim-0 padding). The transient peak is read from FSDP2's
 own buffers at its gather, free and reduce points; FSDP2 has no public hook for those, so
-this module wraps three methods of each of its param groups (`unshard`, `wait_for_unshard`,
+this module wraps four methods of each of its param groups (`unshard`, `wait_for_unshard`,
 `reshard`, `post_backward`), touching only bookkeeping, and also tells the activation tracker
 which storages are gathered weights.
 """
