@@ -68,6 +68,7 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    zero_impl: str = "ours"  # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
     world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size (or to derive dp)

@@ -57,8 +57,9 @@ def _is_tied(model, name: str) -> bool:
 def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] = None) -> None:
     """final_model.pt (transformers parameter names, merged over pipeline stages and tp on
     rank 0) and final_model/, the same weights as a transformers directory (framework.export)."""
-    if getattr(runner, "zero", None) is not None and runner.zero.stage == 3:
-        runner.zero.gather_all()  # parameters are sharded over dp between steps
+    zero = getattr(runner, "zero", None)
+    if zero is not None and (zero.stage == 3 or getattr(zero, "sharded_between_steps", False)):
+        zero.gather_all()  # parameters are sharded over dp between steps (FSDP2: at zero 2 too)
     # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
     part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
     part = part if ctx.coords.tp == 0 else {}

@@ -40,6 +40,7 @@ from .precision import autocast_context, policy_of
 from .parallel.grads import clip_grad_norm
 from .parallel.tensor_parallel import sync_replicated_grads
 from .parallel.tp_comm import TPComm
+from .parallel.fsdp2 import FSDP2
 from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.schedules import Op
@@ -75,8 +76,9 @@ class AccumulationRunner:
         stage = run.parallelism.zero
         if stage:
             units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
-            self.zero = Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
-                             reduce_dtype=policy_of(run).reduce_dtype)
+            self.zero = (FSDP2(run, model, ctx, tracker) if run.parallelism.zero_impl == "fsdp2"  # the same units
+                         else Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
+                                   reduce_dtype=policy_of(run).reduce_dtype))
             self.wrapped, self.params = model, self.zero.shards
             self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, policy_of(run))
         else:
@@ -88,7 +90,9 @@ class AccumulationRunner:
             self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
         c, d = ctx.coords, ctx.dims
         self.update = Update(run, self.optimizer, injects=c.dp == d.dp - 1 and c.tp == d.tp - 1)
-        tracker.set_params(model.parameters())  # final storages: ZeRO's flat buffers, if any
+        # Final storages: ZeRO's flat buffers, if any. FSDP2's shards are never saved for
+        # backward; it names its gathered weights to the tracker itself.
+        tracker.set_params([] if isinstance(self.zero, FSDP2) else model.parameters())
 
     def step(self, step: int, batch_of) -> StepResult:
         dev, m = self.ctx.device, self.run.schedule.microbatches

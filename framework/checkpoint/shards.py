@@ -5,6 +5,8 @@ cut into boxes (offsets and sizes in the transformers tensor of each parameter i
 - a ZeRO slice holds a contiguous flat range of each parameter it touches; a flat range of a
   row-major tensor is at most a partial row, whole rows, a partial row (recursively per
   dimension), each box contiguous in the slice (`flat_boxes`);
+- an FSDP2 shard (framework/parallel/fsdp2.py) is a DTensor whose local tensor is a dim-0
+  chunk of its parameter: the flat range [first, first + numel) of it, cut as a ZeRO slice's;
 - a tp shard holds some positions along one dimension (`TPShard.index`: runs, e.g. GPT-2's
   fused q | k | v columns are three runs; positions >= the vocabulary are padding, never
   stored); each run is one box along that dimension (`_tp_runs`).
@@ -13,7 +15,7 @@ copy), and speaks DCP's protocol for it (write items with global offsets; the ch
 load overlaps with what was stored), so DCP writes and reads only those boxes.
 
 Who writes a box (`rank_parts(writers_only=True)`): exactly one rank per element, so no DCP
-dedup or overlap is relied on: dp replicas (no ZeRO) only from dp rank 0, tp-replicated
+dedup or overlap is relied on: dp replicas (no ZeRO, ours or FSDP2's) only from dp rank 0, tp-replicated
 parameters only from tp rank 0, the tied embedding only from the stage that embeds (pp rank
 0; the head's copy on the last stage is identical). A 0-d state (AdamW's `step`) is one
 whole tensor, written by every rank holding part of its parameter and deduplicated by DCP;
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..master import MasterOptimizer, master_of
+from ..parallel.fsdp2 import chunk_start, local
 from ..parallel.zero import FlatUnit
 
 
@@ -54,10 +57,12 @@ class Slot:
     key: torch.Tensor  # the optimizer's key: the parameter or slice, or its master copy (framework/master.py)
     pieces: list[Piece]
     unit: Optional[FlatUnit] = None
+    first: Optional[int] = None  # FSDP2: where this rank's dim-0 chunk starts in the parameter (elements)
 
     def tensor(self) -> torch.Tensor:
-        """The memory the slot's values live in: the parameter, or this dp rank's slice."""
-        return self.unit.shard if self.unit is not None else self.pieces[0].param
+        """The memory the slot's values live in: the parameter (FSDP2: its local chunk), or
+        this dp rank's slice."""
+        return self.unit.shard if self.unit is not None else local(self.pieces[0].param)
 
 
 def slots(runner, hf_model) -> tuple[torch.optim.Optimizer, list[Slot]]:
@@ -69,6 +74,8 @@ def slots(runner, hf_model) -> tuple[torch.optim.Optimizer, list[Slot]]:
     zero = getattr(runner, "zero", None)
     if zero is None:
         return opt, [Slot(host.get(id(p), p), [Piece(names[id(p)], p)]) for p in runner.params]
+    if not hasattr(zero, "flat"):  # FSDP2: one slot per DTensor parameter
+        return opt, [Slot(p, [Piece(names[id(p)], p)], first=chunk_start(p)) for p in zero.shards]
     out = []
     for f in zero.flat:
         offsets = [0]
@@ -152,10 +159,10 @@ def piece_boxes(piece: Piece, flat: torch.Tensor, lo: int, hi: int) -> list[tupl
 def slot_boxes(slot: Slot, values: torch.Tensor) -> list[tuple[Piece, list]]:
     """Each piece's boxes, as views of `values` (the slot's tensor, or a tensor shaped like it:
     a state, a staged copy)."""
-    flat = values.view(-1)
+    flat = local(values).view(-1)
     if slot.unit is None:
-        p = slot.pieces[0]
-        return [(p, piece_boxes(p, flat, 0, p.param.numel()))]
+        p, first = slot.pieces[0], slot.first or 0
+        return [(p, piece_boxes(p, flat, first, first + flat.numel()))]
     u = slot.unit
     start, end = u.rank * u.slice, (u.rank + 1) * u.slice
     out = []
@@ -243,10 +250,10 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
     parts: dict[str, Part] = {}
     scalars: dict[str, torch.Tensor] = {}
 
-    def skip(piece: Piece, unit: Optional[FlatUnit]) -> bool:
+    def skip(piece: Piece, slot: Slot) -> bool:
         if not writers_only:
             return False
-        if unit is None and c.dp != 0:
+        if slot.unit is None and slot.first is None and c.dp != 0:
             return True  # a dp replica
         if getattr(piece.param, "tp_shard", None) is None and c.tp != 0:
             return True  # replicated over tp
@@ -261,11 +268,11 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
         for k, t in values.items():
             if t.dim() == 0:  # a step count: the same for every piece of the slot
                 for p in slot.pieces:
-                    if not skip(p, slot.unit):
+                    if not skip(p, slot):
                         scalars[f"optim/{p.name}/{k}"] = t
                 continue
             for p, boxes in slot_boxes(slot, t):
-                if skip(p, slot.unit):
+                if skip(p, slot):
                     continue
                 key = f"model/{p.name}" if k == "" else f"optim/{p.name}/{k}"
                 part = parts.setdefault(key, Part(global_shape(p), t.dtype))

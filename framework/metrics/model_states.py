@@ -22,6 +22,8 @@ else the parameters'; r: optimizer states per element, AdamW 2), with N = dp:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -90,8 +92,10 @@ def stepped_numels(runner) -> list[int]:
     """The element counts `config_model_states` takes: ZeRO's flat units, else the parameters
     the optimizer steps."""
     zero = getattr(runner, "zero", None)
-    if zero is not None:
+    if zero is not None and hasattr(zero, "flat"):
         return [sum(p.numel() for p in f.params) for f in zero.flat]
+    if zero is not None:  # FSDP2: each parameter (global numel), sharded by dim-0 rows, not elements
+        return [p.numel() for p in zero.shards]
     return [p.numel() for p in runner.params]
 
 
@@ -103,7 +107,14 @@ def formula_report(runner, run) -> dict:
     p = run.parallelism
     psi = sum(q.numel() for q in runner.module.parameters())
     ratio, scalars = _probe(run.optimizer)
-    exact = config_model_states(p.zero, stepped_numels(runner), p.dp, policy_of(run), ratio, scalars,
+    policy, stage = policy_of(run), p.zero
+    if p.zero_impl == "fsdp2":
+        # FSDP2 steps its shards between steps at zero 2 too (zero 3's states), and in the
+        # mixed modes its sharded parameters are the fp32 masters (docs/fsdp2.md); its
+        # padding is by dim-0 rows, so this is exact only where rows divide by dp.
+        stage = 3
+        policy = replace(policy, param_dtype=policy.state_dtype, master_dtype=None)
+    exact = config_model_states(stage, stepped_numels(runner), p.dp, policy, ratio, scalars,
                                 p.offload_optimizer)
     policy = policy_of(run)
     mixed = sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values())

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .tensor_parallel import is_tp_sharded
@@ -51,12 +52,18 @@ def _counted(p: nn.Parameter, tp_comm) -> bool:
     return tp_comm is None or tp_comm.size == 1 or tp_comm.rank == 0 or is_tp_sharded(p)
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """FSDP2's DTensor gradient: this rank's dim-0 chunk (a view; its padding not part of it),
+    whose squares the `dp_group` sum adds up as for zero.py's slices."""
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, tp_comm=None,
                    skip: Optional[nn.Parameter] = None, dp_group=None) -> torch.Tensor:
     """Global L2 norm over tp shards and pipeline stages (pre-clip), then clip in place.
     `skip`: a weight this rank holds a second copy of (a tied embedding on the last stage).
-    `dp_group`: ZeRO, where each dp rank holds a different slice of the gradient."""
-    grads = [p.grad for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
+    `dp_group`: ZeRO (ours or FSDP2), where each dp rank holds a different slice of the gradient."""
+    grads = [_local(p.grad) for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
     # At least fp32 (bf16 gradients), fp64 in verification mode; decided from `params`, not
     # the counted grads, so a rank with none still joins the all-reduces in the same dtype.
     dtype = torch.promote_types(params[0].dtype if params else torch.float32, torch.float32)
@@ -74,7 +81,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, t
     if coef is not None:
         for p in params:
             if p.grad is not None:
-                p.grad.mul_(coef)
+                _local(p.grad).mul_(coef)
     return norm
 
 

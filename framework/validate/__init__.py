@@ -17,6 +17,7 @@ from ..config import ConfigError, DataConfig, RunConfig
 from ..parallel.pipeline.partition import PartitionError
 from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
+from .fsdp2 import ZERO_IMPLS, check_fsdp2
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .heldout import check_eval, flushing
 from .optimizer import check_optimizer
@@ -61,6 +62,10 @@ def _parallelism(run: RunConfig) -> None:
 
 def _zero(run: RunConfig) -> None:
     p = run.parallelism
+    choice("parallelism.zero_impl", p.zero_impl, ZERO_IMPLS)
+    if p.zero_impl == "fsdp2":  # torch's back end: its own rules
+        check_fsdp2(run)
+        return
     if p.offload_optimizer and p.zero == 0:
         raise ConfigError("parallelism.offload_optimizer", True, "ZeRO-Offload moves the sharded optimizer step to "
                           "the host and needs a ZeRO stage (parallelism.zero >= 1)",
