@@ -149,10 +149,10 @@ def piece_boxes(piece: Piece, flat: torch.Tensor, lo: int, hi: int) -> list[tupl
             out.append((offs, view))
             continue
         d = spec.dim
-        for local, g, length in _tp_runs(spec.index, offs[d], sizes[d], spec.full_size):
+        for at_local, g, length in _tp_runs(spec.index, offs[d], sizes[d], spec.full_size):
             o = list(offs)
             o[d] = g
-            out.append((tuple(o), view.narrow(d, local - offs[d], length)))
+            out.append((tuple(o), view.narrow(d, at_local - offs[d], length)))
     return out
 
 

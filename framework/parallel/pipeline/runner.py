@@ -30,7 +30,6 @@ from torch import nn
 
 from ...config import RunConfig
 from ...master import build as build_master
-from ...optim import lr_at, set_lr
 from ...update import Update
 from ...records import StateBytes, StepResult
 from ...topology import ParallelContext
