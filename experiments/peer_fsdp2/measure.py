@@ -4,7 +4,7 @@ this machine: tokens/s, per-rank memory and the bytes each back end's collective
 Runs `python run.py` on gpt2-tiny (Psi = 859,008 with the byte tokenizer), pycode, 16
 sequences of 128 tokens per step (dp 2: micro-batch 4 x 2 per rank; dp 4: 4 x 1), AdamW,
 12 steps (medians over steps 4-12), for zero 2 / 3 at dp 2 / 4, each back end in fp32 and
-FSDP2 also in bf16-mixed; REPEATS times, interleaved. Writes results.json to out_dir.
+bf16-mixed; REPEATS times, interleaved. Writes results.json to out_dir.
 
 Bytes communicated are COUNTED, not computed: a `sitecustomize.py` put on PYTHONPATH wraps
 torch.distributed's all_gather_into_tensor / all_gather_single / reduce_scatter_tensor /
@@ -35,9 +35,8 @@ COMMON = ["model=gpt2-tiny", "data=pycode", "data.max_files=100", "data.seq_len=
           f"trainer.steps={STEPS}", "trainer.micro_batch_size=4", "metrics.skip_first=3",
           f"trainer.log_interval={STEPS}", "schedule=flush", "trainer.save_checkpoint=false"]
 DP = {2: ["parallelism=dp2", "schedule.microbatches=2"], 4: ["parallelism=dp4", "schedule.microbatches=1"]}
-# bf16-mixed for our back end is being wired in the main tree (master weights): pending here.
 CASES = [(impl, prec, dp, z) for prec in ("fp32", "bf16-mixed") for impl in ("ours", "fsdp2") for dp in (2, 4)
-         for z in (2, 3) if not (impl == "ours" and prec == "bf16-mixed")]
+         for z in (2, 3)]
 REPEATS = 3
 MiB = 2 ** 20
 
@@ -90,7 +89,7 @@ def run_case(impl: str, prec: str, dp: int, zero: int, job: Path, shim: str) -> 
     counts = [json.loads((comm / f"rank{r}.json").read_text()) for r in range(dp)]
     per_step = {op: c[1] / STEPS for op, c in counts[0].items()}  # rank 0 (every rank issues the same)
     calls = {op: c[0] / STEPS for op, c in counts[0].items()}
-    ranks = [{k: r[k] for k in ("rank", "psi", "params_bytes", "grads_bytes", "optimizer_bytes",
+    ranks = [{k: r[k] for k in ("rank", "psi", "params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes",
                                 "model_state_formula_bytes", "model_state_formula_bf16_bytes",
                                 "zero_transient_peak_bytes", "activation_peak_bytes", "rss_peak_bytes")}
              for r in summary["ranks"]]
@@ -108,15 +107,16 @@ def table(results: dict) -> str:
     """One row per case: medians over the repeats (min - max for tokens/s); the rank with the
     most model-state bytes; communication of rank 0 (every rank issues the same collectives)."""
     rows = ["| back end | precision | dp | zero | tokens/s median (min - max) | fwd+bwd / optimizer s | model states "
-            "per rank MiB (params / grads / optim) | transient peak MiB | peak RSS MiB (max rank) | all-gather / "
+            "per rank MiB (params / grads / master / optim) | transient peak MiB | peak RSS MiB (max rank) | all-gather / "
             "reduce-scatter / all-reduce MiB per step (calls) | final loss |", "|" + "---|" * 11]
     for impl, prec, dp, z in CASES:
         runs = [r for r in results["runs"] if (r["impl"], r["precision"], r["dp"], r["zero"]) == (impl, prec, dp, z)]
         if not runs:
             continue
         tps = [r["tokens_per_s"] for r in runs]
-        st = max(runs[0]["ranks"], key=lambda x: x["params_bytes"] + x["grads_bytes"] + x["optimizer_bytes"])
-        states = st["params_bytes"] + st["grads_bytes"] + st["optimizer_bytes"]
+        parts = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes")
+        st = max(runs[0]["ranks"], key=lambda x: sum(x.get(k, 0) for k in parts))
+        states = sum(st.get(k, 0) for k in parts)
         comm, calls = runs[0]["comm_bytes_per_step"], runs[0]["comm_calls_per_step"]
 
         def op(*names):
@@ -127,7 +127,7 @@ def table(results: dict) -> str:
         rows.append(f"| {impl} | {prec} | {dp} | {z} | {_median(tps):,.0f} ({min(tps):,.0f} - {max(tps):,.0f}) | "
                     f"{_median([r['fwd_bwd_s'] for r in runs]):.3f} / {_median([r['optimizer_s'] for r in runs]):.3f} | "
                     f"{states / MiB:.3f} ({st['params_bytes'] / MiB:.3f} / {st['grads_bytes'] / MiB:.3f} / "
-                    f"{st['optimizer_bytes'] / MiB:.3f}) | {st['zero_transient_peak_bytes'] / MiB:.3f} | "
+                    f"{st.get('master_bytes', 0) / MiB:.3f} / {st['optimizer_bytes'] / MiB:.3f}) | {st['zero_transient_peak_bytes'] / MiB:.3f} | "
                     f"{_median([max(x['rss_peak_bytes'] for x in r['ranks']) for r in runs]) / MiB:.0f} | "
                     f"{op('all_gather_into_tensor', 'all_gather_single')} / "
                     f"{op('reduce_scatter_tensor', 'reduce_scatter_single')} / {op('all_reduce')} | "
