@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
+from .precision import PrecisionConfig
 
 
 class ConfigError(ValueError):
@@ -144,29 +145,6 @@ class DebugConfig:
     # past it they fail with ENOSPC, as a full disk would. null = the real disk.
     checkpoint_disk_bytes: Optional[int] = None
     inf_grad_step: Optional[int] = None  # fp16-mixed: an inf loss on one head-holding rank at this step (1-based)
-
-
-@dataclass
-class LossScaleConfig:
-    """fp16-mixed's dynamic loss scaler (framework/loss_scale.py). Defaults: DeepSpeed's
-    (initial 2**16; Megatron starts at 2**32, ~17 skipped steps before the first update);
-    the rest are both libraries' (x2 after 1000 clean steps, x0.5 on overflow, hysteresis 2,
-    minimum 1)."""
-
-    initial: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000  # clean steps before the scale grows
-    hysteresis: int = 2  # the hysteresis-th overflow since the scale last grew backs off (2: one is tolerated)
-    min_scale: float = 1.0  # an overflow at this scale stops the run with an error
-
-
-@dataclass
-class PrecisionConfig:
-    """Keys beside trainer.precision (framework/precision.py)."""
-
-    reduce_dtype: Optional[str] = None  # gradient collectives: null = the mode's (fp32 when mixed) | fp32 | param
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Typed records of one training step, from a runner to the logging rank.
 
   StateBytes  the model states a rank holds between steps (exact, storage-deduplicated)
-  StepResult  what a runner's `step()` returns (framework/trainer.py: AccumulationRunner;
+  StepResult  what a runner's `step()` returns (framework/accumulation.py: AccumulationRunner;
               framework/parallel/pipeline/runner.py: PipelineRunner)
   RunInfo     what the launching process derives once before launch (run_info.json)
   StepRecord  one rank's record of one step, built by `trainer.train_step`, gathered to

@@ -4,8 +4,8 @@ A runner does one optimizer step (or, for asynchronous pipelines, one step's sha
 never-flushed schedule) and reports loss, grad norm, timings and model-state bytes as a
 `StepResult`; `train_step` adds the step's data time and this rank's counters into a
 `StepRecord` (both in framework/records.py):
-- `AccumulationRunner` (pp = 1): micro-batches accumulated under DDP's no_sync, one
-  gradient all-reduce per step (framework/parallel/data_parallel.py).
+- `AccumulationRunner` (pp = 1, framework/accumulation.py): micro-batches accumulated under
+  DDP's no_sync (one gradient all-reduce per step), or ZeRO / FSDP2 over dp.
 - `PipelineRunner` (pp > 1): the schedule's action list (framework/parallel/pipeline/).
 Records are gathered to the logging rank every log interval (not every step, so logging
 adds no sync point to each step).
@@ -22,119 +22,29 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .accumulation import AccumulationRunner
 from .config import RunConfig
 from .data import ShardedSampler, TokenData
 from .evaluate import HeldOut, evaluate
 from .export import save_final_model, transformers_tokenizer
 from .logging import RunLogger
-from .records import RunInfo
-from .metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, master_bytes, model_state_bytes,
-                             peak_rss_bytes)
+from .metrics.clock import now
+from .metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
 from .metrics.model_states import formula_report
 from .metrics.peak import resolve_rank_peak
 from .models import build_model
-from . import master
 from .optim import lr_at
-from .parallel import data_parallel
-from .precision import autocast_context, policy_of
-from .parallel.grads import clip_grad_norm
-from .parallel.tensor_parallel import sync_replicated_grads
-from .parallel.tp_comm import TPComm
-from .parallel.fsdp2 import FSDP2
-from .parallel.zero import Zero
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.schedules import Op
-from .records import StateBytes, StepRecord, StepResult
-from .update import Update
+from .parallel.tp_comm import TPComm
+from .precision import autocast_context
+from .records import RunInfo, StepRecord, StepResult
 from .signals import Stopped, StopSignals
 from .topology import ParallelContext
 
 
 class InjectedFault(RuntimeError):
     """Raised by debug.fail_rank to test that a crashed rank ends the whole job."""
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        # Time the work, not the kernel launches. The compute stream only: a device-wide
-        # sync would also wait for an asynchronous pipeline's sends still pending on NCCL's
-        # stream, whose receives the peer posts only in its next step (a deadlock).
-        torch.cuda.current_stream(device).synchronize()
-    return time.time()
-
-
-class AccumulationRunner:
-    """pp = 1: the whole model on this rank, gradient accumulation, and over dp either DDP
-    (zero = 0) or ZeRO (framework/parallel/zero.py: units = the embedding with the head,
-    and each block)."""
-
-    is_async = False
-
-    def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker, tp_comm: TPComm):
-        self.run, self.ctx, self.tracker, self.tp_comm = run, ctx, tracker, tp_comm
-        self.module, self.chunks = model, [model]
-        stage = run.parallelism.zero
-        if stage:
-            units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
-            self.zero = (FSDP2(run, model, ctx, tracker) if run.parallelism.zero_impl == "fsdp2"  # the same units
-                         else Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
-                                   reduce_dtype=policy_of(run).reduce_dtype))
-            self.wrapped, self.params = model, self.zero.shards
-            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, policy_of(run))
-        else:
-            self.zero = None
-            if hasattr(model, "fill"):
-                model.fill(model.parameters())  # built on the meta device: the whole model is this rank's
-            self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype)
-            self.params = list(model.parameters())
-            self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
-        c, d = ctx.coords, ctx.dims
-        self.update = Update(run, self.optimizer, injects=c.dp == d.dp - 1 and c.tp == d.tp - 1)
-        # Final storages: ZeRO's flat buffers, if any. FSDP2's shards are never saved for
-        # backward; it names its gathered weights to the tracker itself.
-        tracker.set_params([] if isinstance(self.zero, FSDP2) else model.parameters())
-
-    def step(self, step: int, batch_of) -> StepResult:
-        dev, m = self.ctx.device, self.run.schedule.microbatches
-        self.update.set_lr(step)
-        weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed), else None
-        t1 = _now(dev)
-        loss_sum = torch.zeros((), device=dev)
-        if self.zero:
-            self.zero.start_step()
-        for j in range(m):
-            x, y = batch_of(j)
-            if self.zero:
-                self.zero.start_microbatch()
-            self.ctx.recorder.note(f"F+B mb{j} (tp collectives inside; the last one all-reduces over dp)")
-            with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
-                with self.tracker.forward(j), autocast_context(self.run, dev):
-                    loss = self.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
-                (loss if weight is None else loss * weight).backward()
-            if self.zero:
-                self.zero.finish_backward()
-            self.tracker.backward_done(j)
-            loss_sum = loss_sum + loss.detach()  # not +=: in place would round fp64 losses to fp32
-        t2 = _now(dev)
-        self.ctx.recorder.note("gradient sync (ZeRO / sequence parallel), clip (all_reduce), optimizer step", wait=True)
-        if self.zero:
-            self.zero.reduce_gradients()
-        if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
-            sync_replicated_grads(self.params, self.tp_comm)
-        grad_norm = clip_grad_norm(self.params, 0.0, tp_comm=self.tp_comm,  # the norm only: Update clips
-                                   dp_group=self.ctx.dp_group if self.zero else None)
-        grad_norm = self.update.apply(self.params, grad_norm, step)
-        if self.zero and not self.update.overflow:
-            self.zero.after_step()
-        t3 = _now(dev)
-        # untimed; gradients still held
-        states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
-                               else model_state_bytes(self.module, self.optimizer)))
-        states.master_bytes = master_bytes(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        # The loss is this dp rank's; the logging rank averages ranks at its gather.
-        return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
-                          states=states, **self.update.step_fields())
 
 
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step: int = 0):
@@ -184,13 +94,13 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
 def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> StepRecord:
     """`step`: steps done before this one (0-based, what the sampler and the lr read); the
     record carries the step's number, step + 1 (the one numbering users see)."""
-    t0 = _now(ctx.device)
+    t0 = now(ctx.device)
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
-    t1 = _now(ctx.device)
+    t1 = now(ctx.device)
     lr = lr_at(runner.update.lr_index(step), run)  # before the step: an overflow there moves the index
     out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
-    t2 = _now(ctx.device)
+    t2 = now(ctx.device)
     return StepRecord(step=step + 1, loss=out.loss, lr=lr, grad_norm=out.grad_norm,
                       loss_scale=out.loss_scale, overflow=out.overflow, skipped_steps=out.skipped_steps,
                       step_time_s=t2 - t0, data_s=t1 - t0, fwd_bwd_s=out.pipeline_s, optimizer_s=out.optimizer_s,

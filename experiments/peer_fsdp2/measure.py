@@ -135,9 +135,40 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def plot(results: dict, path: Path) -> None:
+    """peer_fsdp2.png: tokens/s (median, min - max) and the largest rank's model states per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in CASES if any((r["impl"], r["precision"], r["dp"], r["zero"]) == c for r in results["runs"])]
+    labels = [f"{i} {p}\ndp{d} z{z}" for i, p, d, z in cases]
+    parts = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes")
+    tps, lo, hi, states = [], [], [], []
+    for c in cases:
+        runs = [r for r in results["runs"] if (r["impl"], r["precision"], r["dp"], r["zero"]) == c]
+        t = [r["tokens_per_s"] for r in runs]
+        tps.append(_median(t))
+        lo.append(_median(t) - min(t))
+        hi.append(max(t) - _median(t))
+        states.append(max(sum(x.get(k, 0) for k in parts) for x in runs[0]["ranks"]) / MiB)
+    colours = ["#4292c6" if c[0] == "ours" else "#fd8d3c" for c in cases]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    a.bar(range(len(cases)), tps, yerr=[lo, hi], color=colours, capsize=3)
+    a.set(ylabel="tokens/s (median, min-max of repeats)", title="ours (blue) vs FSDP2 (orange), gpt2-tiny, 2 CPU cores, gloo")
+    b.bar(range(len(cases)), states, color=colours)
+    b.set(ylabel="model states, largest rank (MiB)")
+    b.set_xticks(range(len(cases)), labels, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--table"]:
-        print(table(json.loads(Path(sys.argv[2]).read_text())))
+        results = json.loads(Path(sys.argv[2]).read_text())
+        print(table(results))
+        plot(results, Path(__file__).with_name("peer_fsdp2.png"))
         return
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "outputs" / "peer_fsdp2")
     shim = tempfile.mkdtemp(prefix="comm_shim_")

@@ -63,3 +63,12 @@ class CudaEventClock:
 
 def clock_for(device: torch.device):
     return CudaEventClock(device) if device.type == "cuda" else HostClock()
+
+
+def now(device: torch.device) -> float:
+    if device.type == "cuda":
+        # Time the work, not the kernel launches. The compute stream only: a device-wide
+        # sync would also wait for an asynchronous pipeline's sends still pending on NCCL's
+        # stream, whose receives the peer posts only in its next step (a deadlock).
+        torch.cuda.current_stream(device).synchronize()
+    return time.time()

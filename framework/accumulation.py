@@ -1,0 +1,101 @@
+"""The pp = 1 runner: the whole model on this rank, gradient accumulation, and over dp DDP,
+our ZeRO (framework/parallel/zero.py) or FSDP2 (framework/parallel/fsdp2.py).
+
+One `step()` is one optimizer step: m micro-batches' forward and backward (DDP all-reduces
+on the last one only; ZeRO-2/3 and FSDP2 reduce-scatter per unit as its backward ends), then
+the gradient sync that remains, the global norm, and the update (framework/update.py:
+loss scaling, clipping, the master copy). Returns a `StepResult` (framework/records.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import master
+from .config import RunConfig
+from .metrics.clock import now
+from .metrics.memory import master_bytes, model_state_bytes
+from .parallel import data_parallel
+from .parallel.fsdp2 import FSDP2
+from .parallel.grads import clip_grad_norm
+from .parallel.tensor_parallel import sync_replicated_grads
+from .parallel.tp_comm import TPComm
+from .parallel.zero import Zero
+from .precision import autocast_context, policy_of
+from .records import StateBytes, StepResult
+from .topology import ParallelContext
+from .update import Update
+
+
+class AccumulationRunner:
+    """pp = 1: the whole model on this rank, gradient accumulation, and over dp either DDP
+    (zero = 0) or ZeRO (framework/parallel/zero.py: units = the embedding with the head,
+    and each block)."""
+
+    is_async = False
+
+    def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker, tp_comm: TPComm):
+        self.run, self.ctx, self.tracker, self.tp_comm = run, ctx, tracker, tp_comm
+        self.module, self.chunks = model, [model]
+        stage = run.parallelism.zero
+        if stage:
+            units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
+            self.zero = (FSDP2(run, model, ctx, tracker) if run.parallelism.zero_impl == "fsdp2"  # the same units
+                         else Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
+                                   reduce_dtype=policy_of(run).reduce_dtype))
+            self.wrapped, self.params = model, self.zero.shards
+            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, policy_of(run))
+        else:
+            self.zero = None
+            if hasattr(model, "fill"):
+                model.fill(model.parameters())  # built on the meta device: the whole model is this rank's
+            self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype)
+            self.params = list(model.parameters())
+            self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
+        c, d = ctx.coords, ctx.dims
+        self.update = Update(run, self.optimizer, injects=c.dp == d.dp - 1 and c.tp == d.tp - 1)
+        # Final storages: ZeRO's flat buffers, if any. FSDP2's shards are never saved for
+        # backward; it names its gathered weights to the tracker itself.
+        tracker.set_params([] if isinstance(self.zero, FSDP2) else model.parameters())
+
+    def step(self, step: int, batch_of) -> StepResult:
+        dev, m = self.ctx.device, self.run.schedule.microbatches
+        self.update.set_lr(step)
+        weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed), else None
+        t1 = now(dev)
+        loss_sum = torch.zeros((), device=dev)
+        if self.zero:
+            self.zero.start_step()
+        for j in range(m):
+            x, y = batch_of(j)
+            if self.zero:
+                self.zero.start_microbatch()
+            self.ctx.recorder.note(f"F+B mb{j} (tp collectives inside; the last one all-reduces over dp)")
+            with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
+                with self.tracker.forward(j), autocast_context(self.run, dev):
+                    loss = self.wrapped(x, y) / m  # mean over the step's tokens, as one big batch
+                (loss if weight is None else loss * weight).backward()
+            if self.zero:
+                self.zero.finish_backward()
+            self.tracker.backward_done(j)
+            loss_sum = loss_sum + loss.detach()  # not +=: in place would round fp64 losses to fp32
+        t2 = now(dev)
+        self.ctx.recorder.note("gradient sync (ZeRO / sequence parallel), clip (all_reduce), optimizer step", wait=True)
+        if self.zero:
+            self.zero.reduce_gradients()
+        if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
+            sync_replicated_grads(self.params, self.tp_comm)
+        grad_norm = clip_grad_norm(self.params, 0.0, tp_comm=self.tp_comm,  # the norm only: Update clips
+                                   dp_group=self.ctx.dp_group if self.zero else None)
+        grad_norm = self.update.apply(self.params, grad_norm, step)
+        if self.zero and not self.update.overflow:
+            self.zero.after_step()
+        t3 = now(dev)
+        # untimed; gradients still held
+        states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
+                               else model_state_bytes(self.module, self.optimizer)))
+        states.master_bytes = master_bytes(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        # The loss is this dp rank's; the logging rank averages ranks at its gather.
+        return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
+                          states=states, **self.update.step_fields())
