@@ -143,7 +143,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = [c for c in CASES if any((r["impl"], r["precision"], r["dp"], r["zero"]) == c for r in results["runs"])]
-    labels = [f"{i} {p}\ndp{d} z{z}" for i, p, d, z in cases]
+    labels = [f"{i}\n{p}\ndp{d} z{z}" for i, p, d, z in cases]
     parts = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes")
     tps, lo, hi, states = [], [], [], []
     for c in cases:
