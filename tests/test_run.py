@@ -73,7 +73,8 @@ def test_the_console_shows_the_first_step_and_run_log_holds_it(main_job):
     log = (job / "run.log").read_text().splitlines()
     banner = next(i for i, x in enumerate(log) if x.startswith("world 2 = dp 1 x tp 1 x pp 2 on cpu"))  # launcher's
     assert [x for x in log[banner:] if x.startswith("step ")] == steps  # rank 0's lines, after the banner
-    assert any(x.startswith("loss ") and "tokens/s" in x for x in log) and log[-1].startswith("  rank 1 ")
+    assert any(x.startswith("loss ") and "tokens/s" in x for x in log) and log[-2].startswith("  rank 1 ")
+    assert log[-1].startswith("    model states ") and "B measured | " in log[-1]  # measured, formula, paper
 
 
 def test_wandb_offline_run_reads_back(main_job):
