@@ -28,9 +28,19 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MoEConfig:
+    """Routed experts (model.arch=qwen3_moe; docs/moe.md). Ignored by dense architectures."""
+
+    experts: int = 4  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is sent to
+    expert_inner: Optional[int] = None  # an expert's MLP width; null = n_embd
+    norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1 (Qwen3-MoE, Mixtral)
+
+
+@dataclass
 class ModelConfig:
     name: str = "gpt2-tiny"
-    arch: str = "gpt2"  # gpt2 | llama
+    arch: str = "gpt2"  # gpt2 | llama | qwen3_moe
     n_layer: int = 2
     n_embd: int = 64
     n_head: int = 4
@@ -41,6 +51,7 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     pretrained: Optional[str] = None  # hub name or local path; weights replace random init
+    moe: MoEConfig = field(default_factory=MoEConfig)  # qwen3_moe: the routed experts
 
 
 @dataclass

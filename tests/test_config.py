@@ -20,7 +20,7 @@ from .conftest import ROOT, assert_config_error, compose, run_cli
 WORLD = {"single": 1, "dp2": 2, "dp4": 4, "pp2": 2, "pp4": 4, "dp2_pp2": 4, "tp2": 2, "tp4": 4, "tp2_pp2": 4,
          "3d_2x2x2": 8, "zero1": 2, "zero2": 2, "zero3": 2, "3d_zero1": 8}
 GROUPS = {
-    "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny"],
+    "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny", "moe-tiny", "moe-mixtral"],
     "data": ["pycode", "synthetic", "hf"],
     "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2",
                     "zero1", "zero2", "zero3", "3d_zero1"],
@@ -313,7 +313,7 @@ def test_checkpoint_config_must_be_json_with_a_model_type(checkpoint, tmp_path):
     (bad / "config.json").write_text(json.dumps({"n_embd": 16}))
     assert "config.json has no model_type" in _pretrained_error(bad)
     (bad / "config.json").write_text(json.dumps({"model_type": "mpt"}))
-    assert "is a mpt model (config.json), not model.arch=gpt2. Fix: use a gpt2 or llama checkpoint" in \
+    assert "is a mpt model (config.json), not model.arch=gpt2. Fix: use a gpt2 or llama or qwen3_moe checkpoint" in \
         _pretrained_error(bad)
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert "is a llama model (config.json), not model.arch=gpt2. Fix: use model.arch=llama" in _pretrained_error(bad)

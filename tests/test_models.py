@@ -4,13 +4,15 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from framework.config import ModelConfig
+from framework.config import ModelConfig, MoEConfig
 from framework.models import build_model, lm_loss
 
 CONFIGS = {
     "gpt2": ModelConfig(arch="gpt2", n_layer=3, n_embd=48, n_head=4, max_positions=64),
     "llama": ModelConfig(arch="llama", n_layer=3, n_embd=48, n_head=4, n_kv_head=2, n_inner=96,
                          max_positions=64, tie_embeddings=False),
+    "qwen3_moe": ModelConfig(arch="qwen3_moe", n_layer=3, n_embd=48, n_head=4, n_kv_head=2, max_positions=64,
+                             tie_embeddings=False, moe=MoEConfig(experts=4, top_k=2, expert_inner=32)),
 }
 
 

@@ -9,7 +9,9 @@ position embeddings are lookups, no matmul), as torchtitan's
 get_dense_model_nparams_and_flops does: Llama's untied embed_tokens is left out, its
 lm_head counted; GPT-2's tied wte counts once, through the LM head matmul it also serves.
 Norm weights and biases are counted (as nanoGPT does; they are <1% of N). For GPT-2 124M
-at s = 1024 this gives nanoGPT's 855,166,464 FLOPs per token. Activation recomputation is
+at s = 1024 this gives nanoGPT's 855,166,464 FLOPs per token. Mixture-of-Experts models count
+active parameters: a token runs top_k of each layer's E routed experts, so the routed
+experts count k / E of their parameters (`inactive_expert_params`). Activation recomputation is
 not counted: this is *model* FLOPs, so checkpointed runs show lower MFU. The peak it is
 divided by: framework/metrics/peak.py.
 """
@@ -30,7 +32,23 @@ def matmul_params(model: nn.Module) -> int:
     """
     used = {id(p): p for m in model.modules() if not isinstance(m, nn.Embedding)
             for p in m.parameters(recurse=False)}
-    return sum(p.numel() for p in used.values())
+    n = sum(p.numel() for p in used.values())
+    return n - inactive_expert_params(model)
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Routed-expert parameters a token does not use: each token runs top_k of the E routed
+    experts of a layer, so of the routed experts' R parameters only R k / E are active (the
+    router, attention, norms and any shared expert are active for every token). 0 for dense
+    models. Read from the transformers config (num_experts / num_local_experts,
+    num_experts_per_tok) and the fused experts' names (`*.experts.*`)."""
+    c = getattr(model, "config", None)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    k = getattr(c, "num_experts_per_tok", None)
+    if not experts or not k:
+        return 0
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return routed * (experts - k) // experts
 
 
 def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:

@@ -11,12 +11,12 @@ import torch
 
 from ..config import ModelConfig
 from ..precision import policy_of
-from . import gpt2, llama
+from . import gpt2, llama, qwen3_moe
 from .checks import HF_MODEL_TYPES, check_model_type, check_tp_sizes
 from .materialise import PretrainedWeights, RandomInit, materialise, materialise_buffers
 from .split import SplitLM, lm_loss
 
-ARCHS = {"gpt2": gpt2, "llama": llama}
+ARCHS = {"gpt2": gpt2, "llama": llama, "qwen3_moe": qwen3_moe}
 
 
 def param_dtype(precision: str) -> torch.dtype:

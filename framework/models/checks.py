@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
 
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # model.arch -> transformers' model_type
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen3_moe": "qwen3_moe"}  # model.arch -> transformers' model_type
 
 
 def check_model_type(m: ModelConfig, found: str) -> None:

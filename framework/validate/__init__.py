@@ -30,7 +30,7 @@ __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", 
            "check_model_type", "local_data_files", "check_rank_env", "check_job_dir", "cpu_rank_limit",
            "safetensors_problem", "first_line"]
 
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "qwen3_moe")
 DATASETS = ("pycode", "synthetic", "hf")
 DEVICES = ("auto", "cpu", "cuda")
 LAUNCHERS = ("local", "external")
@@ -105,6 +105,20 @@ def _tensor_parallel(run: RunConfig) -> None:
                           f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
 
 
+def _moe(run: RunConfig) -> None:
+    e = run.model.moe
+    positive("model.moe.experts", e.experts)
+    if not 1 <= e.top_k <= e.experts:
+        raise ConfigError("model.moe.top_k", e.top_k, f"must lie in [1, model.moe.experts={e.experts}]",
+                          "e.g. model.moe.top_k=2")
+    if e.expert_inner is not None:
+        positive("model.moe.expert_inner", e.expert_inner)
+    if run.parallelism.tp > 1:
+        raise ConfigError("parallelism.tp", run.parallelism.tp, "routed experts are not split over tensor-parallel "
+                          "ranks yet (expert parallelism is planned: docs/moe.md)",
+                          "use parallelism.tp=1 with model.arch=qwen3_moe (dp, pp and ZeRO compose)")
+
+
 def _trainer(run: RunConfig) -> None:
     t = run.trainer
     positive("trainer.steps", t.steps)
@@ -149,12 +163,14 @@ def _model(run: RunConfig) -> None:
                           "pick n_head that divides n_embd")
     if m.n_kv_head is not None:
         positive("model.n_kv_head", m.n_kv_head)
-        if m.arch != "llama" or m.n_head % m.n_kv_head:
+        if m.arch == "gpt2" or m.n_head % m.n_kv_head:
             raise ConfigError("model.n_kv_head", m.n_kv_head,
-                              f"key-value heads need arch=llama and must divide n_head={m.n_head}",
+                              f"key-value heads need arch=llama or qwen3_moe and must divide n_head={m.n_head}",
                               "pick a divisor of n_head, or null")
     if m.vocab_size is not None:
         positive("model.vocab_size", m.vocab_size)
+    if m.arch == "qwen3_moe":
+        _moe(run)
     number("model.dropout", m.dropout, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
             "use 0 for exact runs")
 
