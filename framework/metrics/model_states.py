@@ -36,11 +36,6 @@ def optimizer_state_ratio(spec: dict) -> float:
     return _probe(spec)[0]
 
 
-def optimizer_scalar_bytes(spec: dict) -> int:
-    """Bytes of the 0-d states the optimizer keeps per stepped tensor (AdamW's step: 4)."""
-    return _probe(spec)[1]
-
-
 def _probe(spec: dict) -> tuple[float, int]:
     from ..optim import build_optimizer
 

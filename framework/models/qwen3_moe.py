@@ -22,8 +22,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
 
 from ..config import ModelConfig, MoEConfig
-from .llama import LlamaEmbedding, LlamaHead, _rms_norm
-from .split import HFBlock, SplitLM
+from .llama import _rms_norm
+from .llama import split as llama_split
 
 
 def hf_config(m: ModelConfig, vocab_size: int) -> Qwen3MoeConfig:
@@ -73,10 +73,8 @@ def keep_dtype(model: Qwen3MoeForCausalLM) -> None:
             module.forward = types.MethodType(_router, module)
 
 
-def split(model: Qwen3MoeForCausalLM, checkpoint_blocks: bool = False) -> SplitLM:
-    inner = model.model
-    return SplitLM(LlamaEmbedding(inner.embed_tokens), [HFBlock(b, inner.rotary_emb) for b in inner.layers],
-                   LlamaHead(inner.norm, model.lm_head), hf_model=model, checkpoint_blocks=checkpoint_blocks)
+# Llama's split: the same module names (embed_tokens, layers with the shared rotary, norm, lm_head).
+split = llama_split
 
 
 MODEL_CLASS = Qwen3MoeForCausalLM
@@ -89,11 +87,3 @@ def localize_heads(attn, tp: int) -> None:
 
 def tp_sizes(c) -> dict[str, int]:
     return {"model.n_head": c.num_attention_heads, "model.n_kv_head": c.num_key_value_heads}
-
-
-def expert_params(model) -> tuple[int, int, int]:
-    """(routed-expert parameters, experts per MoE layer, top-k) of a transformers Qwen3-MoE
-    model: what FLOPs per token scale by k / E (framework/metrics/flops.py)."""
-    c = model.config
-    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    return routed, c.num_experts, c.num_experts_per_tok
