@@ -16,6 +16,7 @@ from .config import RunConfig
 from .metrics.clock import now
 from .metrics.memory import master_bytes, model_state_bytes
 from .parallel import data_parallel
+from .parallel.expert_parallel import expert_params, reduce_expert_grads
 from .parallel.fsdp2 import FSDP2
 from .parallel.grads import clip_grad_norm
 from .parallel.tensor_parallel import sync_replicated_grads
@@ -49,7 +50,8 @@ class AccumulationRunner:
             self.zero = None
             if hasattr(model, "fill"):
                 model.fill(model.parameters())  # built on the meta device: the whole model is this rank's
-            self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype)
+            self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype,
+                                              ignore=expert_params(model.parameters()))  # reduced over edp
             self.params = list(model.parameters())
             self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
         c, d = ctx.coords, ctx.dims
@@ -83,10 +85,13 @@ class AccumulationRunner:
         self.ctx.recorder.note("gradient sync (ZeRO / sequence parallel), clip (all_reduce), optimizer step", wait=True)
         if self.zero:
             self.zero.reduce_gradients()
-        if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
-            sync_replicated_grads(self.params, self.tp_comm)
+        else:
+            reduce_expert_grads(self.params, self.ctx, policy_of(self.run).reduce_dtype)
+        if self.tp_comm.size > 1:
+            sync_replicated_grads(self.params, self.tp_comm, self.run.parallelism.sequence_parallel)
         grad_norm = clip_grad_norm(self.params, 0.0, tp_comm=self.tp_comm,  # the norm only: Update clips
-                                   dp_group=self.ctx.dp_group if self.zero else None)
+                                   dp_group=self.ctx.dp_group if self.zero else None,
+                                   ep_group=None if self.zero else self.ctx.ep_group)
         grad_norm = self.update.apply(self.params, grad_norm, step)
         if self.zero and not self.update.overflow:
             self.zero.after_step()

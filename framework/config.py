@@ -83,6 +83,7 @@ class ParallelismConfig:
     dp: Optional[int] = 1  # null = world_size / (tp * pp) (a layout search fixes the world size)
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks carved out of dp (docs/moe.md)
     zero: int = 0
     zero_impl: str = "ours"  # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)

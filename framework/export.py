@@ -60,9 +60,12 @@ def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] =
     zero = getattr(runner, "zero", None)
     if zero is not None and (zero.stage == 3 or getattr(zero, "sharded_between_steps", False)):
         zero.gather_all()  # parameters are sharded over dp between steps (FSDP2: at zero 2 too)
-    # Every tp rank of dp replica 0 joins the gather of its shards; tp rank 0 contributes them.
-    part = stage_state_dict(full, runner.chunks, runner.tp_comm) if ctx.coords.dp == 0 else {}
-    part = part if ctx.coords.tp == 0 else {}
+    # Every tp rank of dp replica 0 joins the gather of its shards, every ep rank of it (the
+    # first dp ranks) the gather of the experts; tp rank 0 of dp rank 0 contributes them.
+    c = ctx.coords
+    part = (stage_state_dict(full, runner.chunks, runner.tp_comm, getattr(full, "ep_comm", None))
+            if ctx.dims.edp_rank(c) == 0 else {})
+    part = part if c.tp == 0 and c.dp == 0 else {}
     parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
     dist.gather_object(part, parts, dst=0, group=ctx.log_group)  # CPU objects: gloo under NCCL too
     if ctx.rank == 0:

@@ -28,16 +28,22 @@ from .topology import ParallelDims
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
 
 
-def _counter(run: RunConfig, hf_model: nn.Module):
-    """Elements of a module's parameters on one tp rank."""
-    tp = run.parallelism.tp
+def _counter(run: RunConfig, hf_model: nn.Module, experts_only: bool = False):
+    """Elements of a module's parameters on one tp (and ep) rank; `experts_only`: of its
+    routed experts only (split over ep, and ZeRO-sharded over edp)."""
+    tp, ep = run.parallelism.tp, run.parallelism.ep
     shards = shard_numels(hf_model, ARCHS[run.model.arch].TP_PLAN, tp) if tp > 1 else {}
-    return lambda params: sum(shards.get(id(p), p.numel()) for p in params)
+    experts = {id(q) for m in hf_model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")
+               for q in m.parameters()}
+    for q in hf_model.parameters():
+        if id(q) in experts:
+            shards[id(q)] = q.numel() // ep
+    return lambda params: sum(shards.get(id(q), q.numel()) for q in params if not experts_only or id(q) in experts)
 
 
 def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> list[dict]:
     split = ARCHS[run.model.arch].split(hf_model)
-    count = _counter(run, hf_model)
+    count, count_experts = _counter(run, hf_model), _counter(run, hf_model, experts_only=True)
     emb, head = count(split.embedding.parameters()), count(split.head.parameters())
     out_w = count([hf_model.get_output_embeddings().weight])
     tied = run.model.tie_embeddings
@@ -51,7 +57,8 @@ def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> lis
         if last:  # a tied weight on a rank that also holds the first stage (a V) is counted there
             n += head + (out_w if tied and not first and smap.rank(s) != 0 else 0)
         stages.append({"stage": s, "pp_rank": smap.rank(s), "chunk": smap.chunk(s), "blocks": [r.start, r.stop - 1],
-                       "embedding": first, "head": last, "params": n})
+                       "embedding": first, "head": last, "params": n,
+                       "expert_params": sum(count_experts(split.blocks[i].parameters()) for i in r)})
     return stages
 
 
@@ -74,27 +81,34 @@ def draw_layout(dims: ParallelDims) -> str:
 
 def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     p, s = run.parallelism, run.schedule
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep)
     stages = stage_table(run, hf_model, ranges)
     ratio = optimizer_state_ratio(run.optimizer)
     memory = []
     for rank in range(p.pp):  # a rank holds its v chunks
         n = sum(st["params"] for st in stages if st["pp_rank"] == rank)
+        e = sum(st["expert_params"] for st in stages if st["pp_rank"] == rank)  # of n; sharded over edp
         # This configuration's formula (the precision policy's dtypes, master copies, ZeRO over
-        # dp) for the rank's n parameters, as one unit: no per-unit padding, no step counters
-        # (each under dp elements / a few bytes per tensor; summary.json has the exact value).
-        est = config_model_states(p.zero, [n], p.dp, policy_of(run), ratio, offload=p.offload_optimizer)
-        bf16 = sum(zero_model_states(p.zero, n, p.dp, ratio, bf16=True).values())
-        memory.append({"pp_rank": rank, "psi": n, **est, "model_state_bytes": sum(est.values()),
+        # dp, the experts' over edp) for the rank's n parameters, as one unit each: no per-unit
+        # padding, no step counters (each under dp elements / a few bytes per tensor;
+        # summary.json has the exact value).
+        est = {k: a + b for (k, a), b in zip(
+            config_model_states(p.zero, [n - e], p.dp, policy_of(run), ratio, offload=p.offload_optimizer).items(),
+            config_model_states(p.zero, [e], p.dp // p.ep, policy_of(run), ratio,
+                                offload=p.offload_optimizer).values(), strict=True)}
+        bf16 = sum(zero_model_states(p.zero, n - e, p.dp, ratio, bf16=True).values()) + \
+            sum(zero_model_states(p.zero, e, p.dp // p.ep, ratio, bf16=True).values())
+        memory.append({"pp_rank": rank, "psi": n, "expert_psi": e, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})
     sched = resolve(s)
     lists = sched.generate(p.pp, s.microbatches, s.virtual_stages, 2)
     smap = sched.stage_map(p.pp, s.virtual_stages)
     schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
     return {
-        "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp}, "zero": p.zero,
+        "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp, "ep": p.ep}, "zero": p.zero,
         "precision": policy_of(run).mode,
-        "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp")}, "layout": draw_layout(dims),
+        "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp") + (("ep", "edp") if p.ep > 1 else ())},
+        "layout": draw_layout(dims),
         "stages": stages, "schedule": {"name": s.name, "microbatches": s.microbatches,
                                        "virtual_stages": s.virtual_stages},
         "bubble_fraction_analytic": analytic_bubble(sched, p.pp, s.microbatches, s.virtual_stages,

@@ -3,6 +3,12 @@
 Ranks are laid out as `arange(world).view(pp, dp, tp)`, as in Megatron-LM's model-parallel
 unit: tp innermost so tensor-parallel peers are neighbouring ranks (same node, fastest
 links), then dp, then pp outermost. This is the only place that layout is written.
+
+Expert parallelism is carved out of dp (Megatron's order tp-cp-ep-dp-pp with expert tp =
+tp): dp rank = edp_rank * ep + ep_rank, so an `ep` group is ep consecutive dp ranks (the
+experts of a MoE layer are split over it) and an `edp` group (expert data parallel: the
+ranks holding the same experts) strides by ep through dp. ep = 1: each ep group is one rank
+and edp is dp.
 `ParallelDims` is pure (no torch.distributed) so the rank math is testable without
 processes; `ParallelContext.create` builds the process groups from it, once per rank, and
 the context is passed explicitly to every wrapper (no module-level state).
@@ -28,11 +34,25 @@ class ParallelDims:
     pp: int
     dp: int
     tp: int
+    ep: int = 1  # expert parallel size: divides dp
 
     def __post_init__(self):
-        for k in ("pp", "dp", "tp"):
+        for k in ("pp", "dp", "tp", "ep"):
             if getattr(self, k) < 1:
                 raise ValueError(f"ParallelDims.{k}={getattr(self, k)} must be >= 1")
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelDims.ep={self.ep} must divide dp={self.dp}")
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: the replicas of each expert."""
+        return self.dp // self.ep
+
+    def ep_rank(self, c: Coords) -> int:
+        return c.dp % self.ep
+
+    def edp_rank(self, c: Coords) -> int:
+        return c.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -50,10 +70,15 @@ class ParallelDims:
         return Coords(pp=pp, dp=dp, tp=tp)
 
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group of `dim` ('tp' | 'dp' | 'pp'): ranks that differ only in that coordinate."""
+        """Every group of `dim` ('tp' | 'dp' | 'pp' | 'ep' | 'edp'): ranks that differ only in
+        that coordinate (ep and edp: the two parts of the dp coordinate)."""
+        if dim in ("ep", "edp"):
+            inner = dim == "ep"
+            return sorted(g[j * self.ep:(j + 1) * self.ep] if inner else g[j::self.ep]
+                          for g in self.groups("dp") for j in range(self.edp if inner else self.ep))
         sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         if dim not in sizes:
-            raise ValueError(f"unknown dimension {dim!r}; use pp, dp or tp")
+            raise ValueError(f"unknown dimension {dim!r}; use pp, dp, tp, ep or edp")
         others = [d for d in ("pp", "dp", "tp") if d != dim]
         out = []
         for a in range(sizes[others[0]]):
@@ -97,6 +122,16 @@ class ParallelContext:
         return self.groups["pp"]
 
     @property
+    def ep_group(self):
+        """Expert parallel: the ranks a MoE layer's experts are split over (None when ep = 1)."""
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self):
+        """Expert data parallel: the ranks holding the same experts (dp's group when ep = 1)."""
+        return self.groups["edp"] if self.dims.ep > 1 else self.groups["dp"]
+
+    @property
     def log_group(self):
         """The logging rank's gathers: gloo over the world (None = the default group when
         that is gloo already). Under NCCL a gather on the default communicator would queue
@@ -109,7 +144,8 @@ class ParallelContext:
         import torch.distributed as dist
 
         groups, members = {}, {}
-        for dim in ("pp", "dp", "tp", "embedding"):
+        dims_made = ("pp", "dp", "tp", "embedding") + (("ep", "edp") if dims.ep > 1 else ())
+        for dim in dims_made:
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the one it belongs to.
             for ranks in dims.groups(dim) if dim != "embedding" else dims.embedding_groups():

@@ -34,6 +34,7 @@ from .metrics.model_states import formula_report
 from .metrics.peak import resolve_rank_peak
 from .models import build_model
 from .optim import lr_at
+from .parallel.expert_parallel import EPComm
 from .parallel.pipeline.runner import PipelineRunner
 from .parallel.pipeline.schedules import Op
 from .parallel.tp_comm import TPComm
@@ -50,11 +51,13 @@ class InjectedFault(RuntimeError):
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step: int = 0):
     vocab = run.model.vocab_size or info.vocab_size
     tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp)
+    d = ctx.dims
+    ep_comm = EPComm(ctx.ep_group, d.ep, d.ep_rank(ctx.coords), ctx.device) if d.ep > 1 else None
     # On the meta device: the runner materialises what this rank keeps (its stages, its tp
     # shards, ZeRO unit by unit), never the whole model (framework/models/materialise.py).
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
                         tp_comm, run.parallelism.sequence_parallel, run.trainer.precision, on_meta=True,
-                        whole_first=run.debug.materialise_whole)
+                        whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):

@@ -77,9 +77,16 @@ def test_moe_layouts_reproduce_the_single_process_in_fp64(moe_runs, layout):
     assert any(".mlp.experts.gate_up_proj" in k for k in moe_runs[layout][1])  # the experts trained and exported
 
 
-def test_what_is_not_built_yet_is_rejected():
-    assert_config_error(["model=moe-tiny", "parallelism=tp2"], "parallelism.tp=2", "not split over tensor-parallel")
+def test_bad_moe_and_ep_keys_are_rejected_before_launch():
     assert_config_error(["model=moe-tiny", "model.moe.top_k=5"], "model.moe.top_k=5", "must lie in [1,")
+    assert_config_error(["model=llama-tiny", "parallelism=dp2", "parallelism.ep=2"], "parallelism.ep=2",
+                        "has none")
+    assert_config_error(["model=moe-tiny", "parallelism=dp4", "parallelism.ep=3"], "parallelism.ep=3",
+                        "must divide parallelism.dp=4")
+    assert_config_error(["model=moe-tiny", "parallelism=dp4", "parallelism.ep=4", "model.moe.experts=6"],
+                        "parallelism.ep=4", "must divide model.moe.experts=6")
+    assert_config_error(["model=moe-tiny", "parallelism=zero3", "parallelism.zero_impl=fsdp2", "parallelism.ep=2"],
+                        "parallelism.zero_impl='fsdp2'", "expert dp")
 
 
 def test_the_mixtral_shaped_preset_plans(tmp_path):

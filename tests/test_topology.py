@@ -41,4 +41,59 @@ def test_bad_dims_and_ranks_are_errors():
     with pytest.raises(ValueError, match="outside world size 4"):
         ParallelDims(pp=1, dp=4, tp=1).coords(4)
     with pytest.raises(ValueError, match="unknown dimension"):
-        ParallelDims(pp=1, dp=1, tp=1).groups("ep")
+        ParallelDims(pp=1, dp=1, tp=1).groups("cp")
+
+
+def _megatron_groups(world: int, sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Megatron-core's `generate_masked_orthogonal_rank_groups` (parallel_state.py), written
+    out here as the outside reference: the groups of the masked dimensions of `sizes`
+    (innermost first, in its `order` string)."""
+    def prefix_product(a):
+        out = [1]
+        for v in a:
+            out.append(out[-1] * v)
+        return out
+
+    def decompose(index, shape):
+        return [(index // d) % s for s, d in zip(shape, prefix_product(shape))]
+
+    stride = prefix_product(sizes)
+    masked = [s for s, m in zip(sizes, mask) if m]
+    unmasked = [s for s, m in zip(sizes, mask) if not m]
+    m_stride = [d for d, m in zip(stride, mask) if m]
+    u_stride = [d for d, m in zip(stride, mask) if not m]
+    size = prefix_product(masked)[-1]
+    groups = []
+    for gi in range(world // size):
+        g_idx = decompose(gi, unmasked)
+        groups.append([sum(a * b for a, b in zip(decompose(r, masked), m_stride))
+                       + sum(a * b for a, b in zip(g_idx, u_stride)) for r in range(size)])
+    return groups
+
+
+@pytest.mark.parametrize("pp,dp,tp,ep", [(1, 2, 1, 2), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 2, 2), (2, 8, 1, 4),
+                                         (3, 6, 2, 3)])
+def test_ep_and_expert_dp_groups_are_megatrons(pp, dp, tp, ep):
+    """Megatron's expert rank generator (order tp-cp-ep-dp-pp, expert tp = tp, cp = 1, expert
+    dp = dp / ep) gives the same ep and expert-dp groups, and the dense generator (ep = 1)
+    the same tp / dp / pp groups."""
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp, ep=ep)
+    world = dims.world_size
+    expert_sizes = [tp, 1, ep, dp // ep, pp]  # tp-cp-ep-dp-pp
+    assert dims.groups("ep") == sorted(_megatron_groups(world, expert_sizes, [False, False, True, False, False]))
+    assert dims.groups("edp") == sorted(_megatron_groups(world, expert_sizes, [False, False, False, True, False]))
+    dense_sizes = [tp, 1, 1, dp, pp]
+    for dim, i in (("tp", 0), ("dp", 3), ("pp", 4)):
+        mask = [j == i for j in range(5)]
+        assert dims.groups(dim) == sorted(_megatron_groups(world, dense_sizes, mask))
+    for r in range(world):  # each ep group: consecutive dp ranks; edp strides by ep through dp
+        c = dims.coords(r)
+        assert dims.ep_rank(c) * 1 + dims.edp_rank(c) * ep == c.dp
+
+
+def test_eight_ranks_ep2_groups_by_hand():
+    dims = ParallelDims(pp=1, dp=4, tp=2, ep=2)
+    assert dims.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        ParallelDims(pp=1, dp=4, tp=1, ep=3)

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..master import MasterOptimizer, master_of
+from ..parallel.expert_parallel import is_expert, shard_spec
 from ..parallel.fsdp2 import chunk_start, local
 from ..parallel.zero import FlatUnit
 
@@ -87,7 +88,7 @@ def slots(runner, hf_model) -> tuple[torch.optim.Optimizer, list[Slot]]:
 
 
 def global_shape(piece: Piece) -> torch.Size:
-    spec = getattr(piece.param, "tp_shard", None)
+    spec = shard_spec(piece.param)
     shape = list(piece.param.shape)
     if spec is not None:
         shape[spec.dim] = spec.full_size
@@ -138,7 +139,7 @@ def piece_boxes(piece: Piece, flat: torch.Tensor, lo: int, hi: int) -> list[tupl
     """The piece's elements [lo, hi) (row-major, in its local shape), whose values are
     `flat` (hi - lo elements), as (global offsets, view) boxes."""
     shape = tuple(piece.param.shape)
-    spec = getattr(piece.param, "tp_shard", None)
+    spec = shard_spec(piece.param)
     out = []
     at = 0
     for offs, sizes in flat_boxes(shape, lo, hi):
@@ -253,8 +254,8 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
     def skip(piece: Piece, slot: Slot) -> bool:
         if not writers_only:
             return False
-        if slot.unit is None and slot.first is None and c.dp != 0:
-            return True  # a dp replica
+        if slot.unit is None and slot.first is None and (ctx.dims.edp_rank(c) if is_expert(piece.param) else c.dp):
+            return True  # a dp replica (an expert's: an edp replica)
         if getattr(piece.param, "tp_shard", None) is None and c.tp != 0:
             return True  # replicated over tp
         return tied is not None and piece.param is tied and c.pp != 0  # the head's copy of the embedding

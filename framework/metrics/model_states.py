@@ -83,24 +83,34 @@ def zero_model_states(stage: int, psi: int, n: int, state_ratio: float, bf16: bo
             "optimizer_bytes": k * psi / (n if stage >= 1 else 1)}
 
 
-def stepped_numels(runner) -> list[int]:
+def stepped_numels(runner, experts: bool = False) -> list[int]:
     """The element counts `config_model_states` takes: ZeRO's flat units, else the parameters
-    the optimizer steps."""
+    the optimizer steps; `experts`: only the expert-parallel ones (ZeRO shards them over edp),
+    else only the others."""
+    from ..parallel.expert_parallel import is_expert
+
     zero = getattr(runner, "zero", None)
     if zero is not None and hasattr(zero, "flat"):
-        return [sum(p.numel() for p in f.params) for f in zero.flat]
+        return [sum(p.numel() for p in f.params) for f in zero.flat if is_expert(f.shard) == experts]
     if zero is not None:  # FSDP2: each parameter (global numel), sharded by dim-0 rows, not elements
-        return [p.numel() for p in zero.shards]
-    return [p.numel() for p in runner.params]
+        return [] if experts else [p.numel() for p in zero.shards]  # (expert parallelism: ours only)
+    return [p.numel() for p in runner.params if is_expert(p) == experts]
+
+
+def _added(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 def formula_report(runner, run) -> dict:
     """summary.json's formula keys for one rank: psi (its tp / pp part's parameters), this
     configuration's exact formula (in all and by component) and the paper's two forms."""
+    from ..parallel.expert_parallel import is_expert
     from ..precision import policy_of
 
     p = run.parallelism
-    psi = sum(q.numel() for q in runner.module.parameters())
+    edp = p.dp // p.ep  # expert parallel experts are replicated (and ZeRO-sharded) over edp
+    psi_experts = sum(q.numel() for q in runner.module.parameters() if is_expert(q))
+    psi = sum(q.numel() for q in runner.module.parameters()) - psi_experts
     ratio, scalars = _probe(run.optimizer)
     policy, stage = policy_of(run), p.zero
     if p.zero_impl == "fsdp2":
@@ -109,11 +119,17 @@ def formula_report(runner, run) -> dict:
         # padding is by dim-0 rows, so this is exact only where rows divide by dp.
         stage = 3
         policy = replace(policy, param_dtype=policy.state_dtype, master_dtype=None)
-    exact = config_model_states(stage, stepped_numels(runner), p.dp, policy, ratio, scalars,
-                                p.offload_optimizer)
+    exact = _added(config_model_states(stage, stepped_numels(runner), p.dp, policy, ratio, scalars,
+                                       p.offload_optimizer),
+                   config_model_states(stage, stepped_numels(runner, experts=True), edp, policy, ratio, scalars,
+                                       p.offload_optimizer))
     policy = policy_of(run)
-    mixed = sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values())
-    full = sum(zero_model_states(p.zero, psi, p.dp, ratio, word=bytes_of(policy.state_dtype)).values())
+    mixed = sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()) + \
+        sum(zero_model_states(p.zero, psi_experts, edp, ratio, bf16=True).values())
+    word = bytes_of(policy.state_dtype)
+    full = sum(zero_model_states(p.zero, psi, p.dp, ratio, word=word).values()) + \
+        sum(zero_model_states(p.zero, psi_experts, edp, ratio, word=word).values())
+    psi += psi_experts
     return {"psi": psi, "model_state_formula_bytes": sum(exact.values()), "model_state_formula": exact,
             # the paper's form of this mode: 2 + 2 + 12 with master weights, else 4 + 4 + 8 (fp64: 8 + 8 + 16)
             "model_state_formula_paper_bytes": mixed if policy.mixed else full,

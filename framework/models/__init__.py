@@ -99,7 +99,7 @@ def build_hf_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", pre
 
 def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkpoint_blocks: bool = False,
                 tp_comm=None, sequence_parallel: bool = False, precision: str = "fp32",
-                on_meta: bool = False, whole_first: bool = False) -> SplitLM:
+                on_meta: bool = False, whole_first: bool = False, ep_comm=None) -> SplitLM:
     """The model split into embedding | blocks | head; with `tp_comm` (a TPComm of size > 1)
     the architecture's TP plan is applied first, so every rank shards the very weights the
     single-process run starts from.
@@ -107,7 +107,9 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     `on_meta`: parameters stay on the meta device and the caller materialises the ones it
     keeps with `model.fill(params)` (the pipeline stage; ZeRO unit by unit); buffers are
     made here. Otherwise every parameter gets its values. `whole_first`: every parameter
-    gets its values before tp sharding (debug.materialise_whole: the old start-up)."""
+    gets its values before tp sharding (debug.materialise_whole: the old start-up).
+    `ep_comm` (an EPComm of size > 1): the experts of every MoE layer are split over it
+    (framework/parallel/expert_parallel.py) before anything is materialised."""
     arch = ARCHS[m.arch]
     hf = meta_hf_model(m, vocab_size, precision)
     # Train mode only matters for dropout; from_pretrained returns eval mode, random init train.
@@ -116,6 +118,8 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     values = values_for(m, vocab_size, seed)
     if whole_first:
         materialise(hf, hf.parameters(), values, device)
+    if ep_comm is not None and ep_comm.size > 1:
+        arch.apply_ep(hf, ep_comm)
     if tp_comm is None or tp_comm.size == 1:
         model = arch.split(hf, checkpoint_blocks)
     else:
@@ -133,6 +137,7 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     # model.fill(params): give these (meta) parameters their values on `device`; a no-op for
     # parameters that have them. Runners call it for what they keep (pipeline stages, ZeRO units).
     model.fill = functools.partial(materialise, hf, values=values, device=device)
+    model.ep_comm = ep_comm
     if not on_meta:
         model.fill(hf.parameters())
     return model

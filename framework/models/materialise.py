@@ -33,9 +33,10 @@ def _seed_of(seed: int, name: str) -> int:
 
 
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    from ..parallel.expert_parallel import shard_spec
     from ..parallel.tensor_parallel import shard_tensor
 
-    spec = getattr(p, "tp_shard", None)
+    spec = shard_spec(p)
     return shard_tensor(full, spec) if spec is not None else full
 
 
@@ -93,10 +94,12 @@ class PretrainedWeights:
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
         from safetensors import safe_open
 
+        from ..parallel.expert_parallel import shard_spec
+
         key = self._key(name)
         with safe_open(self.files[key], "pt") as f:
             sl = f.get_slice(key)
-            spec = getattr(p, "tp_shard", None)
+            spec = shard_spec(p)
             if spec is None:
                 return sl[:]  # a tensor of its own, read from the mapped file
             return _read_rows(sl, spec, len(sl.get_shape()))

@@ -8,20 +8,26 @@ softmax over `model.moe.experts` logits, the k largest, renormalised to sum to 1
 q / k norms, so the split is Llama's: embed_tokens | decoder layers with the shared rotary
 embedding | norm + lm_head.
 
-Expert parallelism, tensor parallelism of the experts and MoE metrics are not built yet
-(issue 22): validation rejects tp > 1 with this architecture.
+Expert parallelism (`apply_ep`): each sparse block's experts are split over the ep group and
+its forward becomes framework/parallel/expert_parallel.py's dispatch / combine. Tensor
+parallelism splits attention as Llama's plan does; the MoE block is not split over tp (its
+experts and router are replicated over tp, like the norms).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeRMSNorm, Qwen3MoeSparseMoeBlock,
+                                                               Qwen3MoeTopKRouter)
 
 from ..config import ModelConfig, MoEConfig
+from ..parallel.expert_parallel import moe_forward, shard_experts
+from . import llama
 from .llama import _rms_norm
 from .llama import split as llama_split
 
@@ -78,11 +84,19 @@ split = llama_split
 
 
 MODEL_CLASS = Qwen3MoeForCausalLM
-TP_PLAN = None  # experts are not split over tp yet (validation rejects tp > 1)
+# Llama's plan without the MLP entries: attention, embedding and head split over tp; the
+# sparse MoE block replicated over tp (docs/moe.md).
+TP_PLAN = {**{k: v for k, v in llama.TP_PLAN.items() if ".mlp" not in k},
+           "model.layers.*.self_attn.q_norm": "head_norm", "model.layers.*.self_attn.k_norm": "head_norm"}
+localize_heads = llama.localize_heads
 
 
-def localize_heads(attn, tp: int) -> None:
-    """Not reached: tp > 1 is rejected for MoE models."""
+def apply_ep(hf: Qwen3MoeForCausalLM, comm) -> None:
+    """Split every sparse block's experts over the ep group; its forward dispatches tokens."""
+    for module in hf.modules():
+        if isinstance(module, Qwen3MoeSparseMoeBlock):
+            shard_experts(module.experts, comm)
+            module.forward = functools.partial(moe_forward, module, comm)
 
 
 def tp_sizes(c) -> dict[str, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,12 +22,17 @@ from torch.nn.parallel import DistributedDataParallel
 from ..topology import ParallelContext
 
 
-def wrap(model: nn.Module, ctx: ParallelContext, reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+def wrap(model: nn.Module, ctx: ParallelContext, reduce_dtype: Optional[torch.dtype] = None,
+         ignore: Sequence[nn.Parameter] = ()) -> nn.Module:
     """DDP over ctx.dp_group; the bare model when dp = 1 (no peers, nothing to reduce).
     `reduce_dtype` (the precision policy's, when not the parameters'): each bucket is
-    all-reduced in it (a transient copy) and rounded back into the parameters' gradients."""
+    all-reduced in it (a transient copy) and rounded back into the parameters' gradients.
+    `ignore`: parameters DDP leaves alone (expert-parallel experts, reduced over edp)."""
     if ctx.dims.dp == 1:
         return model
+    if ignore:
+        names = {id(p): n for n, p in model.named_parameters()}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [names[id(p)] for p in ignore])
     # Rotary inv_freq is the only buffer and is identical everywhere: no per-forward sync.
     # torch 2.13 renamed the flag; the supported range (2.6-2.13) has one or the other.
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .expert_parallel import is_expert
 from .tensor_parallel import is_tp_sharded
 
 
@@ -59,18 +60,29 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, tp_comm=None,
-                   skip: Optional[nn.Parameter] = None, dp_group=None) -> torch.Tensor:
+                   skip: Optional[nn.Parameter] = None, dp_group=None, ep_group=None) -> torch.Tensor:
     """Global L2 norm over tp shards and pipeline stages (pre-clip), then clip in place.
     `skip`: a weight this rank holds a second copy of (a tied embedding on the last stage).
-    `dp_group`: ZeRO (ours or FSDP2), where each dp rank holds a different slice of the gradient."""
-    grads = [_local(p.grad) for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
+    `dp_group`: ZeRO (ours or FSDP2), where each dp rank holds a different slice of the gradient.
+    `ep_group` (without ZeRO): expert parallelism, where each ep rank holds different experts
+    (their squares are summed over it; ZeRO's dp sum covers them)."""
+    counted = [p for p in params if p.grad is not None and p is not skip and _counted(p, tp_comm)]
     # At least fp32 (bf16 gradients), fp64 in verification mode; decided from `params`, not
     # the counted grads, so a rank with none still joins the all-reduces in the same dtype.
     dtype = torch.promote_types(params[0].dtype if params else torch.float32, torch.float32)
-    squares = [g.detach().to(dtype).pow(2).sum() for g in grads]
-    local = torch.stack(squares).sum() if grads else torch.zeros((), dtype=dtype)
-    if grads:
-        local = local.to(grads[0].device)
+    device = counted[0].grad.device if counted else (params[0].device if params else None)
+
+    def squares(ps):
+        out = [_local(p.grad).detach().to(dtype).pow(2).sum() for p in ps]
+        return torch.stack(out).sum() if out else torch.zeros((), dtype=dtype, device=device)
+
+    if ep_group is not None:
+        local = squares([p for p in counted if not is_expert(p)])
+        experts = squares([p for p in counted if is_expert(p)])
+        dist.all_reduce(experts, group=ep_group)
+        local = local + experts
+    else:
+        local = squares(counted)
     if tp_comm is not None and tp_comm.size > 1:
         local = tp_comm.all_reduce(local)
     for group in (pp_group, dp_group):

@@ -17,7 +17,10 @@ transformers tensor it holds):
   probability and no gradient.
 Replicated: norms, position embeddings, row-parallel biases. Without sequence parallelism
 their gradients are identical on every tp rank. With it (Korthikanti et al., 2022) they see
-only this rank's sequence shard, so `sync_replicated_grads` all-reduces them over tp.
+only this rank's sequence shard, so `sync_replicated_grads` all-reduces them over tp. A
+per-head norm (Qwen3's q_norm / k_norm, style `head_norm`) is replicated but applied to
+this rank's heads only: its gradient is partial over tp with or without sequence
+parallelism (`tp_partial`), and is all-reduced over tp either way.
 """
 
 from __future__ import annotations
@@ -247,7 +250,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], comm: TPComm, sequence_pa
     """Replace / hook the modules a plan names. Styles: vocab_embedding, vocab_head, rowwise;
     colwise and colwise_qkv (input already in the region), colwise_entry and
     colwise_qkv_entry (the layer enters the region itself); attention (region entry hook +
-    heads per rank), heads (heads per rank only), mlp (region entry hook)."""
+    heads per rank), heads (heads per rank only), mlp (region entry hook), head_norm (a
+    replicated norm over this rank's heads: its weights marked `tp_partial`)."""
     replaced: dict[int, nn.Parameter] = {}  # id of a transformers weight -> its shard (for tying)
     for pattern, style in plan.items():
         names = [n for n, _ in model.named_modules() if _matches(pattern, n)]
@@ -255,6 +259,10 @@ def apply_plan(model: nn.Module, plan: dict[str, str], comm: TPComm, sequence_pa
         for name in names:
             parent_name, _, attr = name.rpartition(".")
             parent, module = model.get_submodule(parent_name), model.get_submodule(name)
+            if style == "head_norm":
+                for q in module.parameters():
+                    q.tp_partial = True
+                continue
             if style in ("attention", "heads", "mlp"):
                 if style != "heads":
                     module.register_forward_pre_hook(_entry_hook(comm, sequence_parallel), with_kwargs=True)
@@ -285,7 +293,7 @@ def shard_numels(model: nn.Module, plan: dict[str, str], tp: int) -> dict[int, i
     out = {}
     for pattern, style in plan.items():
         for name, module in model.named_modules():
-            if not _matches(pattern, name) or style in ("attention", "heads", "mlp"):
+            if not _matches(pattern, name) or style in ("attention", "heads", "mlp", "head_norm"):
                 continue
             w = module.weight
             if style.startswith("vocab"):
@@ -302,10 +310,12 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "tp_shard") or getattr(p, "tp_sharded", False)
 
 
-def sync_replicated_grads(params: list[nn.Parameter], comm: TPComm) -> None:
-    """Sequence parallelism: sum the gradients of replicated parameters over tp (each rank's
-    holds only its sequence shard's contribution), in one flattened bucket."""
-    grads = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)]
+def sync_replicated_grads(params: list[nn.Parameter], comm: TPComm, sequence_parallel: bool = True) -> None:
+    """Sum over tp, in one flattened bucket, the gradients of replicated parameters each tp
+    rank holds only a part of: with sequence parallelism all of them (each rank's holds its
+    sequence shard's contribution), else only the `tp_partial` ones (per-head norms)."""
+    grads = [p.grad for p in params if p.grad is not None and not is_tp_sharded(p)
+             and (sequence_parallel or getattr(p, "tp_partial", False))]
     if grads:
         flat = comm.all_reduce(_flatten_dense_tensors(grads))
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):

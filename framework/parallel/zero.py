@@ -5,6 +5,8 @@ the head) are flattened into one buffer padded to a multiple of dp; dp rank r ow
 r-th contiguous slice. Stage 1 keeps the optimizer states of that slice only; stage 2 also
 only its gradient; stage 3 also only its parameters between uses. Tensor-parallel shards
 and replicated parameters go to separate buffers, so the global norm can count each once.
+Expert-parallel experts (framework/parallel/expert_parallel.py) go to a buffer of their own
+sharded over the expert data parallel group (edp: the replicas of those experts), not dp.
 
 Collectives over the dp group, per stage:
 - 1: after the step's last backward, a reduce-scatter of each unit's full gradient buffer
@@ -42,6 +44,7 @@ from torch import nn
 
 from ..master import build as build_master
 from ..metrics.memory import tensor_bytes
+from .expert_parallel import is_expert
 from .tensor_parallel import is_tp_sharded
 from .tp_comm import all_gather_single as _all_gather_single
 from .tp_comm import reduce_scatter_single as _reduce_scatter_single
@@ -69,6 +72,8 @@ class FlatUnit:
         # Stages 1-2 keep full parameters: the owned slice is a view (no second copy).
         self.shard = nn.Parameter(own.clone() if stage == 3 else own)
         self.shard.tp_sharded = all(is_tp_sharded(p) for p in params)
+        self.shard.expert = all(is_expert(p) for p in params)
+        self.shard.tp_partial = all(getattr(p, "tp_partial", False) for p in params)
         self.grad_full: Optional[torch.Tensor] = None
         self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
         self.gathered = stage < 3
@@ -173,8 +178,15 @@ class Zero:
                     params.append(p)
             if fill is not None:
                 fill(params)
-            groups = [[p for p in params if is_tp_sharded(p)], [p for p in params if not is_tp_sharded(p)]]
+            experts = [p for p in params if is_expert(p)]
+            params = [p for p in params if not is_expert(p)]
+            partial = [p for p in params if getattr(p, "tp_partial", False)]  # summed over tp: a buffer of their own
+            params = [p for p in params if not getattr(p, "tp_partial", False)]
+            groups = [[p for p in params if is_tp_sharded(p)], [p for p in params if not is_tp_sharded(p)], partial]
             flats = [FlatUnit(g, group, size, rank, stage, tracker, reduce_dtype) for g in groups if g]
+            if experts:  # sharded over their replicas (edp), not dp
+                flats.append(FlatUnit(experts, ctx.edp_group, ctx.dims.edp, ctx.dims.edp_rank(ctx.coords), stage,
+                                      tracker, reduce_dtype))
             self.flat.extend(flats)
             if stage >= 2:
                 for f in flats:

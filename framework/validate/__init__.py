@@ -17,6 +17,7 @@ from ..config import ConfigError, DataConfig, RunConfig
 from ..parallel.pipeline.partition import PartitionError
 from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
+from .expert import check_expert_parallel
 from .fsdp2 import ZERO_IMPLS, check_fsdp2
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .heldout import check_eval, flushing
@@ -56,6 +57,7 @@ def _parallelism(run: RunConfig) -> None:
                           f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
                           "change dp/tp/pp so their product is the world size, or leave world_size null")
     _zero(run)
+    check_expert_parallel(run)
     if p.tp > 1:
         _tensor_parallel(run)
 
@@ -113,10 +115,6 @@ def _moe(run: RunConfig) -> None:
                           "e.g. model.moe.top_k=2")
     if e.expert_inner is not None:
         positive("model.moe.expert_inner", e.expert_inner)
-    if run.parallelism.tp > 1:
-        raise ConfigError("parallelism.tp", run.parallelism.tp, "routed experts are not split over tensor-parallel "
-                          "ranks yet (expert parallelism is planned: docs/moe.md)",
-                          "use parallelism.tp=1 with model.arch=qwen3_moe (dp, pp and ZeRO compose)")
 
 
 def _trainer(run: RunConfig) -> None:

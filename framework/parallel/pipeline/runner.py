@@ -38,6 +38,7 @@ from .executor import ActionRecord, PipelineExecutor, PipelinePeers
 from .p2p import RankPlan, comm_plan
 from .tiling import TiledPlan
 from .schedules import resolve
+from ..expert_parallel import is_expert, reduce_expert_grads
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
 from ...precision import policy_of
@@ -190,7 +191,9 @@ class PipelineRunner:
         ctx = self.ctx
         ctx.recorder.note("gradient sync (dp / embedding / ZeRO / tp collectives), clip, optimizer step", wait=True)
         if not self.zero:
-            all_reduce_grads(self.params, ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
+            dense = [q for q in self.params if not is_expert(q)]
+            all_reduce_grads(dense, ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
+            reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype)
         sum_tied_grad(self.tied, ctx.groups.get("embedding"))
         if self.zero:  # ZeRO-1: the dp reduction is a reduce-scatter to each slice's owner
             self.zero.reduce_gradients()
@@ -199,7 +202,8 @@ class PipelineRunner:
         if skip is not None and self.zero:
             skip = self.zero.separate.shard
         norm = clip_grad_norm(self.params, 0.0, ctx.pp_group, self.tp_comm, skip=skip,  # the norm only: Update clips
-                              dp_group=ctx.dp_group if self.zero else None)
+                              dp_group=ctx.dp_group if self.zero else None,
+                              ep_group=None if self.zero else ctx.ep_group)
         norm = self.update.apply(self.params, norm, step)
         if self.zero and not self.update.overflow:
             self.zero.after_step()
@@ -218,8 +222,8 @@ class PipelineRunner:
         self.versions.updated()
 
     def _sync_sequence_parallel(self) -> None:
-        if self.run.parallelism.sequence_parallel and self.tp_comm.size > 1:
-            sync_replicated_grads(self.params, self.tp_comm)
+        if self.tp_comm.size > 1:
+            sync_replicated_grads(self.params, self.tp_comm, self.run.parallelism.sequence_parallel)
 
     def _state_bytes(self) -> StateBytes:
         from ...metrics.memory import master_bytes, model_state_bytes

@@ -73,15 +73,19 @@ def sum_tied_grad(weight, group) -> None:
         dist.all_reduce(weight.grad, group=group)
 
 
-def stage_state_dict(full: SplitLM, chunks: list[SplitLM], tp_comm=None) -> dict[str, torch.Tensor]:
+def stage_state_dict(full: SplitLM, chunks: list[SplitLM], tp_comm=None, ep_comm=None) -> dict[str, torch.Tensor]:
     """This rank's parameters under their transformers names and shapes (for the merged
-    checkpoint). Tensor-parallel shards are gathered over tp: every tp rank must call it."""
+    checkpoint). Tensor-parallel shards are gathered over tp (every tp rank must call it),
+    expert-parallel experts over ep (every ep rank must call it)."""
     from ..tensor_parallel import full_tensor
 
     owned = {id(p) for ch in chunks for p in ch.parameters()}
     out = {}
     for n, p in full.hf_model.named_parameters(remove_duplicate=False):
         if id(p) in owned:
-            spec = getattr(p, "tp_shard", None)
-            out[n] = (full_tensor(p, spec, tp_comm) if spec is not None else p.detach()).cpu()
+            spec, ep_spec = getattr(p, "tp_shard", None), getattr(p, "ep_shard", None)
+            if ep_spec is not None:
+                out[n] = full_tensor(p, ep_spec, ep_comm).cpu()
+            else:
+                out[n] = (full_tensor(p, spec, tp_comm) if spec is not None else p.detach()).cpu()
     return out

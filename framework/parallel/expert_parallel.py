@@ -1,0 +1,209 @@
+"""Expert parallelism over one rank's ep group (GShard, Lepikhin et al., 2020; Megatron-core's
+all-to-all token dispatcher; torchtitan's expert parallel).
+
+Sharded over ep (`parallelism.ep`, carved out of dp: framework/topology.py): the routed
+experts of every MoE layer. Rank j of an ep group holds experts [j E/ep, (j+1) E/ep) of the
+fused `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I); each such parameter carries
+`ep_shard` (a `TPShard` along dim 0: which experts, out of how many), which materialisation,
+checkpoints and the export read as they read `tp_shard`.
+Replicated: everything else, the router included (each rank routes its own tokens).
+
+Forward: the router picks k experts per token on the token's own rank; tokens are sorted by
+expert; the counts per expert are exchanged (an all-to-all of E integers), then the tokens
+(`dispatch_to_experts`: an uneven `all_to_all_single`); each rank runs its experts over the
+tokens it received (a per-expert loop: the CPU path), and `combine_from_experts` sends the
+outputs back (the inverse all-to-all), where they are weighted and summed per token.
+Backward: the conjugate all-to-alls (each with the send and receive splits swapped).
+
+Gradients: an expert's gradient on rank j sums the contributions of every rank of the ep
+group that sent it tokens, so each replica of an expert holds ep ranks' worth of data. The
+weights enter the expert computation through `scale_grad(w, 1 / ep)`, after which averaging
+over the expert data parallel group (edp = dp / ep: the replicas of the same experts) gives
+exactly the dp average the dense parameters get: expert parameters are reduced over edp
+(`reduce_expert_grads`; ZeRO shards them over edp), everything else over dp.
+
+Experts are not split over tp: with tp > 1 they are replicated over tp like the norms (the
+same tokens on every tp rank, or with sequence parallelism each rank's sequence shard, whose
+gradients `sync_replicated_grads` sums over tp). The ep group is a set of dp ranks at one tp
+rank, as Megatron's with expert tp = tp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..metrics.clock import now
+from .tensor_parallel import TPShard
+from .tp_comm import TPComm
+
+
+class EPComm(TPComm):
+    """One rank's ep group: TPComm's all-gather (the export) plus the all-to-alls, with the
+    bytes this rank sends to other ranks and the host time spent in them (CPU: the transfer;
+    CUDA: enqueue plus the count exchange's sync, not the transfer)."""
+
+    def __init__(self, group, size: int, rank: int, device=None):
+        super().__init__(group, size, rank)
+        self.device = device
+        self.a2a_bytes, self.a2a_s = 0, 0.0
+
+    def take_a2a(self) -> tuple[int, float]:
+        """(bytes, seconds) of all-to-all since the last call."""
+        out = (self.a2a_bytes, self.a2a_s)
+        self.a2a_bytes, self.a2a_s = 0, 0.0
+        return out
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """Rows of `x` in rank order, in_splits[r] of them to rank r; receives out_splits[r] from r."""
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        t0 = now(self.device)
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
+        self.a2a_s += now(self.device) - t0
+        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        self.a2a_bytes += (sum(in_splits) - in_splits[self.rank]) * row
+        return out
+
+    def exchange_counts(self, per_expert: torch.Tensor) -> torch.Tensor:
+        """`per_expert` (E,): the tokens this rank sends to each expert. Returns (ep, E/ep): the
+        tokens each rank sends to each of this rank's experts (equal splits, E / ep each)."""
+        local = per_expert.numel() // self.size
+        out = torch.empty_like(per_expert)
+        t0 = now(self.device)
+        dist.all_to_all_single(out, per_expert.contiguous(), group=self.group)
+        self.a2a_s += now(self.device) - t0
+        self.a2a_bytes += (self.size - 1) * local * per_expert.element_size()
+        return out.view(self.size, local)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all-to-all in forward (`in_splits` rows to each rank, `out_splits` from each),
+    the inverse all-to-all (splits swapped) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, comm):
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        return comm.all_to_all(x, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_to_all(g, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def dispatch_to_experts(tokens: torch.Tensor, send: list[int], recv: list[int], comm: EPComm) -> torch.Tensor:
+    """Tokens sorted by destination expert -> the ranks holding those experts. Forward:
+    all-to-all (send[r] rows to rank r). Backward: all-to-all of the gradients back."""
+    return _AllToAll.apply(tokens, recv, send, comm)
+
+
+def combine_from_experts(outputs: torch.Tensor, send: list[int], recv: list[int], comm: EPComm) -> torch.Tensor:
+    """The experts' outputs -> the ranks their tokens came from (dispatch's inverse: `send`
+    and `recv` as given to dispatch). Forward: all-to-all. Backward: all-to-all."""
+    return _AllToAll.apply(outputs, send, recv, comm)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; the gradient times `factor` in backward."""
+
+    @staticmethod
+    def forward(ctx, w, factor):
+        ctx.factor = factor
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def scale_grad(w: torch.Tensor, factor: float) -> torch.Tensor:
+    return w if factor == 1 else _ScaleGrad.apply(w, factor)
+
+
+def shard_spec(p: torch.Tensor) -> Optional[TPShard]:
+    """Which positions of the transformers tensor this rank's `p` holds: its tp shard or its
+    ep shard (experts), None when whole."""
+    return getattr(p, "tp_shard", None) or getattr(p, "ep_shard", None)
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """An expert-parallel parameter (or a ZeRO buffer of them): reduced over edp, not dp."""
+    return hasattr(p, "ep_shard") or getattr(p, "expert", False)
+
+
+def expert_params(params) -> list[nn.Parameter]:
+    return [p for p in params if is_expert(p)]
+
+
+def shard_experts(experts: nn.Module, comm: EPComm) -> None:
+    """Replace a fused experts module's (E, ...) parameters (on the meta device) by this
+    rank's E / ep experts, each marked with its `ep_shard`."""
+    total = experts.num_experts
+    if total % comm.size:
+        raise ValueError(f"{total} experts do not split over ep={comm.size}")  # validated before launch
+    local = total // comm.size
+    index = torch.arange(comm.rank * local, (comm.rank + 1) * local)
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        mine = (torch.empty((local, *full.shape[1:]), dtype=full.dtype, device=full.device)
+                if full.device.type == "meta" else full.detach()[index].clone())  # debug.materialise_whole
+        p = nn.Parameter(mine, requires_grad=full.requires_grad)
+        p.ep_shard = TPShard(dim=0, index=index, full_size=total)
+        setattr(experts, name, p)
+    experts.local_experts, experts.first_expert = local, comm.rank * local
+
+
+def run_experts(experts: nn.Module, tokens: torch.Tensor, per_expert: list[int], factor: float) -> torch.Tensor:
+    """Each local expert's SwiGLU over its consecutive rows of `tokens` (the CPU path: one
+    pair of matmuls per expert; an expert with no rows still runs, on zero rows, so its
+    weights get a (zero) gradient on every rank and the reductions stay aligned)."""
+    gate_up, down = scale_grad(experts.gate_up_proj, factor), scale_grad(experts.down_proj, factor)
+    outs = []
+    for e, rows in enumerate(tokens.split(per_expert)):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(experts.act_fn(gate) * up, down[e]))
+    return torch.cat(outs) if outs else tokens[:0]
+
+
+def moe_forward(block: nn.Module, comm: EPComm, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse MoE block's forward (router `block.gate`, experts `block.experts`) with its
+    experts spread over `comm`: route, dispatch, run, combine."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    _, weights, index = block.gate(x)
+    experts = block.experts
+    total, k = experts.num_experts, index.size(1)
+    flat = index.reshape(-1)
+    with torch.no_grad():
+        order = torch.argsort(flat, stable=True)
+        order = order[flat[order] < total]  # a dropped (token, slot) holds the sentinel E
+        per_expert = torch.bincount(flat[order], minlength=total)
+        recv_counts = comm.exchange_counts(per_expert)  # (ep, E/ep): from each rank, to each local expert
+        send = per_expert.view(comm.size, -1).sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        # received rows are grouped by source rank, then local expert: regroup by expert
+        source_major = torch.arange(int(recv_counts.sum()), device=x.device).split(recv_counts.flatten().tolist())
+        by_expert = [source_major[s * experts.local_experts + e] for e in range(experts.local_experts)
+                     for s in range(comm.size)]
+        perm = torch.cat(by_expert) if by_expert else torch.zeros(0, dtype=torch.long, device=x.device)
+        rows_per_expert = recv_counts.sum(0).tolist()
+    received = dispatch_to_experts(x[order // k], send, recv, comm)
+    out = run_experts(experts, received[perm], rows_per_expert, 1.0 / comm.size)
+    out = torch.empty_like(out).index_copy(0, perm, out)  # back to source-major order
+    back = combine_from_experts(out, send, recv, comm)
+    y = torch.zeros_like(x)
+    y = y.index_add(0, order // k, (back * weights.reshape(-1)[order, None]).to(y.dtype))
+    return y.reshape(shape)
+
+
+def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None) -> None:
+    """Average expert gradients over the expert data parallel group (once per step, after the
+    last micro-batch's backward; DDP and the dp all-reduce leave them out)."""
+    from .grads import all_reduce_grads
+
+    if ctx.dims.ep > 1:
+        all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype)
