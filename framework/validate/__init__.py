@@ -10,6 +10,7 @@ partition), `validate_prepared` on the tokenized data (vocabulary, enough sample
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -24,6 +25,7 @@ from .optimizer import check_optimizer
 from .precision import check_precision
 from .schedule import check_schedule, load_schedule_modules
 from ..models.checks import check_model_type, check_tp_sizes
+from ..models.moe_routing import AUX_LOSSES, DROP_POLICIES, SCORES
 from .paths import check_job_dir, check_paths, local_data_files, safetensors_problem
 
 __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
@@ -113,10 +115,32 @@ def _moe(run: RunConfig) -> None:
                           "e.g. model.moe.top_k=2")
     if e.expert_inner is not None:
         positive("model.moe.expert_inner", e.expert_inner)
+    _moe_routing(e)
     if run.parallelism.tp > 1:
         raise ConfigError("parallelism.tp", run.parallelism.tp, "routed experts are not split over tensor-parallel "
                           "ranks yet (expert parallelism is planned: docs/moe.md)",
                           "use parallelism.tp=1 with model.arch=qwen3_moe (dp, pp and ZeRO compose)")
+
+
+def _moe_routing(e) -> None:
+    """The routing keys (framework/models/moe_routing.py); an inf capacity is dropless, so allowed."""
+    for key, value, allowed in (("score", e.score, SCORES), ("drop_policy", e.drop_policy, DROP_POLICIES)):
+        if value not in allowed:
+            raise ConfigError(f"model.moe.{key}", value, f"must be {' or '.join(allowed)}",
+                              f"e.g. model.moe.{key}={allowed[0]} (docs/moe.md, Routing and balancing)")
+    if e.capacity_factor is not None and e.capacity_factor != math.inf:
+        number("model.moe.capacity_factor", e.capacity_factor, lambda x: x > 0, "must be a number > 0, inf or null",
+               "e.g. model.moe.capacity_factor=1.25; null (or inf) routes every token (dropless)")
+    seen = set()
+    for i, a in enumerate(e.aux_losses):
+        key = f"model.moe.aux_losses[{i}]"
+        if set(a) != {"type", "coeff"} or a["type"] not in AUX_LOSSES or a["type"] in seen:
+            raise ConfigError(key, a, f"needs keys type and coeff, type one of {', '.join(AUX_LOSSES)}, each "
+                              "type once", "e.g. model.moe.aux_losses=[{type:aux,coeff:0.01},{type:z,coeff:0.001}]")
+        seen.add(a["type"])
+        number(f"{key}.coeff", a["coeff"], lambda x: x >= 0, "must be a finite number >= 0", "e.g. coeff: 0.01")
+    number("model.moe.bias_update_rate", e.bias_update_rate, lambda x: x >= 0, "must be a finite number >= 0",
+           "e.g. model.moe.bias_update_rate=0.001 (DeepSeek-V3); 0 turns the bias balancing off")
 
 
 def _trainer(run: RunConfig) -> None:
