@@ -39,6 +39,12 @@ class MoEConfig:
     top_k: int = 2  # experts each token is sent to
     expert_inner: Optional[int] = None  # an expert's MLP width; null = n_embd
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1 (Qwen3-MoE, Mixtral)
+    # Routing and balancing (framework/models/moe_routing.py; docs/moe.md "Routing and balancing").
+    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): how logits become routing scores
+    capacity_factor: Optional[float] = None  # null (or .inf) = dropless; else capacity ceil(cf * N * k / E)
+    drop_policy: str = "probs"  # over capacity, keep the highest-score (probs) or earliest (position) tokens
+    aux_losses: list[dict[str, Any]] = field(default_factory=list)  # [{type: aux | seq_aux | z, coeff: 0.01}]
+    bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing: expert bias step; 0 = off
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ..config import ConfigError, DataConfig, RunConfig
 from ..parallel.pipeline.partition import PartitionError
 from ..parallel.pipeline.schedules import never_flushes
 from .common import choice, first_line, number, positive
-from .expert import check_expert_parallel
+from .expert import check_expert_parallel, check_moe
 from .fsdp2 import ZERO_IMPLS, check_fsdp2
 from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from .heldout import check_eval, flushing
@@ -107,16 +107,6 @@ def _tensor_parallel(run: RunConfig) -> None:
                           f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
 
 
-def _moe(run: RunConfig) -> None:
-    e = run.model.moe
-    positive("model.moe.experts", e.experts)
-    if not 1 <= e.top_k <= e.experts:
-        raise ConfigError("model.moe.top_k", e.top_k, f"must lie in [1, model.moe.experts={e.experts}]",
-                          "e.g. model.moe.top_k=2")
-    if e.expert_inner is not None:
-        positive("model.moe.expert_inner", e.expert_inner)
-
-
 def _trainer(run: RunConfig) -> None:
     t = run.trainer
     positive("trainer.steps", t.steps)
@@ -168,7 +158,7 @@ def _model(run: RunConfig) -> None:
     if m.vocab_size is not None:
         positive("model.vocab_size", m.vocab_size)
     if m.arch == "qwen3_moe":
-        _moe(run)
+        check_moe(run)
     number("model.dropout", m.dropout, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
             "use 0 for exact runs")
 

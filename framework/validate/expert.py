@@ -1,11 +1,15 @@
-"""Expert parallelism's keys (`parallelism.ep`, framework/parallel/expert_parallel.py), checked
-before any rank starts: what it needs and what it does not compose with, each with the fix."""
+"""Mixture-of-Experts keys (`model.moe.*`: the experts and their routing, framework/models/
+moe_routing.py) and expert parallelism's (`parallelism.ep`, framework/parallel/
+expert_parallel.py), checked before any rank starts, each failure with the fix."""
 
 from __future__ import annotations
 
+import math
+
 from ..config import ConfigError, RunConfig
 from ..parallel.pipeline.schedules import never_flushes
-from .common import positive
+from ..models.moe_routing import AUX_LOSSES, DROP_POLICIES, SCORES
+from .common import number, positive
 
 
 def check_expert_parallel(run: RunConfig) -> None:
@@ -38,3 +42,35 @@ def check_expert_parallel(run: RunConfig) -> None:
 
 def _divisor(n: int, near: int) -> int:
     return max(d for d in range(1, max(1, min(n, near)) + 1) if n % d == 0)
+
+
+def check_moe(run: RunConfig) -> None:
+    e = run.model.moe
+    positive("model.moe.experts", e.experts)
+    if not 1 <= e.top_k <= e.experts:
+        raise ConfigError("model.moe.top_k", e.top_k, f"must lie in [1, model.moe.experts={e.experts}]",
+                          "e.g. model.moe.top_k=2")
+    if e.expert_inner is not None:
+        positive("model.moe.expert_inner", e.expert_inner)
+    _moe_routing(e)
+
+
+def _moe_routing(e) -> None:
+    """The routing keys (framework/models/moe_routing.py); an inf capacity is dropless, so allowed."""
+    for key, value, allowed in (("score", e.score, SCORES), ("drop_policy", e.drop_policy, DROP_POLICIES)):
+        if value not in allowed:
+            raise ConfigError(f"model.moe.{key}", value, f"must be {' or '.join(allowed)}",
+                              f"e.g. model.moe.{key}={allowed[0]} (docs/moe.md, Routing and balancing)")
+    if e.capacity_factor is not None and e.capacity_factor != math.inf:
+        number("model.moe.capacity_factor", e.capacity_factor, lambda x: x > 0, "must be a number > 0, inf or null",
+               "e.g. model.moe.capacity_factor=1.25; null (or inf) routes every token (dropless)")
+    seen = set()
+    for i, a in enumerate(e.aux_losses):
+        key = f"model.moe.aux_losses[{i}]"
+        if set(a) != {"type", "coeff"} or a["type"] not in AUX_LOSSES or a["type"] in seen:
+            raise ConfigError(key, a, f"needs keys type and coeff, type one of {', '.join(AUX_LOSSES)}, each "
+                              "type once", "e.g. model.moe.aux_losses=[{type:aux,coeff:0.01},{type:z,coeff:0.001}]")
+        seen.add(a["type"])
+        number(f"{key}.coeff", a["coeff"], lambda x: x >= 0, "must be a finite number >= 0", "e.g. coeff: 0.01")
+    number("model.moe.bias_update_rate", e.bias_update_rate, lambda x: x >= 0, "must be a finite number >= 0",
+           "e.g. model.moe.bias_update_rate=0.001 (DeepSeek-V3); 0 turns the bias balancing off")
