@@ -16,6 +16,7 @@ from .config import RunConfig
 from .metrics.clock import now
 from .metrics.memory import master_bytes, model_state_bytes
 from .parallel import data_parallel
+from .models.moe_layer import moe_step
 from .parallel.expert_parallel import expert_params, reduce_expert_grads
 from .parallel.fsdp2 import FSDP2
 from .parallel.grads import clip_grad_norm
@@ -38,6 +39,7 @@ class AccumulationRunner:
     def __init__(self, run: RunConfig, ctx: ParallelContext, model, tracker, tp_comm: TPComm):
         self.run, self.ctx, self.tracker, self.tp_comm = run, ctx, tracker, tp_comm
         self.module, self.chunks = model, [model]
+        self.moe, self.ep_comm = getattr(model, "moe", None), getattr(model, "ep_comm", None)
         stage = run.parallelism.zero
         if stage:
             units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
@@ -64,6 +66,8 @@ class AccumulationRunner:
         dev, m = self.ctx.device, self.run.schedule.microbatches
         self.update.set_lr(step)
         weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed), else None
+        if self.moe is not None:  # aux losses' gradients: scaled as the LM loss's
+            self.moe.aux_scale.value = (1.0 if weight is None else weight) / m
         t1 = now(dev)
         loss_sum = torch.zeros((), device=dev)
         if self.zero:
@@ -101,6 +105,7 @@ class AccumulationRunner:
                                else model_state_bytes(self.module, self.optimizer)))
         states.master_bytes = master_bytes(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
-                          states=states, **self.update.step_fields())
+                          states=states, moe=moe, **self.update.step_fields())

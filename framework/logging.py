@@ -41,6 +41,7 @@ from .files import write_atomic
 from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
 from .metrics.memory import memory_summary
+from .metrics.moe import step_metrics
 from .metrics.predict import RunPredictor, predicted_keys, summary_prediction
 from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import kept_steps, write_run_timeline
@@ -141,6 +142,10 @@ class RunLogger:
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds
             "rank_busy_s": [r.busy_s for r in per_rank],
             "rank_window_s": [r.window_s for r in per_rank],
+            # MoE models (framework/metrics/moe.py): routing per layer, all-to-all with ep > 1
+            **step_metrics([r.moe for r in per_rank], self.run.model.moe),
+            **({"a2a_bytes": max(r.a2a_bytes for r in per_rank), "a2a_s": max(r.a2a_s for r in per_rank)}
+               if self.run.parallelism.ep > 1 else {}),
             # only in the rows of steps after which the held-out set was evaluated
             **({"val_loss": r0.val_loss, "eval_s": max(r.eval_s for r in per_rank)} if r0.val_loss is not None else {}),
         }

@@ -52,6 +52,7 @@ class StepResult:
     loss_scale: Optional[float] = None  # fp16-mixed: the scale this step's backward ran at
     overflow: bool = False  # fp16-mixed: the step's gradients overflowed, so it was skipped
     skipped_steps: int = 0  # fp16-mixed: overflowed steps so far (cumulative)
+    moe: Optional[dict] = None  # MoE models: per-layer routing sums of the step (framework/models/moe_layer.py)
 
 
 @dataclass
@@ -78,6 +79,9 @@ class StepRecord:
     states: StateBytes
     loss_scale: Optional[float] = None
     overflow: bool = False
+    moe: Optional[dict] = None  # StepResult.moe
+    a2a_bytes: int = 0  # expert parallelism: bytes this rank sent by all-to-all
+    a2a_s: float = 0.0  # and host seconds inside all-to-all
     skipped_steps: int = 0
     val_loss: Optional[float] = None  # held-out loss after this step (trainer.eval_interval), same on every rank
     eval_s: float = 0.0  # its wall time (not part of step_time_s)

@@ -110,7 +110,16 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
                       p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
+                      moe=out.moe, **_a2a(runner),
                       actions=[(r.action, r.start, r.compute_start, r.end) for r in out.records], states=out.states)
+
+
+def _a2a(runner) -> dict:
+    comm = getattr(runner, "ep_comm", None)
+    if comm is None:
+        return {}
+    sent, seconds = comm.take_a2a()
+    return {"a2a_bytes": sent, "a2a_s": seconds}
 
 
 def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) -> dict:

@@ -29,7 +29,7 @@ from .save import layout_of
 from .shards import LoadPlanner, rank_parts, slots
 from .store import read_meta
 
-UPDATE_KEYS = ("update/", "scaler/")  # framework/update.py's state
+UPDATE_KEYS = ("update/", "scaler/", "moe/")  # framework/update.py's state; MoE expert biases
 
 
 def load(path: str, runner, full, ctx, run: RunConfig) -> dict:
@@ -69,7 +69,7 @@ def load(path: str, runner, full, ctx, run: RunConfig) -> dict:
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     sd["state"] = {index[id(slot.key)]: st for slot, st in zip(slot_list, states, strict=True) if st}
     opt.load_state_dict(sd)  # casts the states to each parameter's dtype and device, as torch does
-    runner.update.load_state_dict({k: float(t) for k, t in scalars.items() if k.startswith(UPDATE_KEYS)})
+    runner.update.load_state_dict({k: float(t) for k, t in scalars.items() if k.startswith(("update/", "scaler/"))})
     with torch.no_grad():
         if isinstance(runner.optimizer, MasterOptimizer):  # the weights were read into the masters
             runner.optimizer.copy_to_params()

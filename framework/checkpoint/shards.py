@@ -279,4 +279,16 @@ def rank_parts(runner, full, ctx, states: Optional[dict] = None,
                 part = parts.setdefault(key, Part(global_shape(p), t.dtype))
                 part.boxes += boxes
     scalars.update({k: torch.tensor(v) for k, v in runner.update.state_dict().items()})  # powers of 2, counts: exact
+    scalars.update(moe_biases(runner, full))
     return parts, scalars
+
+
+def moe_biases(runner, full) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's expert biases of the MoE layers this rank holds (buffers the bias update
+    steps, the same on every rank of a stage): whole tensors, loaded in place."""
+    moe = getattr(full, "moe", None)
+    if moe is None:
+        return {}
+    mine = {id(p) for p in runner.module.parameters()}
+    return {f"moe/layer{i}/expert_bias": g.expert_bias for i, g in moe.gates.items()
+            if hasattr(g, "expert_bias") and id(g.weight) in mine}

@@ -118,8 +118,10 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     values = values_for(m, vocab_size, seed)
     if whole_first:
         materialise(hf, hf.parameters(), values, device)
-    if ep_comm is not None and ep_comm.size > 1:
-        arch.apply_ep(hf, ep_comm)
+    moe = None
+    if hasattr(arch, "install_moe"):  # before materialising: expert parallelism reshapes the experts
+        sp = tp_comm is not None and tp_comm.size > 1 and sequence_parallel  # tokens split over tp
+        moe = arch.install_moe(hf, m, device, ep_comm, tp_comm.group if sp else None)
     if tp_comm is None or tp_comm.size == 1:
         model = arch.split(hf, checkpoint_blocks)
     else:
@@ -137,7 +139,7 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     # model.fill(params): give these (meta) parameters their values on `device`; a no-op for
     # parameters that have them. Runners call it for what they keep (pipeline stages, ZeRO units).
     model.fill = functools.partial(materialise, hf, values=values, device=device)
-    model.ep_comm = ep_comm
+    model.ep_comm, model.moe = ep_comm, moe  # moe: the MoERuntime (framework/models/moe_layer.py)
     if not on_meta:
         model.fill(hf.parameters())
     return model

@@ -8,15 +8,15 @@ softmax over `model.moe.experts` logits, the k largest, renormalised to sum to 1
 q / k norms, so the split is Llama's: embed_tokens | decoder layers with the shared rotary
 embedding | norm + lm_head.
 
-Expert parallelism (`apply_ep`): each sparse block's experts are split over the ep group and
-its forward becomes framework/parallel/expert_parallel.py's dispatch / combine. Tensor
+Every sparse block runs framework/models/moe_layer.py's forward (`install_moe`): the routing
+options of `model.moe`, aux losses, statistics, and with expert parallelism its experts split
+over the ep group, tokens dispatched and combined by framework/parallel/expert_parallel.py. Tensor
 parallelism splits attention as Llama's plan does; the MoE block is not split over tp (its
 experts and router are replicated over tp, like the norms).
 """
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
@@ -26,7 +26,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeRMSNorm, Q
                                                                Qwen3MoeTopKRouter)
 
 from ..config import ModelConfig, MoEConfig
-from ..parallel.expert_parallel import moe_forward, shard_experts
+from ..parallel.expert_parallel import shard_experts
+from .moe_layer import MoERuntime
 from . import llama
 from .llama import _rms_norm
 from .llama import split as llama_split
@@ -91,12 +92,16 @@ TP_PLAN = {**{k: v for k, v in llama.TP_PLAN.items() if ".mlp" not in k},
 localize_heads = llama.localize_heads
 
 
-def apply_ep(hf: Qwen3MoeForCausalLM, comm) -> None:
-    """Split every sparse block's experts over the ep group; its forward dispatches tokens."""
-    for module in hf.modules():
-        if isinstance(module, Qwen3MoeSparseMoeBlock):
-            shard_experts(module.experts, comm)
-            module.forward = functools.partial(moe_forward, module, comm)
+def install_moe(hf: Qwen3MoeForCausalLM, m: ModelConfig, device, ep_comm=None, sum_group=None) -> MoERuntime:
+    """Every sparse block runs framework/models/moe_layer.py's forward (our routing options,
+    aux losses and statistics); with `ep_comm` its experts are split over the ep group."""
+    if ep_comm is not None and ep_comm.size > 1:
+        for module in hf.modules():
+            if isinstance(module, Qwen3MoeSparseMoeBlock):
+                shard_experts(module.experts, ep_comm)
+    runtime = MoERuntime(m.moe, ep_comm if ep_comm is not None and ep_comm.size > 1 else None, sum_group)
+    runtime.install(hf, Qwen3MoeSparseMoeBlock, device)
+    return runtime
 
 
 def tp_sizes(c) -> dict[str, int]:

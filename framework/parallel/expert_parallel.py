@@ -30,6 +30,7 @@ rank, as Megatron's with expert tp = tp.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,7 +50,7 @@ class EPComm(TPComm):
 
     def __init__(self, group, size: int, rank: int, device=None):
         super().__init__(group, size, rank)
-        self.device = device
+        self.device = device if device is not None else torch.device("cpu")
         self.a2a_bytes, self.a2a_s = 0, 0.0
 
     def take_a2a(self) -> tuple[int, float]:
@@ -65,7 +66,7 @@ class EPComm(TPComm):
         t0 = now(self.device)
         dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
         self.a2a_s += now(self.device) - t0
-        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        row = math.prod(x.shape[1:]) * x.element_size()  # (a rank may send no rows at all)
         self.a2a_bytes += (sum(in_splits) - in_splits[self.rank]) * row
         return out
 
@@ -169,35 +170,37 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, per_expert: list[int],
     return torch.cat(outs) if outs else tokens[:0]
 
 
-def moe_forward(block: nn.Module, comm: EPComm, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A sparse MoE block's forward (router `block.gate`, experts `block.experts`) with its
-    experts spread over `comm`: route, dispatch, run, combine."""
-    shape = hidden_states.shape
-    x = hidden_states.reshape(-1, shape[-1])
-    _, weights, index = block.gate(x)
-    experts = block.experts
+def run_routed(experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+               comm: Optional[EPComm]) -> tuple[torch.Tensor, int]:
+    """The experts' weighted sum for each token of `x` (N, H), routed to `index` (N, k; E =
+    dropped) with `weights` (N, k): sort by expert; with `comm` (ep > 1) dispatch, run this
+    rank's experts, combine; without, run every expert here. Returns (output (N, H), the
+    rows this rank's experts processed)."""
     total, k = experts.num_experts, index.size(1)
     flat = index.reshape(-1)
     with torch.no_grad():
         order = torch.argsort(flat, stable=True)
         order = order[flat[order] < total]  # a dropped (token, slot) holds the sentinel E
         per_expert = torch.bincount(flat[order], minlength=total)
-        recv_counts = comm.exchange_counts(per_expert)  # (ep, E/ep): from each rank, to each local expert
-        send = per_expert.view(comm.size, -1).sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
-        # received rows are grouped by source rank, then local expert: regroup by expert
-        source_major = torch.arange(int(recv_counts.sum()), device=x.device).split(recv_counts.flatten().tolist())
-        by_expert = [source_major[s * experts.local_experts + e] for e in range(experts.local_experts)
-                     for s in range(comm.size)]
-        perm = torch.cat(by_expert) if by_expert else torch.zeros(0, dtype=torch.long, device=x.device)
-        rows_per_expert = recv_counts.sum(0).tolist()
-    received = dispatch_to_experts(x[order // k], send, recv, comm)
-    out = run_experts(experts, received[perm], rows_per_expert, 1.0 / comm.size)
-    out = torch.empty_like(out).index_copy(0, perm, out)  # back to source-major order
-    back = combine_from_experts(out, send, recv, comm)
-    y = torch.zeros_like(x)
-    y = y.index_add(0, order // k, (back * weights.reshape(-1)[order, None]).to(y.dtype))
-    return y.reshape(shape)
+    tokens = x[order // k]
+    if comm is None:
+        out = run_experts(experts, tokens, per_expert.tolist(), 1.0)
+    else:
+        with torch.no_grad():
+            recv_counts = comm.exchange_counts(per_expert)  # (ep, E/ep): from each rank, to each local expert
+            send = per_expert.view(comm.size, -1).sum(1).tolist()
+            recv = recv_counts.sum(1).tolist()
+            # received rows are grouped by source rank, then local expert: regroup by expert
+            source_major = torch.arange(int(recv_counts.sum()), device=x.device).split(recv_counts.flatten().tolist())
+            local = experts.local_experts
+            by_expert = [source_major[s * local + e] for e in range(local) for s in range(comm.size)]
+            perm = torch.cat(by_expert) if by_expert else torch.zeros(0, dtype=torch.long, device=x.device)
+        received = dispatch_to_experts(tokens, send, recv, comm)
+        out = run_experts(experts, received[perm], recv_counts.sum(0).tolist(), 1.0 / comm.size)
+        out = torch.empty_like(out).index_copy(0, perm, out)  # back to source-major order
+        out = combine_from_experts(out, send, recv, comm)
+    y = torch.zeros_like(x).index_add(0, order // k, (out * weights.reshape(-1)[order, None]).to(x.dtype))
+    return y, int(tokens.size(0) if comm is None else received.size(0))
 
 
 def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None) -> None:

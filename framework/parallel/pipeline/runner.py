@@ -38,6 +38,7 @@ from .executor import ActionRecord, PipelineExecutor, PipelinePeers
 from .p2p import RankPlan, comm_plan
 from .tiling import TiledPlan
 from .schedules import resolve
+from ...models.moe_layer import moe_step
 from ..expert_parallel import is_expert, reduce_expert_grads
 from ..grads import all_reduce_grads, clip_grad_norm
 from ..tensor_parallel import sync_replicated_grads
@@ -60,6 +61,7 @@ class PipelineRunner:
         weights and optimizer states, not the micro-batches in flight or older versions."""
         p, v, m = run.parallelism.pp, run.schedule.virtual_stages, run.schedule.microbatches
         self.run, self.ctx, self.m, self.p, self.tp_comm = run, ctx, m, p, tp_comm
+        self.moe, self.ep_comm = getattr(full, "moe", None), getattr(full, "ep_comm", None)
         self.first_step, steps = first_step, run.trainer.steps - first_step
         self.schedule = resolve(run.schedule)
         self.is_async = not self.schedule.flushes
@@ -139,6 +141,7 @@ class PipelineRunner:
         if self.is_async:
             k = step - self.first_step
             self.executor.plan = self._segment_plan(k)  # batch 0 of a later step's segment is empty
+            self._aux_scale(self.schedule.asynchronous.microbatch_weight(self.m))
             marks = self.executor.run(0, len(self.executor.plan.actions), batch_of,
                                       self.schedule.asynchronous.microbatch_weight(self.m),
                                       params_of=lambda j, c: self.versions.params(self._version(j)),
@@ -158,6 +161,7 @@ class PipelineRunner:
             if self.zero:
                 self.zero.start_step()
             weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed) multiplies 1/m
+            self._aux_scale((1.0 if weight is None else weight) / self.m)
             marks = self.executor.run(0, len(self.actions), batch_of, (1.0 if weight is None else weight) / self.m)
             self.executor.wait_sends()
             window_end = pipe_end = self._flush()
@@ -165,13 +169,19 @@ class PipelineRunner:
             start = min(r.start for r in records)  # the first action's first mark
             norm = self._sync_update(step)
         done = time.time()
+        moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm)  # untimed, as the memory accounting
         busy = sum(r.compute_s for r in records)
         window = window_end - start
         return StepResult(loss=self._local_loss(), grad_norm=float(norm), pipeline_s=pipe_end - start,
                           optimizer_s=done - pipe_end, states=self.states, bubble=1.0 - busy / window, busy_s=busy,
                           window_s=window, records=records,
                           weight_version_bytes=self.versions.peak_bytes if self.is_async else 0,
-                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes, **self.update.step_fields())
+                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes, moe=moe, **self.update.step_fields())
+
+    def _aux_scale(self, loss_weight: float) -> None:
+        """MoE aux losses' gradients: scaled as each micro-batch's LM loss."""
+        if self.moe is not None:
+            self.moe.aux_scale.value = loss_weight
 
     def _flush(self) -> float:
         """The flush: returns when every stage has finished the step's compute. Ends each

@@ -1,0 +1,66 @@
+"""MoE metrics of one step, from the per-layer sums framework/models/moe_layer.py reduces
+(`MoERuntime.take_step`: summed over the step's micro-batches and every dp rank, and over tp
+with sequence parallelism), into the metrics.jsonl row (docs/metrics.md):
+
+- `moe_layers`: per MoE layer (keyed by its index in the model):
+  - `tokens_per_expert`: (token, slot) assignments the router made to each expert, before
+    any capacity drop: the load histogram;
+  - `load_max_over_mean` (1 = perfectly balanced; E / k = every token on the same k experts)
+    and `load_cv` (standard deviation / mean of the loads, population form);
+  - `dead_experts`: experts that received no token this step;
+  - `dropped_fraction`: assignments dropped by the capacity limit / all assignments;
+  - `router_entropy`: mean over tokens of the entropy (nats) of the router's distribution
+    (ln E = uniform, 0 = one expert);
+  - `aux`, `seq_aux`, `z`: the configured auxiliary losses, mean over micro-batches and dp
+    ranks (uncoefficiented);
+  - `tokens_received_per_ep_rank`: rows each ep rank's experts processed (summed over its
+    edp replicas); `ep_straggler`: their max / mean (1 = even).
+- `moe_load_cv_max`, `moe_dead_experts`, `moe_dropped_fraction`, `moe_aux_loss`: over layers
+  (the worst CV, the dead experts summed, assignments dropped over all, the aux losses summed
+  with their coefficients as trained), for plots and sweeps.
+- `a2a_bytes` (max over ranks of the bytes a rank sent to other ranks by all-to-all, counts
+  and tokens, forward and backward) and `a2a_s` (max over ranks of host seconds inside
+  all-to-all; on CPU the transfer and the wait for peers, on CUDA only what the host waits).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def layer_metrics(s: dict, top_k: int) -> dict:
+    counts = s["tokens_per_expert"]
+    mean = sum(counts) / len(counts)
+    std = math.sqrt(sum((c - mean) ** 2 for c in counts) / len(counts))
+    received = s["received_per_ep_rank"]
+    r_mean = sum(received) / len(received)
+    out = {"tokens_per_expert": counts,
+           "load_max_over_mean": max(counts) / mean if mean else None,
+           "load_cv": std / mean if mean else None,
+           "dead_experts": sum(1 for c in counts if c == 0),
+           "dropped_fraction": s["dropped"] / (s["tokens"] * top_k) if s["tokens"] else 0.0,
+           "router_entropy": s["entropy_sum"] / s["tokens"] if s["tokens"] else None,
+           "tokens_received_per_ep_rank": received,
+           "ep_straggler": max(received) / r_mean if r_mean else None}
+    out.update({k: v / s["calls"] for k, v in s["aux"].items()})  # per micro-batch (and dp rank)
+    return out
+
+
+def step_metrics(per_rank: list[Optional[dict]], moe_cfg) -> dict:
+    """The row's MoE keys from every rank's `take_step` result (layers live on their pipeline
+    stage; dp / tp replicas report the same sums, so the first report of a layer is kept)."""
+    layers: dict[int, dict] = {}
+    for rank_layers in per_rank:
+        for i, s in (rank_layers or {}).items():
+            layers.setdefault(int(i), s)
+    if not layers:
+        return {}
+    rows = {str(i): layer_metrics(layers[i], moe_cfg.top_k) for i in sorted(layers)}
+    assignments = sum(layers[i]["tokens"] * moe_cfg.top_k for i in layers)
+    coeff = {a["type"]: float(a["coeff"]) for a in moe_cfg.aux_losses}
+    return {"moe_layers": rows,
+            "moe_load_cv_max": max((r["load_cv"] for r in rows.values() if r["load_cv"] is not None), default=None),
+            "moe_dead_experts": sum(r["dead_experts"] for r in rows.values()),
+            "moe_dropped_fraction": sum(layers[i]["dropped"] for i in layers) / assignments if assignments else 0.0,
+            "moe_aux_loss": sum(coeff[k] * r[k] for r in rows.values() for k in coeff)}
