@@ -103,3 +103,31 @@ def test_the_mixtral_shaped_preset_plans(tmp_path):
     total = sum(st["params"] for st in plan["stages"])
     assert abs(total - 46.7e9) < 0.2e9, total  # Mixtral 8x7B: 46.7B (with q / k norms: a few thousand more)
     assert len(plan["memory_estimate_per_rank"]) == 8
+
+
+def test_expert_shards_come_from_the_same_values_and_pretrained_slices(tmp_path):
+    """ep rank 1 of 2: its experts are rows [2, 4) of every fused expert tensor, both from the
+    seeded init and read per slice from a transformers safetensors checkpoint (only those rows:
+    the reader gets the slice, not the tensor); everything else whole."""
+    from framework.models import build_hf_model
+    from framework.models.materialise import PretrainedWeights
+    from framework.parallel.expert_parallel import EPComm
+
+    whole = build_hf_model(SMALL, 64, seed=2)
+    full = dict(whole.named_parameters())
+    whole.save_pretrained(tmp_path)
+    for pretrained in (None, str(tmp_path)):
+        cfg = ModelConfig(**{**SMALL.__dict__, "pretrained": pretrained})
+        model = build_model(cfg, 64, seed=2, ep_comm=EPComm(None, 2, 1))
+        split = 0
+        for n, p in model.hf_model.named_parameters():
+            spec = getattr(p, "ep_shard", None)
+            want = full[n][2:4] if spec is not None else full[n]
+            assert torch.equal(p.detach(), want), (pretrained, n)
+            split += spec is not None
+        assert split == 2 * SMALL.n_layer  # gate_up_proj and down_proj of each layer
+    meta = build_model(ModelConfig(**{**SMALL.__dict__, "pretrained": str(tmp_path)}), 64, 0,
+                       ep_comm=EPComm(None, 2, 1), on_meta=True).hf_model
+    p = meta.model.layers[1].mlp.experts.down_proj
+    part = PretrainedWeights(str(tmp_path), "model").local("model.layers.1.mlp.experts.down_proj", p)
+    assert part.shape == (2, 32, 16) and torch.equal(part, full["model.layers.1.mlp.experts.down_proj"][2:])

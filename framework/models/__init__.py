@@ -152,7 +152,9 @@ def with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
 
     from transformers import AutoConfig
 
-    return replace(m, **ARCHS[m.arch].model_sizes(AutoConfig.from_pretrained(m.pretrained)))
+    hf_cfg = AutoConfig.from_pretrained(m.pretrained)
+    sizes = ARCHS[m.arch].model_sizes(hf_cfg, m.moe) if m.arch == "qwen3_moe" else ARCHS[m.arch].model_sizes(hf_cfg)
+    return replace(m, **sizes)
 
 
 def num_positions(hf_model) -> int:

@@ -96,6 +96,8 @@ class PretrainedWeights:
 
         from ..parallel.expert_parallel import shard_spec
 
+        if name.endswith(FUSED_EXPERTS) and not any(k in self.files for k in (name, name.removeprefix(self.prefix))):
+            return self._per_expert(name, p)
         key = self._key(name)
         with safe_open(self.files[key], "pt") as f:
             sl = f.get_slice(key)
@@ -103,6 +105,31 @@ class PretrainedWeights:
             if spec is None:
                 return sl[:]  # a tensor of its own, read from the mapped file
             return _read_rows(sl, spec, len(sl.get_shape()))
+
+
+    def _per_expert(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """A fused expert tensor from a checkpoint that stores one tensor per expert (what
+        transformers 5 writes and the hub's Qwen3-MoE / Mixtral files hold:
+        `experts.{e}.gate_proj / up_proj / down_proj.weight`): gate_up_proj[e] = [gate; up]
+        (2I, H), down_proj[e] = down (H, I), reading only this rank's experts (`ep_shard`)."""
+        from safetensors import safe_open
+
+        base, _, fused = name.rpartition(".")
+        spec = getattr(p, "ep_shard", None)
+        experts = spec.index.tolist() if spec is not None else range(p.shape[0])
+        parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+        rows = []
+        for e in experts:
+            pieces = []
+            for part in parts:
+                key = self._key(f"{base}.{e}.{part}.weight")
+                with safe_open(self.files[key], "pt") as f:
+                    pieces.append(f.get_tensor(key))
+            rows.append(torch.cat(pieces, 0))
+        return torch.stack(rows)
+
+
+FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # transformers 5's fused (E, ...) tensors
 
 
 def _read_rows(sl, spec, ndim: int) -> torch.Tensor:

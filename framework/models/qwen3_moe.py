@@ -17,6 +17,7 @@ experts and router are replicated over tp, like the norms).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -46,14 +47,16 @@ def hf_config(m: ModelConfig, vocab_size: int) -> Qwen3MoeConfig:
     )
 
 
-def model_sizes(c: Qwen3MoeConfig) -> dict:
-    """The ModelConfig keys a Qwen3MoeConfig sets (hf_config's inverse)."""
+def model_sizes(c: Qwen3MoeConfig, moe: MoEConfig = MoEConfig()) -> dict:
+    """The ModelConfig keys a Qwen3MoeConfig sets (hf_config's inverse); the routing options
+    the checkpoint does not fix (score, capacity, aux losses, bias) are kept from `moe`."""
     return dict(n_layer=c.num_hidden_layers, n_embd=c.hidden_size, n_head=c.num_attention_heads,
                 n_kv_head=c.num_key_value_heads, n_inner=c.intermediate_size,
                 max_positions=c.max_position_embeddings, vocab_size=c.vocab_size,
                 tie_embeddings=bool(c.tie_word_embeddings),
-                moe=MoEConfig(experts=c.num_experts, top_k=c.num_experts_per_tok,
-                              expert_inner=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob)))
+                moe=dataclasses.replace(moe, experts=c.num_experts, top_k=c.num_experts_per_tok,
+                                        expert_inner=c.moe_intermediate_size,
+                                        norm_topk_prob=bool(c.norm_topk_prob)))
 
 
 def _router(self: Qwen3MoeTopKRouter, hidden_states: torch.Tensor):
