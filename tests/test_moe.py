@@ -131,3 +131,45 @@ def test_expert_shards_come_from_the_same_values_and_pretrained_slices(tmp_path)
     p = meta.model.layers[1].mlp.experts.down_proj
     part = PretrainedWeights(str(tmp_path), "model").local("model.layers.1.mlp.experts.down_proj", p)
     assert part.shape == (2, 32, 16) and torch.equal(part, full["model.layers.1.mlp.experts.down_proj"][2:])
+
+
+def test_grouped_gemm_equals_the_per_expert_loop():
+    """model.moe.experts_impl=grouped (torch._grouped_mm, fp32 here) against the loop on the
+    same routing: outputs and every gradient, an empty expert included; fp64 is rejected
+    (no kernel), as is a width grouped GEMM cannot align."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from framework.parallel.expert_parallel import run_routed
+
+    torch.manual_seed(0)
+    loop = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4))
+    for p in loop.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    grouped = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4))
+    grouped.load_state_dict(loop.state_dict())
+    grouped.grouped = True
+    x = torch.randn(24, 32)
+    index = torch.randint(0, 3, (24, 2))  # expert 3 gets nothing
+    index[:, 1] = (index[:, 0] + 1) % 3
+    weights = torch.rand(24, 2)
+    outs = []
+    for experts in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        y, _ = run_routed(experts, xi, index, weights, None)
+        y.sum().backward()  # an expanded gradient: what _grouped_mm's backward rejects unguarded
+        outs.append((y, xi.grad, [p.grad for p in experts.parameters()]))
+    (y0, gx0, gp0), (y1, gx1, gp1) = outs
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-6)
+    for a, b in zip(gp1, gp0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.count_nonzero(a[3]) == 0  # the empty expert: a zero gradient, not None
+    import dataclasses
+
+    built = build_model(dataclasses.replace(SMALL, moe=dataclasses.replace(SMALL.moe, experts_impl="grouped")), 64, 0)
+    assert all(b.mlp.experts.grouped for b in built.hf_model.model.layers)  # the key reaches the layers
+    assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "trainer.precision=fp64"],
+                        "model.moe.experts_impl='grouped'", "no fp64 kernel")
+    assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "model.moe.expert_inner=18"],
+                        "model.moe.expert_inner=18", "16-byte-aligned")

@@ -38,6 +38,7 @@ class MoERuntime:
         blocks = [m for m in hf.modules() if isinstance(m, block_class)]
         for layer, block in enumerate(blocks):
             block.forward = functools.partial(forward, block, self, layer)
+            block.experts.grouped = self.cfg.experts_impl == "grouped"
             self.gates[layer] = block.gate
             if self.cfg.bias_update_rate > 0:  # a buffer: stepped by take_step, not the optimizer
                 block.gate.register_buffer("expert_bias", torch.zeros(self.cfg.experts, device=device))

@@ -121,6 +121,23 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.factor, None
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; its gradient made contiguous (torch._grouped_mm's backward rejects the
+    expanded gradients a sum produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(x)
+
+
 def scale_grad(w: torch.Tensor, factor: float) -> torch.Tensor:
     return w if factor == 1 else _ScaleGrad.apply(w, factor)
 
@@ -159,10 +176,17 @@ def shard_experts(experts: nn.Module, comm: EPComm) -> None:
 
 
 def run_experts(experts: nn.Module, tokens: torch.Tensor, per_expert: list[int], factor: float) -> torch.Tensor:
-    """Each local expert's SwiGLU over its consecutive rows of `tokens` (the CPU path: one
-    pair of matmuls per expert; an expert with no rows still runs, on zero rows, so its
-    weights get a (zero) gradient on every rank and the reductions stay aligned)."""
+    """Each local expert's SwiGLU over its consecutive rows of `tokens`: one pair of matmuls
+    per expert (`model.moe.experts_impl=loop`, every device and dtype; an expert with no rows
+    still runs, on zero rows, so its weights get a (zero) gradient on every rank and the
+    reductions stay aligned), or two grouped GEMMs over all experts at once (`grouped`:
+    torch._grouped_mm, fp32 / bf16, 16-byte-aligned widths; empty groups give zero gradients)."""
     gate_up, down = scale_grad(experts.gate_up_proj, factor), scale_grad(experts.down_proj, factor)
+    if getattr(experts, "grouped", False):
+        offs = torch.tensor(per_expert, device=tokens.device).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offs)
+        gate, up = _contiguous_grad(h).chunk(2, dim=-1)
+        return torch._grouped_mm(experts.act_fn(gate) * up, down.transpose(-2, -1), offs=offs)
     outs = []
     for e, rows in enumerate(tokens.split(per_expert)):
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)

@@ -53,6 +53,7 @@ def check_moe(run: RunConfig) -> None:
     if e.expert_inner is not None:
         positive("model.moe.expert_inner", e.expert_inner)
     _moe_routing(e)
+    _experts_impl(run)
 
 
 def _moe_routing(e) -> None:
@@ -74,3 +75,30 @@ def _moe_routing(e) -> None:
         number(f"{key}.coeff", a["coeff"], lambda x: x >= 0, "must be a finite number >= 0", "e.g. coeff: 0.01")
     number("model.moe.bias_update_rate", e.bias_update_rate, lambda x: x >= 0, "must be a finite number >= 0",
            "e.g. model.moe.bias_update_rate=0.001 (DeepSeek-V3); 0 turns the bias balancing off")
+
+
+def _experts_impl(run: RunConfig) -> None:
+    """grouped runs torch._grouped_mm: fp32 / bf16 / fp16 only, rows 16-byte aligned."""
+    import torch
+
+    from ..precision import policy_of
+
+    e = run.model.moe
+    if e.experts_impl not in ("loop", "grouped"):
+        raise ConfigError("model.moe.experts_impl", e.experts_impl, "must be loop or grouped",
+                          "e.g. model.moe.experts_impl=loop (any device and dtype)")
+    if e.experts_impl == "loop":
+        return
+    if not hasattr(torch, "_grouped_mm"):
+        raise ConfigError("model.moe.experts_impl", "grouped", f"torch {torch.__version__} has no _grouped_mm",
+                          "use model.moe.experts_impl=loop")
+    dtype = policy_of(run).param_dtype
+    if dtype == torch.float64:
+        raise ConfigError("model.moe.experts_impl", "grouped", "torch._grouped_mm has no fp64 kernel",
+                          "use model.moe.experts_impl=loop with trainer.precision=fp64")
+    per_row = 16 // (torch.finfo(dtype).bits // 8)
+    for key, width in (("model.n_embd", run.model.n_embd), ("model.moe.expert_inner", e.expert_inner or run.model.n_embd)):
+        if width % per_row:
+            raise ConfigError(key, width, f"torch._grouped_mm needs 16-byte-aligned rows: a multiple of {per_row} "
+                              f"in {dtype}", "use model.moe.experts_impl=loop, or a width that is a multiple of "
+                              f"{per_row}")
