@@ -44,7 +44,7 @@ from .metrics.memory import memory_summary
 from .metrics.moe import step_metrics
 from .metrics.predict import RunPredictor, predicted_keys, summary_prediction
 from .parallel.pipeline.schedules import resolve
-from .metrics.timeline import kept_steps, write_run_timeline
+from .metrics.timeline import kept_steps, write_run_timeline, write_trace
 from .precision import policy_of
 from .progress import Progress
 from .records import RunInfo, StepRecord
@@ -73,6 +73,7 @@ class RunLogger:
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
         self.actions: dict[int, list] = {}  # kept step -> per-rank action records (pipelines)
+        self.a2a_spans: dict[int, list] = {}  # kept step -> per-rank all-to-all calls (ep > 1)
         self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
                                run.metrics.trace_steps)
         self.busy_window: Optional[list[list[float]]] = None  # per rank [Σ busy, Σ window] over the run
@@ -183,6 +184,8 @@ class RunLogger:
                 if i == len(pending) - 1:  # at log intervals: the replay of the medians so far
                     rec.update(predicted_keys(self.predictor.predict(per_rank)[1]))
             self.records.append({k: rec[k] for k in KEPT_KEYS if k in rec})  # what the summary reads
+            if self.run.parallelism.ep > 1 and rec["step"] in self.kept:
+                self.a2a_spans[rec["step"]] = [r.a2a_spans for r in per_rank]
             if self.run.parallelism.pp > 1:
                 if rec["step"] in self.kept:  # bounded: never every step of a long run
                     self.actions[rec["step"]] = [r.actions for r in per_rank]
@@ -229,6 +232,8 @@ class RunLogger:
         summary = self._summary(gathered)
         if self.run.parallelism.pp > 1:
             self._write_timeline(summary)
+        elif self.a2a_spans:  # no pipeline: the trace holds the all-to-alls alone
+            write_trace({}, os.path.join(self.job_dir, "trace.json"), self.a2a_spans)
         self.jsonl.close()
         os.replace(self.partial_path, os.path.join(self.job_dir, "metrics.jsonl"))
         write_atomic(os.path.join(self.job_dir, "summary.json"), json.dumps(summary, indent=2))
@@ -291,7 +296,7 @@ class RunLogger:
         self.ctx.recorder.note("write trace.json and timeline.png (rank 0)")
         skip = min(self.run.metrics.skip_first, len(self.records) - 1)
         write_run_timeline(self.run, self.job_dir, self.actions, self.records[skip:], summary,
-                           getattr(self, "prediction", None), self.wandb)
+                           getattr(self, "prediction", None), self.wandb, self.a2a_spans)
 
     def close(self) -> None:
         """Always runs (finally): a failed run's W&B run is marked failed and closed."""

@@ -118,8 +118,8 @@ def _a2a(runner) -> dict:
     comm = getattr(runner, "ep_comm", None)
     if comm is None:
         return {}
-    sent, seconds = comm.take_a2a()
-    return {"a2a_bytes": sent, "a2a_s": seconds}
+    sent, seconds, spans = comm.take_a2a()
+    return {"a2a_bytes": sent, "a2a_s": seconds, "a2a_spans": spans}
 
 
 def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) -> dict:

@@ -97,6 +97,16 @@ def test_moe_metrics_are_in_every_row(runs):
             assert row["load_max_over_mean"] >= 1 and row["ep_straggler"] >= 1
         assert m["a2a_bytes"] > 0 and m["a2a_s"] > 0
     assert "a2a_bytes" not in runs["single"][0][0]  # no all-to-all without ep
+    # trace.json: every all-to-all call as its own slice: per layer and micro-batch the count
+    # exchange, dispatch and combine, and the two backward ones; per rank they add up to a2a_s
+    events = json.loads((runs["ep2"][2] / "trace.json").read_text())["traceEvents"]
+    calls = [e for e in events if e.get("cat") == "a2a"]
+    for m in metrics:
+        per_rank = [[e for e in calls if e["args"]["step"] == m["step"] and e["tid"] == r] for r in (0, 1)]
+        assert all(len(c) == 2 * 2 * 5 for c in per_rank)  # 2 layers x 2 micro-batches x 5 calls
+        assert {e["name"] for e in per_rank[0]} == {"a2a counts", "a2a dispatch", "a2a combine",
+                                                    "a2a dispatch (backward)", "a2a combine (backward)"}
+        assert max(sum(e["dur"] for e in c) for c in per_rank) == pytest.approx(m["a2a_s"] * 1e6, rel=1e-6)
 
 
 def test_a_checkpoint_saved_under_ep2_resumes_under_ep4_with_zero1(tmp_path, runs, data_cache):

@@ -27,10 +27,16 @@ def kept_steps(first: int, last: int, measured_from: int, limit: int) -> set[int
     return spread | {min(max(measured_from, first), last)}
 
 
-def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
-    t0 = min((r[1] for per_rank in steps.values() for recs in per_rank for r in recs), default=0.0)
+def chrome_trace(steps: dict[int, list[list[Record]]], comm: Optional[dict] = None) -> dict:
+    """`comm`: step -> per-rank (what, start, end) of expert parallelism's all-to-alls, drawn
+    as slices of category `a2a` on the rank's row, on their own process row (pid 1) so they
+    never hide the compute they run inside of."""
+    comm = comm or {}
+    starts = [r[1] for per_rank in steps.values() for recs in per_rank for r in recs] + \
+        [s for per_rank in comm.values() for spans in per_rank for _, s, _ in spans]
+    t0 = min(starts, default=0.0)
     events = []
-    n_ranks = max((len(v) for v in steps.values()), default=0)
+    n_ranks = max([len(v) for v in steps.values()] + [len(v) for v in comm.values()], default=0)
     for rank in range(n_ranks):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
     for step, per_rank in sorted(steps.items()):
@@ -43,12 +49,19 @@ def chrome_trace(steps: dict[int, list[list[Record]]]) -> dict:
                 op = action.op.value
                 events.append({"name": name, "cat": op, "ph": "X", "pid": 0, "tid": rank, "ts": (cstart - t0) * 1e6,
                                "dur": (end - cstart) * 1e6, "args": {"step": step, "microbatch": action.microbatch}})
+    if comm:
+        events.append({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "all-to-all (expert parallel)"}})
+    for step, per_rank in sorted(comm.items()):
+        for rank, spans in enumerate(per_rank):
+            for what, start, end in spans:
+                events.append({"name": what, "cat": "a2a", "ph": "X", "pid": 1, "tid": rank, "ts": (start - t0) * 1e6,
+                               "dur": (end - start) * 1e6, "args": {"step": step}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(steps: dict[int, list[list[Record]]], path: str) -> None:
+def write_trace(steps: dict[int, list[list[Record]]], path: str, comm: Optional[dict] = None) -> None:
     with open(path, "w") as f:
-        json.dump(chrome_trace(steps), f)
+        json.dump(chrome_trace(steps, comm), f)
 
 
 def render_timeline(per_rank: list[list[Record]], path: str, title: str,
@@ -92,7 +105,7 @@ def _gantt(ax, per_rank: list[list[Record]], cmap) -> None:
 
 
 def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], summary: dict, prediction,
-                       wandb_run) -> None:
+                       wandb_run, comm: Optional[dict] = None) -> None:
     """A pipeline run's trace.json (the kept steps, `kept_steps`), predicted_trace.json (the
     simulator's replay, when there is one) and timeline.png (of the kept measured steps, the
     one with the median step time); both to W&B when it logs. `measured`: the rows after
@@ -101,7 +114,7 @@ def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], s
 
     from .predict import timeline_records
 
-    write_trace(actions, os.path.join(job_dir, "trace.json"))
+    write_trace(actions, os.path.join(job_dir, "trace.json"), comm)
     measured = [r for r in measured if r["step"] in actions]
     median_row = sorted(measured, key=lambda r: r["step_time_s"])[len(measured) // 2]
     chosen = median_row["step"]

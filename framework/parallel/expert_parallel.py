@@ -45,27 +45,35 @@ from .tp_comm import TPComm
 
 class EPComm(TPComm):
     """One rank's ep group: TPComm's all-gather (the export) plus the all-to-alls, with the
-    bytes this rank sends to other ranks and the host time spent in them (CPU: the transfer;
-    CUDA: enqueue plus the count exchange's sync, not the transfer)."""
+    bytes this rank sends to other ranks and the time spent in them: host time around each
+    call, after synchronising the compute stream on CUDA (`metrics.clock.now`), so on CPU the
+    transfer plus the wait for peers, on CUDA the same at the cost of a sync per call."""
 
     def __init__(self, group, size: int, rank: int, device=None):
         super().__init__(group, size, rank)
         self.device = device if device is not None else torch.device("cpu")
         self.a2a_bytes, self.a2a_s = 0, 0.0
+        self.spans: list[tuple[str, float, float]] = []  # this step's calls: (what, start, end), unix s
 
-    def take_a2a(self) -> tuple[int, float]:
-        """(bytes, seconds) of all-to-all since the last call."""
-        out = (self.a2a_bytes, self.a2a_s)
-        self.a2a_bytes, self.a2a_s = 0, 0.0
+    def take_a2a(self) -> tuple[int, float, list]:
+        """(bytes, seconds, spans) of all-to-all since the last call (a step's when called once per step)."""
+        out = (self.a2a_bytes, self.a2a_s, self.spans)
+        self.a2a_bytes, self.a2a_s, self.spans = 0, 0.0, []
         return out
 
-    def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    def _timed(self, what: str, fn) -> None:
+        t0 = now(self.device)
+        fn()
+        t1 = now(self.device)
+        self.a2a_s += t1 - t0
+        self.spans.append((what, t0, t1))
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   what: str = "a2a") -> torch.Tensor:
         """Rows of `x` in rank order, in_splits[r] of them to rank r; receives out_splits[r] from r."""
         x = x.contiguous()
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        t0 = now(self.device)
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
-        self.a2a_s += now(self.device) - t0
+        self._timed(what, lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group))
         row = math.prod(x.shape[1:]) * x.element_size()  # (a rank may send no rows at all)
         self.a2a_bytes += (sum(in_splits) - in_splits[self.rank]) * row
         return out
@@ -75,9 +83,7 @@ class EPComm(TPComm):
         tokens each rank sends to each of this rank's experts (equal splits, E / ep each)."""
         local = per_expert.numel() // self.size
         out = torch.empty_like(per_expert)
-        t0 = now(self.device)
-        dist.all_to_all_single(out, per_expert.contiguous(), group=self.group)
-        self.a2a_s += now(self.device) - t0
+        self._timed("a2a counts", lambda: dist.all_to_all_single(out, per_expert.contiguous(), group=self.group))
         self.a2a_bytes += (self.size - 1) * local * per_expert.element_size()
         return out.view(self.size, local)
 
@@ -87,25 +93,25 @@ class _AllToAll(torch.autograd.Function):
     the inverse all-to-all (splits swapped) in backward."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, comm):
-        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
-        return comm.all_to_all(x, out_splits, in_splits)
+    def forward(ctx, x, out_splits, in_splits, comm, what):
+        ctx.comm, ctx.out_splits, ctx.in_splits, ctx.what = comm, out_splits, in_splits, what
+        return comm.all_to_all(x, out_splits, in_splits, f"a2a {what}")
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.all_to_all(g, ctx.in_splits, ctx.out_splits), None, None, None
+        return ctx.comm.all_to_all(g, ctx.in_splits, ctx.out_splits, f"a2a {ctx.what} (backward)"), None, None, None, None
 
 
 def dispatch_to_experts(tokens: torch.Tensor, send: list[int], recv: list[int], comm: EPComm) -> torch.Tensor:
     """Tokens sorted by destination expert -> the ranks holding those experts. Forward:
     all-to-all (send[r] rows to rank r). Backward: all-to-all of the gradients back."""
-    return _AllToAll.apply(tokens, recv, send, comm)
+    return _AllToAll.apply(tokens, recv, send, comm, "dispatch")
 
 
 def combine_from_experts(outputs: torch.Tensor, send: list[int], recv: list[int], comm: EPComm) -> torch.Tensor:
     """The experts' outputs -> the ranks their tokens came from (dispatch's inverse: `send`
     and `recv` as given to dispatch). Forward: all-to-all. Backward: all-to-all."""
-    return _AllToAll.apply(outputs, send, recv, comm)
+    return _AllToAll.apply(outputs, send, recv, comm, "combine")
 
 
 class _ScaleGrad(torch.autograd.Function):
