@@ -12,7 +12,8 @@ attachment) and needs no server. It holds, for the jobs of the sweep:
   - per-rank memory, stacked: parameters, gradients, optimizer states, activations (the peak
     of saved activations), with the ZeRO paper's formula for the rank's model states marked;
   - each pipeline job's timeline: the step `timeline_step` of summary.json (the measured
-    step with the median time), from trace.json, one row per rank.
+    step with the median time), from trace.json, one row per rank;
+  - MoE jobs only: expert load heat maps, load imbalance, all-to-all share (dashboard_moe.py).
 Only completed jobs are plotted; every job is in the table. Each job has one label
 everywhere: its number and overrides.
 """
@@ -289,6 +290,8 @@ def _section(title: str, fig) -> str:
 def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
     from plotly.offline import get_plotlyjs
 
+    from .dashboard_moe import moe_section  # here: it imports this module's helpers
+
     jobs = load_jobs(sweep, rows)
     parts = [f"<h1>Sweep {html.escape(str(sweep))}: {len(rows)} jobs, {len(jobs)} completed</h1>",
              '<div class="notes">' + "".join(
@@ -303,6 +306,7 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
             fig = timeline_figure(job)
             if fig is not None:
                 parts.append(_section(f"Pipeline timeline: {job.label}", fig))
+        parts.append(moe_section(jobs))  # "" for a dense sweep
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Sweep report</title>"
             f"<style>{STYLE}</style><script type=\"text/javascript\">{get_plotlyjs()}</script></head>"
             f"<body>{''.join(parts)}</body></html>")

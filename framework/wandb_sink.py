@@ -179,6 +179,37 @@ def declare_metrics(run, summary_keys: tuple) -> None:
 
 
 def wandb_row(rec: dict) -> dict:
-    row = {k: v for k, v in rec.items() if not k.startswith("rank_") and v is not None}  # fp64: no mfu
+    """A metrics.jsonl row as W&B history: scalars only (W&B charts no lists), the per-rank
+    bubbles as `bubble_fraction/rank<i>`, and a MoE row's layers flattened (`moe_keys`)."""
+    row = {k: v for k, v in rec.items()  # None: fp64 has no mfu
+           if not k.startswith("rank_") and k != "moe_layers" and v is not None}
     row.update({f"bubble_fraction/rank{i}": b for i, b in enumerate(rec["rank_bubble_fraction"])})
+    row.update(moe_keys(rec.get("moe_layers") or {}))
     return row
+
+
+# Per MoE layer, the scalars of metrics.jsonl's `moe_layers` that W&B charts as lines.
+MOE_SCALARS = ("load_cv", "load_max_over_mean", "dead_experts", "dropped_fraction", "router_entropy", "ep_straggler",
+               "aux", "seq_aux", "z")
+HISTOGRAM_MAX_BINS = 512  # wandb.Histogram.MAX_LENGTH (wandb 0.31): it raises above that
+
+
+def moe_keys(layers: dict) -> dict:
+    """`moe/layer<i>/<scalar>`, `moe/layer<i>/tokens_received_ep<r>`, and the expert load as
+    `moe/layer<i>/expert_load`: a histogram whose bin e holds expert e's tokens. W&B draws a
+    histogram logged every step as a heat map over steps (expert on one axis, step on the
+    other), the per-layer load picture; wandb is imported only here, for MoE rows, so the
+    validator can still import this module without it."""
+    if not layers:
+        return {}
+    import wandb
+
+    out = {}
+    for i, layer in layers.items():
+        head = f"moe/layer{i}"
+        out.update({f"{head}/{k}": layer[k] for k in MOE_SCALARS if layer.get(k) is not None})
+        out.update({f"{head}/tokens_received_ep{r}": n for r, n in enumerate(layer["tokens_received_per_ep_rank"])})
+        counts = layer["tokens_per_expert"]
+        if len(counts) <= HISTOGRAM_MAX_BINS:  # more experts: the scalars only (docs/metrics.md)
+            out[f"{head}/expert_load"] = wandb.Histogram(np_histogram=(counts, list(range(len(counts) + 1))))
+    return out

@@ -129,6 +129,20 @@ def layout_sweep(tmp_path_factory):
     return sweep, r
 
 
+@pytest.fixture(scope="session")
+def moe_sweep(tmp_path_factory):
+    """`python run.py -m` over ep 1 and 2 of a tiny MoE model (2 layers of 4 experts, aux and
+    z losses on), W&B offline: the sweep the MoE dashboard and W&B tests read. ~20 s."""
+    sweep = tmp_path_factory.mktemp("moe_sweep")
+    r = run_cli(["-m", "parallelism.ep=1,2", "parallelism=dp2", "model=moe-tiny", "model.n_layer=2", "model.n_embd=32",
+                 "model.n_head=2", "model.n_kv_head=1", "model.moe.expert_inner=16", "data=synthetic",
+                 "data.seq_len=32", "trainer.steps=4", "trainer.micro_batch_size=2", "metrics.skip_first=1",
+                 "model.moe.aux_losses=[{type:aux,coeff:0.01},{type:z,coeff:0.001}]", "logger=wandb",
+                 "logger.mode=offline", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return sweep
+
+
 def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})

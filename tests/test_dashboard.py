@@ -59,6 +59,7 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
     source = page.read_text()
     # offline: plotly.js is inside the page, nothing is fetched (no script src, no stylesheet link)
     assert not re.search(r"<script[^>]+src=", source) and not re.search(r"<link[^>]+href=", source)
+    assert 'id="moe"' not in source  # a dense sweep: no Mixture-of-Experts section (tests/test_dashboard_moe.py)
     dom = _render(page)
 
     # 4 comparison figures + the one pipeline job's timeline, each drawn by plotly

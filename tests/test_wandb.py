@@ -4,10 +4,12 @@ config error before it."""
 
 from __future__ import annotations
 
+import glob
 import http.server
 import json
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 
 from framework.wandb_sink import api_key_found, init_run, probe, reachable, wandb_mode
 
+from . import wandb_reader
 from .conftest import assert_config_error, compose, run_cli
 
 SMOKE = ["experiment=smoke", "metrics.skip_first=0"]
@@ -179,3 +182,68 @@ def test_a_failing_online_init_falls_back_to_offline(no_wandb_env, silent_server
 
 def test_disabled_starts_no_run(tmp_path):
     assert init_run("disabled", str(tmp_path)) is None
+
+
+# ---- MoE: each layer's numbers flattened, the expert load as a histogram ----
+
+def _moe_rows(job) -> list[dict]:
+    return [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_wandb_row_flattens_moe_layers_and_logs_the_load_as_a_histogram(moe_sweep):
+    """A real metrics.jsonl row of the ep 2 job: no nested `moe_layers` (W&B charts no lists),
+    `moe/layer<i>/<key>` scalars and tokens per ep rank, and per layer a histogram whose bin e
+    is expert e's tokens (what W&B draws as a heat map over steps)."""
+    import wandb
+
+    from framework.wandb_sink import MOE_SCALARS, wandb_row
+
+    rec = _moe_rows(moe_sweep / "1")[0]
+    row = wandb_row(rec)
+    assert "moe_layers" not in row and not [k for k in row if k.startswith("moe_layers")]
+    assert {k: row[k] for k in ("moe_load_cv_max", "moe_dead_experts", "moe_dropped_fraction", "moe_aux_loss",
+                                "a2a_bytes", "a2a_s")} == {k: rec[k] for k in ("moe_load_cv_max", "moe_dead_experts",
+                                                                               "moe_dropped_fraction", "moe_aux_loss",
+                                                                               "a2a_bytes", "a2a_s")}
+    for i, layer in rec["moe_layers"].items():
+        mine = {k[len(f"moe/layer{i}/"):]: v for k, v in row.items() if k.startswith(f"moe/layer{i}/")}
+        hist = mine.pop("expert_load")
+        assert isinstance(hist, wandb.Histogram)
+        assert hist.histogram == layer["tokens_per_expert"] and hist.bins == [0, 1, 2, 3, 4]
+        assert mine == {**{k: layer[k] for k in MOE_SCALARS if k in layer},
+                        "tokens_received_ep0": layer["tokens_received_per_ep_rank"][0],
+                        "tokens_received_ep1": layer["tokens_received_per_ep_rank"][1]}
+        assert {"aux", "z", "load_cv", "router_entropy", "ep_straggler"} <= mine.keys() and "seq_aux" not in mine
+
+
+def test_wandb_row_needs_no_wandb_for_a_dense_row_and_skips_oversized_histograms(monkeypatch):
+    from framework.wandb_sink import HISTOGRAM_MAX_BINS, wandb_row
+
+    dense = {"step": 1, "loss": 2.0, "mfu": None, "rank_bubble_fraction": [0.0, 0.1]}
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    assert wandb_row(dense) == {"step": 1, "loss": 2.0, "bubble_fraction/rank0": 0.0, "bubble_fraction/rank1": 0.1}
+    monkeypatch.undo()
+    layer = {"tokens_per_expert": [1.0] * (HISTOGRAM_MAX_BINS + 1), "load_cv": 0.0, "tokens_received_per_ep_rank": [1.0]}
+    row = wandb_row({**dense, "moe_layers": {"0": layer}})
+    assert "moe/layer0/load_cv" in row and "moe/layer0/expert_load" not in row  # wandb caps a histogram at 512 bins
+
+
+def test_a_moe_run_s_wandb_history_has_each_layer_s_keys_and_load_every_step(moe_sweep):
+    """The offline W&B runs of both jobs: every step has every layer's scalars and its
+    expert-load histogram (values = that step's tokens per expert), and no list-valued keys."""
+    for job, ep in ((moe_sweep / "0", 1), (moe_sweep / "1", 2)):
+        files = glob.glob(str(job / "wandb" / "offline-run-*" / "run-*.wandb"))
+        assert len(files) == 1
+        history, rows = wandb_reader.history(files[0]), _moe_rows(job)
+        assert [h["step"] for h in history] == [r["step"] for r in rows] == [1, 2, 3, 4]
+        for h, rec in zip(history, rows, strict=True):
+            assert not [k for k in h if k.startswith("moe_layers")]
+            assert ("a2a_s" in h) == (ep > 1) and h["moe_load_cv_max"] == rec["moe_load_cv_max"]
+            for i, layer in rec["moe_layers"].items():
+                head = f"moe/layer{i}"
+                # the histogram's dict arrives as nested keys under its name
+                assert h[f"{head}/expert_load/_type"] == "histogram"
+                assert h[f"{head}/expert_load/values"] == layer["tokens_per_expert"]
+                assert h[f"{head}/expert_load/bins"] == [0, 1, 2, 3, 4]
+                assert h[f"{head}/load_cv"] == layer["load_cv"] and h[f"{head}/aux"] == layer["aux"]
+                assert [h[f"{head}/tokens_received_ep{r}"] for r in range(ep)] == layer["tokens_received_per_ep_rank"]
