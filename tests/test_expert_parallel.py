@@ -4,7 +4,7 @@ in training (framework/models/moe_layer.py), docs/moe.md.
 Every layout reproduces the single process in fp64 at rtol 1e-9 (losses, gradient norms,
 every final parameter: routers and experts included) with the auxiliary losses (aux, seq_aux,
 z) and DeepSeek-V3's bias update switched on, so both are invariant to ep, dp, tp with
-sequence parallelism, pp (flush and zbh1), ZeRO-1 / 3 and accumulation. A capacity factor of
+tp with and without sequence parallelism, pp (flush and zbh1), ZeRO-1 / 3 and accumulation. A capacity factor of
 infinity is the dropless run bit for bit; a finite one drops the same tokens under ep. A
 checkpoint saved under ep 2 resumes under ep 4 with ZeRO-1. A dispatch where an expert and a
 whole ep rank receive nothing runs and matches the local computation."""
@@ -29,6 +29,7 @@ LAYOUTS = {
     "ep2_dp4_zero3": ["parallelism=zero3", "parallelism.dp=4", "parallelism.ep=2", "schedule.microbatches=1"],
     "ep2_pp2_flush": ["parallelism=dp2_pp2", "parallelism.ep=2", "schedule.microbatches=2"],
     "ep2_pp2_zbh1": ["parallelism=dp2_pp2", "parallelism.ep=2", "schedule=zbh1", "schedule.microbatches=2"],
+    "ep2_tp2": ["parallelism=dp2", "parallelism.tp=2", "parallelism.ep=2", "schedule.microbatches=2"],
     "ep2_tp2_sp": ["parallelism=dp2", "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.ep=2",
                    "schedule.microbatches=2"],
     "single_inf": ["parallelism=single", "schedule.microbatches=4", "model.moe.capacity_factor=inf"],
@@ -37,7 +38,7 @@ LAYOUTS = {
     "single_cap": ["parallelism=single", "schedule.microbatches=4", "model.moe.capacity_factor=1.0"],
     "ep2_cap": ["parallelism=dp2", "parallelism.ep=2", "schedule.microbatches=2", "model.moe.capacity_factor=1.0"],
 }
-EQUIVALENT = ["ep2", "ep4_zero1", "ep2_dp4_zero3", "ep2_pp2_flush", "ep2_pp2_zbh1", "ep2_tp2_sp"]
+EQUIVALENT = ["ep2", "ep4_zero1", "ep2_dp4_zero3", "ep2_pp2_flush", "ep2_pp2_zbh1", "ep2_tp2", "ep2_tp2_sp"]
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,21 @@ def test_the_mixtral_shaped_preset_plans(tmp_path):
     total = sum(st["params"] for st in plan["stages"])
     assert abs(total - 46.7e9) < 0.2e9, total  # Mixtral 8x7B: 46.7B (with q / k norms: a few thousand more)
     assert len(plan["memory_estimate_per_rank"]) == 8
+    # ep 4 of dp 4: each rank holds 2 of the 8 experts of its 4 layers. By hand: an expert is
+    # 3 x 14336 x 4096 = 176,160,768 parameters, so 4 layers x 2 experts = 1,409,286,144
+    r = run_cli([f"hydra.run.dir={tmp_path / 'ep'}", "model=moe-mixtral", "dry_run=true", "parallelism.pp=8",
+                 "parallelism.dp=4", "parallelism.ep=4", "parallelism.zero=1", "schedule=flush",
+                 "schedule.microbatches=8", "logger=none"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ep = json.loads((tmp_path / "ep" / "plan.json").read_text())
+    assert all(st["expert_params"] == 1_409_286_144 for st in ep["stages"])
+    assert all(m["expert_psi"] == 1_409_286_144 for m in ep["memory_estimate_per_rank"])
+    assert [st["params"] + 3 * st["expert_params"] for st in ep["stages"]] == [st["params"] for st in plan["stages"]]
+    assert ep["groups"]["ep"][0] == [0, 1, 2, 3] and ep["groups"]["edp"][0] == [0]
+    # ZeRO-1 shards the dense optimizer states over dp 4, the experts' over expert dp 1 (none)
+    m0, e0 = plan["memory_estimate_per_rank"][0], ep["memory_estimate_per_rank"][0]
+    dense = e0["psi"] - e0["expert_psi"]
+    assert e0["optimizer_bytes"] == 8 * (dense // 4 + e0["expert_psi"]) and m0["optimizer_bytes"] == 8 * (m0["psi"] // 4)
 
 
 def test_expert_shards_come_from_the_same_values_and_pretrained_slices(tmp_path):
