@@ -3,9 +3,9 @@ in training (framework/models/moe_layer.py), docs/moe.md.
 
 Every layout reproduces the single process in fp64 at rtol 1e-9 (losses, gradient norms,
 every final parameter: routers and experts included) with the auxiliary losses (aux, seq_aux,
-z) and DeepSeek-V3's bias update switched on, so both are invariant to ep, dp, tp with
-tp with and without sequence parallelism, pp (flush and zbh1), ZeRO-1 / 3 and accumulation. A capacity factor of
-infinity is the dropless run bit for bit; a finite one drops the same tokens under ep. A
+z) and DeepSeek-V3's bias update switched on, so both are invariant to ep, dp, tp (with and
+without sequence parallelism), pp (flush and zbh1), ZeRO-1 / 3 and accumulation. A capacity
+factor of infinity is the dropless run bit for bit; a finite one drops the same tokens under ep. A
 checkpoint saved under ep 2 resumes under ep 4 with ZeRO-1. A dispatch where an expert and a
 whole ep rank receive nothing runs and matches the local computation."""
 
