@@ -52,8 +52,8 @@ class CheckpointWriteError(RuntimeError):
 
 def layout_of(run: RunConfig) -> dict:
     p, s = run.parallelism, run.schedule
-    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
-            "virtual_stages": s.virtual_stages, "sequence_parallel": p.sequence_parallel and p.tp > 1}
+    return {"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero, "schedule": s.name,
+            "microbatches": s.microbatches, "virtual_stages": s.virtual_stages, "sequence_parallel": p.sequence_parallel and p.tp > 1}
 
 
 def _meta(run: RunConfig, step: int, vocab_size: int, parent: Optional[str]) -> dict:
