@@ -44,7 +44,7 @@ class MoEConfig:
     capacity_factor: Optional[float] = None  # null (or .inf) = dropless; else capacity ceil(cf * N * k / E)
     drop_policy: str = "probs"  # over capacity, keep the highest-score (probs) or earliest (position) tokens
     aux_losses: list[dict[str, Any]] = field(default_factory=list)  # [{type: aux | seq_aux | z, coeff: 0.01}]
-    experts_impl: str = "loop"  # loop (per-expert matmuls: any device, fp64) | grouped (torch._grouped_mm)
+    experts_impl: str = "auto"  # auto (grouped on CUDA when it can) | loop (per-expert matmuls) | grouped
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing: expert bias step; 0 = off
 
 

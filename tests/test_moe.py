@@ -184,6 +184,18 @@ def test_grouped_gemm_equals_the_per_expert_loop():
 
     built = build_model(dataclasses.replace(SMALL, moe=dataclasses.replace(SMALL.moe, experts_impl="grouped")), 64, 0)
     assert all(b.mlp.experts.grouped for b in built.hf_model.model.layers)  # the key reaches the layers
+    from framework.models.moe_layer import grouped_gemm
+
+    def experts(dtype, inner=16):  # shapes only
+        return Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=inner, num_experts=4)).to(
+            device="meta", dtype=dtype)
+    # auto: grouped on CUDA in a dtype _grouped_mm takes with aligned rows; else the loop
+    assert grouped_gemm("auto", experts(torch.bfloat16), "cuda") and grouped_gemm("auto", experts(torch.float32), "cuda")
+    assert not grouped_gemm("auto", experts(torch.float32), "cpu")
+    assert not grouped_gemm("auto", experts(torch.float64), "cuda")
+    assert not grouped_gemm("auto", experts(torch.bfloat16, inner=12), "cuda")  # 24-byte rows
+    assert grouped_gemm("grouped", experts(torch.float32), "cpu") and not grouped_gemm("loop", experts(torch.float32),
+                                                                                        "cuda")
     assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "trainer.precision=fp64"],
                         "model.moe.experts_impl='grouped'", "no fp64 kernel")
     assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "model.moe.expert_inner=18"],

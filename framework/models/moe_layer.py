@@ -38,7 +38,7 @@ class MoERuntime:
         blocks = [m for m in hf.modules() if isinstance(m, block_class)]
         for layer, block in enumerate(blocks):
             block.forward = functools.partial(forward, block, self, layer)
-            block.experts.grouped = self.cfg.experts_impl == "grouped"
+            block.experts.grouped = grouped_gemm(self.cfg.experts_impl, block.experts, device)
             self.gates[layer] = block.gate
             if self.cfg.bias_update_rate > 0:  # a buffer: stepped by take_step, not the optimizer
                 block.gate.register_buffer("expert_bias", torch.zeros(self.cfg.experts, device=device))
@@ -86,6 +86,19 @@ class MoERuntime:
                 gate.expert_bias.copy_(updated_bias(gate.expert_bias, counts.to(gate.expert_bias.device),
                                                     self.cfg.bias_update_rate))
         return out
+
+
+def grouped_gemm(impl: str, experts: nn.Module, device) -> bool:
+    """`grouped` / `loop` as asked; `auto`: grouped GEMM where the device has it (CUDA, a
+    dtype torch._grouped_mm takes, 16-byte-aligned rows), the per-expert loop elsewhere (the
+    CPU, fp64 verification runs)."""
+    if impl != "auto":
+        return impl == "grouped"
+    w = experts.gate_up_proj
+    if torch.device(device).type != "cuda" or not hasattr(torch, "_grouped_mm") or w.dtype == torch.float64:
+        return False
+    per_row = 16 // w.element_size()
+    return w.shape[-1] % per_row == 0 and experts.down_proj.shape[-1] % per_row == 0
 
 
 def moe_step(rt: Optional[MoERuntime], run, ctx, tp_comm) -> Optional[dict]:

@@ -84,10 +84,10 @@ def _experts_impl(run: RunConfig) -> None:
     from ..precision import policy_of
 
     e = run.model.moe
-    if e.experts_impl not in ("loop", "grouped"):
-        raise ConfigError("model.moe.experts_impl", e.experts_impl, "must be loop or grouped",
-                          "e.g. model.moe.experts_impl=loop (any device and dtype)")
-    if e.experts_impl == "loop":
+    if e.experts_impl not in ("auto", "loop", "grouped"):
+        raise ConfigError("model.moe.experts_impl", e.experts_impl, "must be auto, loop or grouped",
+                          "e.g. model.moe.experts_impl=auto (grouped GEMM on CUDA where it can, else the loop)")
+    if e.experts_impl != "grouped":
         return
     if not hasattr(torch, "_grouped_mm"):
         raise ConfigError("model.moe.experts_impl", "grouped", f"torch {torch.__version__} has no _grouped_mm",
