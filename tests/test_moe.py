@@ -148,7 +148,7 @@ def test_expert_shards_come_from_the_same_values_and_pretrained_slices(tmp_path)
     assert part.shape == (2, 32, 16) and torch.equal(part, full["model.layers.1.mlp.experts.down_proj"][2:])
 
 
-def test_grouped_gemm_equals_the_per_expert_loop():
+def test_grouped_gemm_equals_the_per_expert_loop(monkeypatch):
     """model.moe.experts_impl=grouped (torch._grouped_mm, fp32 here) against the loop on the
     same routing: outputs and every gradient, an empty expert included; fp64 is rejected
     (no kernel), as is a width grouped GEMM cannot align."""
@@ -184,7 +184,13 @@ def test_grouped_gemm_equals_the_per_expert_loop():
 
     built = build_model(dataclasses.replace(SMALL, moe=dataclasses.replace(SMALL.moe, experts_impl="grouped")), 64, 0)
     assert all(b.mlp.experts.grouped for b in built.hf_model.model.layers)  # the key reaches the layers
+    from framework.models import moe_layer
     from framework.models.moe_layer import grouped_gemm
+
+    # the probe: this CPU has fp32 grouped GEMM kernels, not fp64 ones
+    assert moe_layer._device_runs_grouped_mm("cpu", torch.float32)
+    assert not moe_layer._device_runs_grouped_mm("cpu", torch.float64)
+    monkeypatch.setattr(moe_layer, "_device_runs_grouped_mm", lambda device, dtype: True)  # as a GPU that has them
 
     def experts(dtype, inner=16):  # shapes only
         return Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=inner, num_experts=4)).to(

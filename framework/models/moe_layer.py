@@ -98,7 +98,21 @@ def grouped_gemm(impl: str, experts: nn.Module, device) -> bool:
     if torch.device(device).type != "cuda" or not hasattr(torch, "_grouped_mm") or w.dtype == torch.float64:
         return False
     per_row = 16 // w.element_size()
-    return w.shape[-1] % per_row == 0 and experts.down_proj.shape[-1] % per_row == 0
+    aligned = w.shape[-1] % per_row == 0 and experts.down_proj.shape[-1] % per_row == 0
+    return aligned and _device_runs_grouped_mm(str(device), w.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_runs_grouped_mm(device: str, dtype: torch.dtype) -> bool:
+    """One tiny grouped GEMM on the device: its kernels exist for some GPU generations and
+    dtypes only, so `auto` asks the device rather than a table."""
+    try:
+        a = torch.zeros(8, 8, dtype=dtype, device=device)
+        torch._grouped_mm(a, torch.zeros(1, 8, 8, dtype=dtype, device=device).transpose(-2, -1),
+                          offs=torch.tensor([8], dtype=torch.int32, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def moe_step(rt: Optional[MoERuntime], run, ctx, tp_comm) -> Optional[dict]:
