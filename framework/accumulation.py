@@ -105,7 +105,7 @@ class AccumulationRunner:
                                else model_state_bytes(self.module, self.optimizer)))
         states.master_bytes = master_bytes(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm)
+        moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm, self.update.overflow)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
                           states=states, moe=moe, **self.update.step_fields())

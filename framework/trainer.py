@@ -184,6 +184,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                 rec.val_loss = evaluate(runner, heldout, run, ctx)
                 rec.eval_s = time.time() - t0
                 runner.tp_comm.take_bytes()  # evaluation's tp traffic is not the next step's
+                _a2a(runner)  # nor its all-to-alls
             pending.append(rec)
             # The first step too, so the console shows numbers before log_interval steps.
             if k == first + 1 or k % run.trainer.log_interval == 0 or k == run.trainer.steps:

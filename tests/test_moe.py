@@ -87,6 +87,8 @@ def test_bad_moe_and_ep_keys_are_rejected_before_launch():
                         "parallelism.ep=4", "must divide model.moe.experts=6")
     assert_config_error(["model=moe-tiny", "parallelism=zero3", "parallelism.zero_impl=fsdp2", "parallelism.ep=2"],
                         "parallelism.zero_impl='fsdp2'", "expert dp")
+    assert_config_error(["model=moe-tiny", "parallelism=pp2", "schedule=1f1b", "model.moe.bias_update_rate=0.01"],
+                        "model.moe.bias_update_rate=0.01", "do not include the expert biases")
 
 
 def test_the_mixtral_shaped_preset_plans(tmp_path):

@@ -40,7 +40,7 @@ class MoERuntime:
             block.forward = functools.partial(forward, block, self, layer)
             block.experts.grouped = grouped_gemm(self.cfg.experts_impl, block.experts, device)
             self.gates[layer] = block.gate
-            if self.cfg.bias_update_rate > 0:  # a buffer: stepped by take_step, not the optimizer
+            if self.cfg.bias_update_rate > 0 and update_bias:  # a buffer: stepped by take_step, not the optimizer
                 block.gate.register_buffer("expert_bias", torch.zeros(self.cfg.experts, device=device))
 
     def _row(self, stats: dict, received: int, device) -> torch.Tensor:
@@ -59,9 +59,10 @@ class MoERuntime:
         row = self._row(stats, received, device)
         self.sums[layer] = self.sums[layer] + row if layer in self.sums else row
 
-    def take_step(self, dp_group, tp_group=None) -> dict[int, dict]:
+    def take_step(self, dp_group, tp_group=None, update_bias: bool = True) -> dict[int, dict]:
         """Sum the step's statistics over dp (and tp when tokens are split over it), update the
-        expert biases, reset. Collective over dp (and tp): every rank of a stage calls it."""
+        expert biases (not on a step fp16-mixed skipped), reset. Collective over dp (and tp):
+        every rank of a stage calls it."""
         if not self.sums:
             return {}
         layers = sorted(self.sums)
@@ -97,7 +98,7 @@ def grouped_gemm(impl: str, experts: nn.Module, device) -> bool:
     w = experts.gate_up_proj
     if torch.device(device).type != "cuda" or not hasattr(torch, "_grouped_mm") or w.dtype == torch.float64:
         return False
-    per_row = 16 // w.element_size()
+    per_row = 8  # 16-byte rows in 2-byte dtypes: also what autocast may cast fp32 weights to
     aligned = w.shape[-1] % per_row == 0 and experts.down_proj.shape[-1] % per_row == 0
     return aligned and _device_runs_grouped_mm(str(device), w.dtype)
 
@@ -115,13 +116,14 @@ def _device_runs_grouped_mm(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def moe_step(rt: Optional[MoERuntime], run, ctx, tp_comm) -> Optional[dict]:
+def moe_step(rt: Optional[MoERuntime], run, ctx, tp_comm, skipped: bool = False) -> Optional[dict]:
     """A runner's end of step: the routing sums over dp (and tp with sequence parallelism),
-    the bias update (None for a dense model)."""
+    the bias update unless the step was `skipped` (None for a dense model)."""
     if rt is None:
         return None
     sp = run.parallelism.sequence_parallel and tp_comm.size > 1
-    return rt.take_step(ctx.dp_group if ctx.dims.dp > 1 else None, tp_comm.group if sp else None)
+    return rt.take_step(ctx.dp_group if ctx.dims.dp > 1 else None, tp_comm.group if sp else None,
+                        update_bias=not skipped)
 
 
 def _counting() -> bool:

@@ -40,6 +40,18 @@ def check_expert_parallel(run: RunConfig) -> None:
                           "with dp = 1, and ep > 1 needs dp > 1", "use a flushing schedule with parallelism.ep > 1")
 
 
+def _async_bias(run: RunConfig) -> None:
+    """PipeDream's weight stashing keeps a micro-batch's weights from forward to backward, not
+    the expert biases, which move every step: a recomputed forward (activation checkpointing)
+    or any reader of the bias in backward would route with a newer one."""
+    p, e = run.parallelism, run.model.moe
+    if e.bias_update_rate > 0 and p.pp > 1 and never_flushes(run.schedule):
+        raise ConfigError("model.moe.bias_update_rate", e.bias_update_rate,
+                          f"schedule={run.schedule.name} is asynchronous: a micro-batch's forward and backward fall "
+                          "in different steps, and its stashed weights do not include the expert biases",
+                          "use a flushing schedule, or model.moe.bias_update_rate=0 (aux losses work with 1f1b / 2bw)")
+
+
 def _divisor(n: int, near: int) -> int:
     return max(d for d in range(1, max(1, min(n, near)) + 1) if n % d == 0)
 
@@ -54,6 +66,7 @@ def check_moe(run: RunConfig) -> None:
         positive("model.moe.expert_inner", e.expert_inner)
     _moe_routing(e)
     _experts_impl(run)
+    _async_bias(run)
 
 
 def _moe_routing(e) -> None:

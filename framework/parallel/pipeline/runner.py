@@ -169,7 +169,8 @@ class PipelineRunner:
             start = min(r.start for r in records)  # the first action's first mark
             norm = self._sync_update(step)
         done = time.time()
-        moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm)  # untimed, as the memory accounting
+        moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm,  # untimed, as the memory accounting
+                       not self.is_async and self.update.overflow)
         busy = sum(r.compute_s for r in records)
         window = window_end - start
         return StepResult(loss=self._local_loss(), grad_norm=float(norm), pipeline_s=pipe_end - start,
