@@ -190,7 +190,7 @@ class SimConfig:
     """The simulator (docs/simulator.md). The command-line key is `sim.from`, stored as
     `source` (a Python keyword cannot name a field)."""
 
-    source: Optional[str] = None  # a finished pipeline job whose calibration.json predicts this run
+    source: Optional[str] = None  # a finished pipeline (or pp 1, ep > 1) job whose calibration.json predicts this run
 
 
 @dataclass

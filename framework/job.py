@@ -34,7 +34,7 @@ from .jobdir import completed_summary, set_aside_checkpoints, set_aside_previous
 from .signals import Stopped
 from .sweep_sim import finish as finish_simulated_search
 from .sweep_sim import predict_job
-from .simulate import describe, fill_measured_times, what_if
+from .simulate import describe, fill_measured_times, predicts, what_if
 from .validate import check_job_dir, validate, validate_model
 
 
@@ -148,7 +148,7 @@ def dry_run(run: RunConfig, job_dir: str) -> dict:
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
     plan = make_plan(run, model, validate_model(run, model))
-    if run.sim.source and run.parallelism.pp > 1:  # the simulator's prediction of this layout
+    if run.sim.source and predicts(run.sim.source, run):  # the simulator's prediction of this layout
         result = what_if(run.sim.source, target=run)
         result.pop("_predicted")
         plan["simulated"] = result

@@ -42,7 +42,7 @@ from .metrics.bubble import analytic_at_measured
 from .metrics.flops import mfu
 from .metrics.memory import memory_summary
 from .metrics.moe import step_metrics
-from .metrics.predict import RunPredictor, predicted_keys, summary_prediction
+from .metrics.predict import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
 from .parallel.pipeline.schedules import resolve
 from .metrics.timeline import kept_steps, write_run_timeline, write_trace
 from .precision import policy_of
@@ -77,7 +77,7 @@ class RunLogger:
         self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
                                run.metrics.trace_steps)
         self.busy_window: Optional[list[list[float]]] = None  # per rank [Σ busy, Σ window] over the run
-        self.predictor: Optional[RunPredictor] = None  # pipelines: the replay of this run (framework.metrics.predict)
+        self.predictor: Optional[RunPredictor] = None  # pipelines (and pp 1 with ep > 1): the replay of this run
         self.wandb = None
         self.completed = False
         self.progress: Optional[Progress] = None
@@ -96,6 +96,8 @@ class RunLogger:
                                               [ctx.dims.coords(r) for r in range(run.world_size)],
                                               info.p2p_message_bytes, ctx.device.type,
                                               first_step + run.metrics.skip_first)
+            elif run.parallelism.ep > 1:  # no pipeline, but an all-to-all the simulator's ep what-if calibrates on
+                self.predictor = FlatPredictor(first_step + run.metrics.skip_first)
 
     def _init_wandb(self):
         lg = self.run.logger

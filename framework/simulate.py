@@ -1,7 +1,8 @@
 """Predict a pipeline layout from one finished job, without running it:
 
     python -m framework.simulate <job dir> [schedule=NAME] [schedule.microbatches=M]
-                                 [schedule.virtual_stages=V] [parallelism.pp=P] [--png FILE] [--json]
+                                 [schedule.virtual_stages=V] [parallelism.pp=P] [parallelism.ep=E]
+                                 [--png FILE] [--json]
 
 The job's calibration.json (every pipeline run writes it: per-stage op durations, host gap,
 link latency, time outside the pipeline, activation bytes; framework/metrics/calibrate.py)
@@ -11,6 +12,14 @@ predicted step time, bubble and activation peak per rank; `--png` draws the pred
 Gantt chart. With no override it replays the job itself (its own prediction, beside its
 measurement). `dry_run=true sim.from=<job dir>` puts the same prediction in the dry-run
 plan; `search.mode=simulate` ranks a sweep's candidates by it (docs/simulator.md).
+
+`parallelism.ep` (MoE models): each stage's forward and backward move by the all-to-all of
+the target ep minus the job's (framework/metrics/alltoall.py: its volume, and its time from
+the job's own all-to-all when it ran with ep > 1, else from the p2p link). Expert compute per
+rank is unchanged by ep in expectation: a rank's experts are E / ep of them, but the ep ranks'
+tokens are redistributed to them, so each rank still runs N x k assignments per micro-batch.
+A pp = 1 job (written with ep > 1) has no per-stage times: it predicts pp = 1 layouts only
+(ep, micro-batches), its fwd/bwd scaled by micro-batches plus the all-to-all change.
 """
 
 from __future__ import annotations
@@ -24,25 +33,28 @@ from dataclasses import replace
 from omegaconf import OmegaConf
 
 from .config import ConfigError, RunConfig, check_overrides, load_config, read_config
+from .metrics.alltoall import A2ACost, cost_of, moe_layers, shift_stages, step_bytes
 from .metrics.calibrate import Calibration
-from .metrics.predict import Predicted, replay, rules_for, timeline_records
+from .metrics.predict import Predicted, flat_replay, replay, rules_for, timeline_records
 from .metrics.whatif import rescale
 from .models import meta_hf_model
 from .parallel.pipeline.schedules import get, names, resolve
 from .validate import validate_model
+from .validate.expert import check_expert_parallel
 
 KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_stages", "parallelism.pp",
-        "parallelism.partition")
+        "parallelism.partition", "parallelism.ep")
 
 
 def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
-    """(config, run_info, calibration, summary) of a finished pipeline job."""
+    """(config, run_info, calibration, summary) of a finished pipeline (or pp = 1, ep > 1) job."""
     paths = {name: os.path.join(job_dir, name) for name in ("config.yaml", "run_info.json", "calibration.json",
                                                             "summary.json")}
     missing = [n for n, p in paths.items() if not os.path.exists(p)]
     if missing:
         raise ConfigError("sim.from", job_dir, f"has no {', '.join(missing)}: not a finished pipeline job (pp > 1) "
-                          "of this framework's version", "give the directory of a completed run with parallelism.pp > 1")
+                          "(or pp = 1 with ep > 1) of this framework's version",
+                          "give the directory of a completed run with parallelism.pp > 1 or parallelism.ep > 1")
     with open(paths["run_info.json"]) as f:
         info = json.load(f)
     with open(paths["calibration.json"]) as f:
@@ -50,6 +62,14 @@ def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
     with open(paths["summary.json"]) as f:
         summary = json.load(f)
     return read_config(paths["config.yaml"]), info, cal, summary
+
+
+def predicts(job_dir: str, run: RunConfig) -> bool:
+    """Whether the job's calibration can predict `run` at all: a pipeline from a pipeline job,
+    a pp = 1 layout from a pp = 1 job (the dry run predicts only then)."""
+    with open(os.path.join(job_dir, "calibration.json")) as f:
+        flat = json.load(f).get("fwd_bwd_s") is not None
+    return (run.parallelism.pp == 1) == flat
 
 
 def target_config(src: RunConfig, overrides: list[str], check: bool = True) -> RunConfig:
@@ -86,6 +106,9 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
     calibration: a dict of predicted keys, and the `Predicted` under "_predicted"."""
     src, info, cal, summary = load_job(job_dir)
     dst = target or target_config(src, overrides or [])
+    check_expert_parallel(dst)
+    if cal.fwd_bwd_s is not None:
+        return _flat_what_if(job_dir, src, cal, dst)
     fill_measured_times(dst, job_dir)
     p, m, v = dst.parallelism.pp, dst.schedule.microbatches, dst.schedule.virtual_stages
     sched = resolve(dst.schedule)
@@ -97,16 +120,55 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
                           bad.reason, bad.fix)
     vocab = src.model.vocab_size or info["vocab_size"]
     sp, sv = src.parallelism.pp, src.schedule.virtual_stages
-    new = rescale(cal, resolve(src.schedule), sp, sv, _blocks(src, vocab), sched, p, v, _blocks(dst, vocab))
+    blocks = _blocks(dst, vocab)
+    new = rescale(cal, resolve(src.schedule), sp, sv, _blocks(src, vocab), sched, p, v, blocks)
     same = (sp, src.schedule.name, sv, src.parallelism.partition) == (p, dst.schedule.name, v, dst.parallelism.partition)
     used = cal if same else new  # the job's own layout: its own per-stage durations, no rescaling
+    tmap = sched.stage_map(p, v)
+    rank_layers = max(sum(blocks[tmap.stage(r, c)] for c in range(v)) for r in range(p))  # every block is MoE
+    a2a = _a2a(job_dir, src, cal, dst, rank_layers)
+    if a2a["changed"]:  # another ep: each stage's F and backward carry its MoE layers' all-to-all change
+        used = shift_stages(used, tmap.stage, blocks, a2a["delta"])
     pred = replay(used, sched, p, m, v, dst.trainer.steps, rules_for(summary.get("device", "cpu")))
-    return {"source": job_dir, "schedule": dst.schedule.name, "pp": p, "microbatches": m, "virtual_stages": v,
+    return _result(job_dir, dst, pred, not same or a2a["changed"], a2a)
+
+
+def _result(job_dir: str, dst: RunConfig, pred: Predicted, rescaled: bool, a2a: dict) -> dict:
+    p = dst.parallelism
+    return {"source": job_dir, "schedule": dst.schedule.name, "pp": p.pp, "ep": p.ep,
+            "microbatches": dst.schedule.microbatches, "virtual_stages": dst.schedule.virtual_stages,
             "tokens_per_step": dst.tokens_per_step, **pred.keys(),
             "predicted_tokens_per_s": dst.tokens_per_step / pred.step_time_s,
             "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
             "predicted_activation_peak_bytes": pred.activation_peak_bytes,
-            "rescaled": not same, "_predicted": pred}
+            **{k: v for k, v in a2a.items() if k.startswith("a2a")}, "rescaled": rescaled, "_predicted": pred}
+
+
+def _a2a(job_dir: str, src: RunConfig, cal: Calibration, dst: RunConfig, layers: int) -> dict:
+    """The all-to-all of the target's ep against the job's (framework/metrics/alltoall.py):
+    `delta` per MoE layer and micro-batch {"F", "B"}, and the keys the prediction reports
+    for the rank with the most MoE `layers` (metrics.jsonl's a2a_bytes is a max over ranks too)."""
+    if src.parallelism.ep == dst.parallelism.ep == 1 or not moe_layers(dst):
+        return {"changed": False, "delta": {"F": 0.0, "B": 0.0}}
+    cost: A2ACost = cost_of(cal, src, job_dir)
+    old, new = cost.layer_seconds(src), cost.layer_seconds(dst)
+    return {"changed": src.parallelism.ep != dst.parallelism.ep, "delta": {op: new[op] - old[op] for op in new},
+            "a2a_bytes_per_step": step_bytes(dst, layers),
+            "a2a_s_per_step": layers * dst.schedule.microbatches * (new["F"] + new["B"]),
+            "a2a_model": "measured" if cost.measured else "p2p", "a2a_cost": cost.describe()}
+
+
+def _flat_what_if(job_dir: str, src: RunConfig, cal: Calibration, dst: RunConfig) -> dict:
+    """A pp = 1 job (calibrated with ep > 1): its fwd/bwd per micro-batch x the target's m,
+    plus the all-to-all change over every MoE layer, plus the rest of its step as measured."""
+    if dst.parallelism.pp != 1:
+        raise ConfigError("parallelism.pp", dst.parallelism.pp, f"cannot be predicted from {job_dir}: a pp = 1 job "
+                          "has no per-stage times", "simulate a pipeline from a finished pipeline job")
+    a2a = _a2a(job_dir, src, cal, dst, moe_layers(dst))
+    m_src, m = src.schedule.microbatches, dst.schedule.microbatches
+    extra = moe_layers(dst) * m * (a2a["delta"]["F"] + a2a["delta"]["B"])
+    pred = flat_replay(cal, m / m_src, extra)
+    return _result(job_dir, dst, pred, m != m_src or a2a["changed"], a2a)
 
 
 def auto_op_times(job_dir: str, target: RunConfig) -> dict:
@@ -115,6 +177,9 @@ def auto_op_times(job_dir: str, target: RunConfig) -> dict:
     fused B split as the job's own I / W share, else in halves; the first stage's I
     computes nothing), and comm = the job's link latency."""
     src, info, cal, _ = load_job(job_dir)
+    if cal.fwd_bwd_s is not None:
+        raise ConfigError("sim.from", job_dir, "is a pp = 1 job: it has no per-stage times to build schedule.op_times "
+                          "from", "give a finished pipeline job, or set schedule.op_times")
     sched = resolve(src.schedule)
     vocab = src.model.vocab_size or info["vocab_size"]
     one = replace(sched, placement="loop", asynchronous=None)  # one chunk per rank, flushing, split form
@@ -136,10 +201,14 @@ def fill_measured_times(run: RunConfig, job_dir: str) -> None:
 
 
 def describe(result: dict) -> str:
-    lines = [f"{result['schedule']} pp={result['pp']} m={result['microbatches']} v={result['virtual_stages']} "
+    ep = f" ep={result['ep']}" if result.get("ep", 1) > 1 or "a2a_model" in result else ""
+    lines = [f"{result['schedule']} pp={result['pp']}{ep} m={result['microbatches']} v={result['virtual_stages']} "
              f"(from {result['source']}{', rescaled' if result['rescaled'] else ', replayed'}): "
              f"step {result['predicted_step_time_s'] * 1e3:.1f} ms | {result['predicted_tokens_per_s']:,.0f} tokens/s "
              f"| bubble {result['predicted_bubble_fraction']:.3f}"]
+    if "a2a_model" in result:
+        lines.append(f"  all-to-all: {result['a2a_bytes_per_step'] / 2**20:.2f} MiB and "
+                     f"{result['a2a_s_per_step'] * 1e3:.1f} ms per step and rank, {result['a2a_cost']}")
     for r, (b, a) in enumerate(zip(result["predicted_rank_bubble_fraction"], result["predicted_activation_peak_bytes"])):
         lines.append(f"  pp rank {r}: bubble {b:.3f} | activation peak {a / 2**20:.1f} MiB")
     return "\n".join(lines)
@@ -165,6 +234,9 @@ def main(argv: list[str]) -> int:
         return 2
     pred = result.pop("_predicted")
     print(json.dumps(result, indent=1) if args.json else describe(result))
+    if args.png and pred.sim is None:
+        print("config error: --png: a pp = 1 prediction has no pipeline timeline to draw", file=sys.stderr)
+        return 2
     if args.png:
         draw(pred, args.png, f"predicted: {result['schedule']} pp={result['pp']} m={result['microbatches']} "
              f"v={result['virtual_stages']}, step {result['predicted_step_time_s'] * 1e3:.1f} ms, "

@@ -91,3 +91,79 @@ def test_the_search_without_the_plugin_says_how_to_install_it(monkeypatch, capsy
     assert not sweeper_installed(["hparams_search=layout"])
     assert 'Fix: pip install -e ".[sweep]"' in capsys.readouterr().err
     assert sweeper_installed(["parallelism=dp2"])
+
+
+# --- parallelism.ep in the layout search (framework/search_space.py) ------------------------
+
+
+def _search_cfg(*overrides: str):
+    """The config the Optuna sweeper hands its custom_search_space hook: the sweep's own
+    composition (a sweep's choice() overrides are not applied to it)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from .conftest import CONF
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return hydra_compose("config", overrides=["hparams_search=layout", *overrides], return_hydra_config=True)
+
+
+def _trials(cfg, n: int, fixed: dict | None = None) -> list[dict]:
+    """n trials of the preset's seeded TPE, each drawing the preset's params and then the hook,
+    as the sweeper does (hydra_optuna_sweeper._impl.OptunaSweeperImpl._configure_trials)."""
+    import optuna
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_override
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from framework.search_space import expert_parallel
+
+    params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
+    dists = {o.get_key_element(): create_optuna_distribution_from_override(o)
+             for o in OverridesParser.create().parse_overrides(params)}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1234), direction="maximize")
+    out = []
+    for i in range(n):
+        trial = study.ask()
+        for name, dist in dists.items():
+            trial._suggest(name, dist)
+        for name, value in (fixed or {}).items():
+            trial.set_user_attr(name, value)
+        expert_parallel(cfg, trial)
+        out.append(dict(trial.params))
+        study.tell(trial, float(i))  # any score: TPE leaves its random start after 10 trials
+    return out
+
+
+def test_the_search_proposes_ep_only_for_moe_models_and_only_divisors():
+    from framework.search_space import ep_choices
+
+    dense = _search_cfg()
+    assert cfg_hook(dense) == "framework.search_space.expert_parallel"
+    assert ep_choices(dense) == [] and all("parallelism.ep" not in t for t in _trials(dense, 12))
+    moe = _search_cfg("model=moe-tiny")  # 4 experts, world 4: ep must divide both
+    assert ep_choices(moe) == [1, 2, 4]
+    trials = _trials(moe, 24)  # past TPE's 10 random start-up trials
+    assert {t["parallelism.ep"] for t in trials} == {1, 2, 4}
+    assert ep_choices(_search_cfg("model=moe-tiny", "parallelism.world_size=6")) == [1, 2]  # gcd(4, 6)
+    three = _search_cfg("model=moe-tiny", "model.moe.experts=3")  # gcd(3, 4) = 1: nothing to search
+    assert ep_choices(three) == [1] and all("parallelism.ep" not in t for t in _trials(three, 3))
+    # the command line's own ep (fixed or its own choice) is left alone
+    assert all("parallelism.ep" not in t for t in _trials(moe, 3, fixed={"parallelism.ep": 2}))
+
+
+def cfg_hook(cfg) -> str:
+    return cfg.hydra.sweeper.custom_search_space
+
+
+def test_a_trial_whose_ep_does_not_divide_its_dp_is_rejected_before_launch(tmp_path):
+    """The choices are fixed for the study (Optuna refuses changing ones), so ep = 4 comes up
+    beside pp = 2 (dp = 4 / 2 = 2): rejected by validation, never launched, scored as any
+    rejected layout."""
+    run = compose("model=moe-tiny", "parallelism.world_size=4", "parallelism.dp=null", "parallelism.pp=2",
+                  "parallelism.ep=4")
+    with pytest.raises(ConfigError) as e:
+        run_job(run, str(tmp_path / "job"))
+    assert str(e.value).startswith("parallelism.ep=4: is carved out of dp and must divide parallelism.dp=2")
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert summary["status"] == "rejected" and not (tmp_path / "job" / "config.yaml").exists()

@@ -24,6 +24,19 @@ executor's records (action, start, compute start, end) in unix seconds:
   dp all-reduce): replayed as measured, never simulated.
 - act_bytes[pp rank]: the rank's activation peak / the most (micro-batch, chunk)
   activations its list holds at once: bytes per micro-batch and chunk.
+- a2a_bytes / a2a_s (expert parallelism, ep > 1): the step's all-to-all bytes sent and host
+  seconds, each the mean over ranks (metrics.jsonl shows the max: the per-stage compute the
+  all-to-all sits in pools ranks too, and the mean of bytes is what the volume model
+  expects), medians over steps (a link cost, as the latency): the simulator's all-to-all
+  bandwidth (framework/metrics/alltoall.py).
+- pp = 1 (no pipeline, no action records; written with ep > 1, for the ep what-if):
+  fwd_bwd_s, the step's forward and backward of its m micro-batches, and outside_s["0"], the
+  rest of the step (each the max over ranks, as the metrics.jsonl row), act_bytes["0"].
+  Medians, unlike a pipeline's means: the step is the sum of just these two, and on this
+  2-core CPU (moe-tiny, dp 2, ep 2, 12 measured steps, three runs) the sum of their medians
+  was -0.3 %, -1.0 % and -4.4 % off the median step time, the sum of their means +4.3 %,
+  +4.4 % and +14.6 % (one or two steps of 2x the median pull a mean of 12 steps).
+Keys added later default to None, so an older calibration.json still loads.
 """
 
 from __future__ import annotations
@@ -74,6 +87,9 @@ class Calibration:
     act_bytes: dict = field(default_factory=dict)  # "rank" -> bytes per (micro-batch, chunk)
     latency_samples: int = 0
     steps: int = 0
+    a2a_bytes: Optional[float] = None  # ep > 1: all-to-all bytes sent per step, the ranks' mean; None: none measured
+    a2a_s: Optional[float] = None  # and the host seconds inside it
+    fwd_bwd_s: Optional[float] = None  # pp = 1 only: forward + backward per step; None: a pipeline job
 
     def costs(self) -> Costs:
         compute = {}
@@ -94,10 +110,11 @@ class Calibration:
 class RunningCalibration:
     """Fed one step at a time (rank 0, at each gather); `calibration()` at any time."""
 
-    def __init__(self, smap: StageMap, pipelines: list[list[int]], message_bytes: int, flushes: bool,
+    def __init__(self, smap: Optional[StageMap], pipelines: list[list[int]], message_bytes: int, flushes: bool,
                  plans: Optional[dict] = None):
         """`plans`: the flushing step's {pp rank: p2p.RankPlan}, for when each receive was
-        posted (None, asynchronous schedules: every latency counts from the send)."""
+        posted (None, asynchronous schedules: every latency counts from the send).
+        `pipelines` empty (and `smap` None): a pp = 1 run, whose steps have no action records."""
         self.smap, self.pipelines, self.message_bytes, self.flushes = smap, pipelines, message_bytes, flushes
         self.posted_in = None
         if plans is not None:  # message -> (receiver, index of the batch that posts its receive)
@@ -112,6 +129,14 @@ class RunningCalibration:
     def add_step(self, per_rank: list) -> None:
         """`per_rank[i]`: global rank i's StepRecord of one step."""
         self.steps += 1
+        if max(r.a2a_bytes for r in per_rank):  # ep > 1: every step exchanges at least the counts
+            self._add(("a2a_bytes",), statistics.fmean(r.a2a_bytes for r in per_rank))
+            self._add(("a2a_s",), statistics.fmean(r.a2a_s for r in per_rank))
+        if not self.pipelines:  # pp = 1: the row's fwd/bwd and the rest of its step
+            fwd_bwd = max(r.fwd_bwd_s for r in per_rank)
+            self._add(("fwd_bwd",), fwd_bwd)
+            self._add(("rest",), max(r.step_time_s for r in per_rank) - fwd_bwd)
+            self._add(("act", 0), max(r.activation_peak_bytes for r in per_rank))
         for ranks in self.pipelines:
             recs = {pp: per_rank[g].actions for pp, g in enumerate(ranks)}
             for pp, g in enumerate(ranks):
@@ -163,6 +188,7 @@ class RunningCalibration:
         # flush job: mean compute -0.2 %, median -4.4 % step time; gaps' mean is 2-5x their
         # median, and mean gaps took the pp 2 replay grid from 2.5 % to 1.3 % median error).
         # Latency and flush: medians (a wait's outliers are the peer's, already in its compute).
+        # All-to-all and pp = 1's fwd/bwd and rest: medians (module docstring).
         med = {k: (s.mean() if k[0] in ("compute", "outside", "gap") else s.median())
                for k, s in self.samples.items()}
         lat = self.samples.get(("latency",))
@@ -172,6 +198,8 @@ class RunningCalibration:
             alpha_s=med.get(("latency",)) or 0.0, beta_Bps=None, message_bytes=self.message_bytes,
             alpha_late_s=med.get(("latency_late",)),
             flush_s=max(med.get(("flush_s",)) or 0.0, 0.0),
-            outside_s={str(k[1]): v for k, v in med.items() if k[0] == "outside"},
+            outside_s={str(k[1]): v for k, v in med.items() if k[0] == "outside"} or (
+                {"0": med[("rest",)]} if ("rest",) in med else {}),
             act_bytes={str(k[1]): v / max(alive.get(k[1], 1), 1) for k, v in med.items() if k[0] == "act"},
-            latency_samples=lat.seen if lat else 0, steps=self.steps)
+            latency_samples=lat.seen if lat else 0, steps=self.steps,
+            a2a_bytes=med.get(("a2a_bytes",)), a2a_s=med.get(("a2a_s",)), fwd_bwd_s=med.get(("fwd_bwd",)))

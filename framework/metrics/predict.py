@@ -11,6 +11,12 @@ durations. What it predicts and how each number maps to a measured one:
   asynchronous schedules the run's simulated span / steps plus that outside time.
 - activation_peak_bytes[rank]: the most (micro-batch, chunk) activations the rank's list
   holds at once x the calibration's bytes per micro-batch and chunk.
+
+A pp = 1 run with ep > 1 has no pipeline to simulate; it is calibrated all the same
+(`FlatPredictor`: fwd/bwd, the rest of the step, the all-to-all; medians, calibrate.py says
+why) for the simulator's ep what-if, and its replay (`flat_replay`) is fwd/bwd + the rest:
+beside the measured median step its error says how far the median of a sum is from the sum
+of the medians, nothing about a model (the what-if to another ep is where one enters).
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ class Predicted:
     bubble_fraction: float
     rank_bubble_fraction: list[float]
     activation_peak_bytes: list[float]
-    pipeline_s: float  # the simulated step (async: the simulated run / its steps)
-    sim: Prediction  # the simulated timeline (async: of the shorter simulated run)
+    pipeline_s: float  # the simulated step (async: the simulated run / its steps); pp = 1: fwd/bwd
+    sim: Optional[Prediction]  # the simulated timeline (async: of the shorter simulated run); None: pp = 1
 
     def keys(self) -> dict:
         """The summary / metrics.jsonl / W&B keys."""
@@ -131,6 +137,31 @@ class RunPredictor:
                                self.alive)
         except KeyError:  # an op never recorded yet (no measured step): nothing to predict
             return cal, None
+
+
+def flat_replay(cal: Calibration, microbatches: float = 1.0, extra_s: float = 0.0) -> Predicted:
+    """A pp = 1 calibration's step: its fwd/bwd x `microbatches` (target m / the job's: the
+    same work per micro-batch) + `extra_s` (seconds added to the fwd/bwd, e.g. another ep's
+    all-to-all) + the rest of the step as measured. No pipeline: bubble 0 by definition."""
+    fwd_bwd = cal.fwd_bwd_s * microbatches + extra_s
+    return Predicted(fwd_bwd + cal.outside_s.get("0", 0.0), 0.0, [0.0], [cal.act_bytes.get("0", 0.0)], fwd_bwd, None)
+
+
+class FlatPredictor(RunPredictor):
+    """RunPredictor's place in a pp = 1 run with ep > 1: no action records, so the
+    calibration keeps the step's fwd/bwd, the rest and the all-to-all, and the replay is
+    `flat_replay`."""
+
+    def __init__(self, measured_from: int):  # not RunPredictor's: no schedule plans or pipelines at pp = 1
+        from .calibrate import RunningCalibration
+
+        self.measured_from, self.alive = measured_from, {0: 1}  # one micro-batch alive at a time
+        self._new = lambda: RunningCalibration(None, [], 0, True)
+        self.calib = self._new()
+
+    def predict(self, per_rank: list | None = None) -> tuple[Calibration, Predicted | None]:
+        cal = self.calibration(per_rank)
+        return cal, (flat_replay(cal) if cal.fwd_bwd_s is not None else None)
 
 
 def predicted_keys(pred: Optional[Predicted]) -> dict:

@@ -218,7 +218,8 @@ def _search_and_sim(run: RunConfig) -> None:
                           "set sim.from=<the directory of a finished pipeline job>")
     if src and not os.path.isfile(os.path.join(src, "calibration.json")):
         raise ConfigError("sim.from", src, "has no calibration.json: not the directory of a finished pipeline job "
-                          "(parallelism.pp > 1)", "run one (e.g. python run.py trainer.steps=20) and give its directory")
+                          "(parallelism.pp > 1) or expert-parallel job (parallelism.ep > 1)",
+                          "run one (e.g. python run.py trainer.steps=20) and give its directory")
 
 
 def _debug_delay(run: RunConfig) -> None:
