@@ -40,7 +40,7 @@ class MoERuntime:
             block.forward = functools.partial(forward, block, self, layer)
             block.experts.grouped = grouped_gemm(self.cfg.experts_impl, block.experts, device)
             self.gates[layer] = block.gate
-            if self.cfg.bias_update_rate > 0 and update_bias:  # a buffer: stepped by take_step, not the optimizer
+            if self.cfg.bias_update_rate > 0:  # a buffer: stepped by take_step, not the optimizer
                 block.gate.register_buffer("expert_bias", torch.zeros(self.cfg.experts, device=device))
 
     def _row(self, stats: dict, received: int, device) -> torch.Tensor:
@@ -83,7 +83,7 @@ class MoERuntime:
                       "tokens": tokens, "calls": calls, "aux": aux,
                       "received_per_ep_rank": row[e + 4 + len(self.cfg.aux_losses):].tolist()}
             gate = self.gates[i]
-            if self.cfg.bias_update_rate > 0:
+            if self.cfg.bias_update_rate > 0 and update_bias:
                 gate.expert_bias.copy_(updated_bias(gate.expert_bias, counts.to(gate.expert_bias.device),
                                                     self.cfg.bias_update_rate))
         return out
