@@ -9,7 +9,11 @@ over 2 / 4 ranks (all-to-all dispatch and combine; expert gradients over expert 
 writes results.json, load.png (each layer's load CV over steps per run) and prints the
 README table.
 
-    python experiments/moe/measure.py [out_dir] [steps]
+    python experiments/moe/measure.py [out_dir] [steps] [repeats]
+
+Each run is repeated (default 3, back to back in the order ep1, ep2, ep4, ...); the table gives
+tokens/s and the all-to-all share as the median of the repeats with their range; the rest
+(losses, loads, bytes) is the first repeat's, which the repeats reproduce (same seed).
 
 What each number includes: tokens/s is the median over the steps after warm-up (3) of
 global tokens / the slowest rank's step time; all-to-all share is the median over the same
@@ -46,6 +50,10 @@ SKIP = 3
 
 def run(name: str, overrides: list[str], out: Path, steps: int) -> dict:
     job = out / name
+    if job.exists():  # a new repeat in a fresh directory (Hydra would set an old one aside)
+        import shutil
+
+        shutil.rmtree(job)
     cmd = [sys.executable, str(ROOT / "run.py"), *COMMON, *overrides, f"trainer.steps={steps}", f"hydra.run.dir={job}"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
     summary = json.loads((job / "summary.json").read_text())
@@ -85,9 +93,13 @@ def table(results: dict) -> str:
             "ep straggler (max / mean tokens received) | loss, mean of the last 10 steps |")
     lines = [head, "|" + "---|" * 10]
     for name, r in results.items():
+        tps, share = r["repeats"]["tokens_per_s"], r["repeats"]["a2a_share"]
+
         def cv(window):
             return statistics.fmean(statistics.fmean(v[window]) for v in r["load_cv"].values())
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {1e3 * r['step_time_s']:.0f} | {100 * r['a2a_share']:.1f} % | "
+        lines.append(f"| {name} | {statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f}) | "
+                     f"{1e3 * statistics.median(r['repeats']['step_time_s']):.0f} | "
+                     f"{100 * statistics.median(share):.1f} % ({100 * min(share):.1f}-{100 * max(share):.1f}) | "
                      f"{r['a2a_bytes']:,.0f} | {cv(slice(0, 10)):.3f} / {cv(slice(-10, None)):.3f} | "
                      f"{100 * r['dropped_fraction']:.1f} % | {r['dead_experts']:.2f} | {r['ep_straggler']:.3f} | "
                      f"{statistics.fmean(r['loss'][-10:]):.4f} |")
@@ -97,10 +109,18 @@ def table(results: dict) -> str:
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/moe").resolve()
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 80
+    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     out.mkdir(parents=True, exist_ok=True)
-    results = {name: run(name, overrides, out, steps) for name, overrides in RUNS.items()}
+    results = {}
+    for i in range(repeats):  # whole rounds, so a slow spell of the machine hits every run alike
+        for name, overrides in RUNS.items():
+            r = run(name, overrides, out, steps)
+            first = results.setdefault(name, {**r, "repeats": {"tokens_per_s": [], "a2a_share": [], "step_time_s": []}})
+            for k in first["repeats"]:
+                first["repeats"][k].append(r[k])
     Path(__file__).with_name("results.json").write_text(json.dumps(
-        {"machine": platform.processor() or platform.machine(), "steps": steps, "results": results}, indent=1))
+        {"machine": platform.processor() or platform.machine(), "steps": steps, "repeats": repeats,
+         "results": results}, indent=1))
     plot(results, Path(__file__).with_name("load.png"))
     print(table(results))
 
