@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from typing import Optional
 
 import torch
@@ -76,6 +77,22 @@ def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] =
         os.replace(path + ".tmp", path)
         ctx.recorder.note("write final_model/ (rank 0)")
         export_pretrained(merged, full.hf_model.config, tokenizer, job_dir)
+        note = routing_not_exported(getattr(full, "moe", None))
+        if note:
+            print(f"WARNING: final_model/ {note}", file=sys.stderr, flush=True)
+
+
+def routing_not_exported(moe) -> Optional[str]:
+    """What a transformers Qwen3-MoE config cannot say about how this model routed (it knows
+    softmax top-k only): the exported model then computes a different function."""
+    if moe is None:
+        return None
+    c = moe.cfg
+    lost = [f"score={c.score}"] * (c.score != "softmax") + \
+        [f"capacity_factor={c.capacity_factor}"] * (c.capacity_factor not in (None, float("inf"))) + \
+        ["the expert biases (bias_update_rate > 0)"] * (c.bias_update_rate > 0)
+    return (f"routes as transformers' Qwen3-MoE (softmax top-k, dropless, no expert bias); this run trained "
+            f"with {', '.join(lost)}, which its config.json cannot hold") if lost else None
 
 
 def transformers_tokenizer(run) -> Optional[str]:

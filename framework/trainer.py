@@ -177,6 +177,8 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
             ctx.recorder.note(f"step {k}")
             logger.step_started(k)
             rec = train_step(step, runner, batches, run, ctx)
+            if rec.step not in logger.kept:  # the trace keeps a few steps: send only theirs to rank 0
+                rec.a2a_spans = []
             logger.step_done(rec.step_time_s)
             if heldout is not None and (k % run.trainer.eval_interval == 0 or k == run.trainer.steps):
                 ctx.recorder.note(f"evaluate after step {k} (held-out data)")

@@ -208,3 +208,16 @@ def test_grouped_gemm_equals_the_per_expert_loop(monkeypatch):
                         "model.moe.experts_impl='grouped'", "no fp64 kernel")
     assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "model.moe.expert_inner=18"],
                         "model.moe.expert_inner=18", "16-byte-aligned")
+
+
+def test_the_export_warns_what_transformers_config_cannot_hold():
+    import dataclasses
+
+    from framework.export import routing_not_exported
+    from framework.models.moe_layer import MoERuntime
+
+    assert routing_not_exported(None) is None
+    assert routing_not_exported(MoERuntime(MoEConfig(capacity_factor=float("inf")), None)) is None
+    note = routing_not_exported(MoERuntime(dataclasses.replace(MoEConfig(), score="sigmoid", capacity_factor=1.25,
+                                                               bias_update_rate=0.01), None))
+    assert "score=sigmoid" in note and "capacity_factor=1.25" in note and "expert biases" in note
