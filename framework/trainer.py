@@ -110,7 +110,8 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
                       p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
-                      moe=out.moe, **_a2a(runner),
+                      # the sums are reduced over dp and tp already: one report per stage is enough
+                      moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner),
                       actions=[(r.action, r.start, r.compute_start, r.end) for r in out.records], states=out.states)
 
 

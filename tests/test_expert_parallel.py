@@ -163,3 +163,34 @@ def test_an_expert_and_an_ep_rank_with_no_tokens_run_and_match():
     for got, a, b in zip(g0, whole0, whole1, strict=True):
         torch.testing.assert_close(got, (a[:2] + b[:2]) / 2, rtol=1e-12, atol=1e-12)
     assert all(torch.count_nonzero(g) == 0 for g in g1)
+
+
+def test_a_training_step_where_one_ep_rank_receives_no_token(tmp_path, data_cache):
+    """A pretrained checkpoint whose routers are all zero: every score ties, so top-2 sends
+    every token of every rank to the same two experts (ties break alike on every rank), both on
+    one ep rank. Step 1 then leaves the other ep rank and two experts per layer without a
+    token; it runs, and trains as the single process does."""
+    import dataclasses
+
+    from framework.config import ModelConfig, MoEConfig
+    from framework.models import build_hf_model
+
+    cfg = ModelConfig(arch="qwen3_moe", n_layer=2, n_embd=32, n_head=2, n_kv_head=1, max_positions=64,
+                      tie_embeddings=False, moe=MoEConfig(experts=4, top_k=2, expert_inner=16))
+    model = build_hf_model(dataclasses.replace(cfg), 64, seed=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    model.save_pretrained(tmp_path / "ckpt")
+    base = [a for a in MOE if not a.startswith("data")] + [
+        "data=synthetic", "data.vocab_size=64", "data.seq_len=32", f"data.cache_dir={data_cache}",
+        f"model.pretrained={tmp_path / 'ckpt'}", "trainer.steps=2"]
+    out = {}
+    for name in ("single", "ep2"):
+        run_local(tmp_path / name, *base, *LAYOUTS[name])
+        out[name] = (read_metrics(tmp_path / name), final_params(tmp_path / name))
+    first = out["ep2"][0][0]["moe_layers"]
+    for row in first.values():
+        received = row["tokens_received_per_ep_rank"]
+        assert sorted(received) == [0.0, 2 * 8 * 32] and row["dead_experts"] == 2
+    assert_same_training(*out["ep2"], *out["single"])

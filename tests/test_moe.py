@@ -204,6 +204,10 @@ def test_grouped_gemm_equals_the_per_expert_loop(monkeypatch):
     assert not grouped_gemm("auto", experts(torch.bfloat16, inner=12), "cuda")  # 24-byte rows
     assert grouped_gemm("grouped", experts(torch.float32), "cpu") and not grouped_gemm("loop", experts(torch.float32),
                                                                                         "cuda")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # grouped casts as F.linear does under autocast
+        outs = [run_routed(e, x, index, weights, None)[0] for e in (loop, grouped)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)  # both ran their matmuls in bf16
+    assert (run_routed(grouped, x, index, weights, None)[0] - outs[0]).abs().max() > 1e-3  # fp32 would differ
     assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "trainer.precision=fp64"],
                         "model.moe.experts_impl='grouped'", "no fp64 kernel")
     assert_config_error(["model=moe-tiny", "model.moe.experts_impl=grouped", "model.moe.expert_inner=18"],

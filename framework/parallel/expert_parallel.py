@@ -144,6 +144,24 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(x)
 
 
+class _ZeroGradWhere(torch.autograd.Function):
+    """Identity; the gradient's rows (dim 0: experts) where `empty` set to exactly zero."""
+
+    @staticmethod
+    def forward(ctx, w, empty):
+        ctx.save_for_backward(empty)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (empty,) = ctx.saved_tensors
+        return torch.where(empty.view(-1, *[1] * (g.dim() - 1)), torch.zeros_like(g), g), None
+
+
+def _zero_grad_where(w: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    return _ZeroGradWhere.apply(w, empty)
+
+
 def scale_grad(w: torch.Tensor, factor: float) -> torch.Tensor:
     return w if factor == 1 else _ScaleGrad.apply(w, factor)
 
@@ -189,7 +207,15 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, per_expert: list[int],
     torch._grouped_mm, fp32 / bf16, 16-byte-aligned widths; empty groups give zero gradients)."""
     gate_up, down = scale_grad(experts.gate_up_proj, factor), scale_grad(experts.down_proj, factor)
     if getattr(experts, "grouped", False):
-        offs = torch.tensor(per_expert, device=tokens.device).cumsum(0).to(torch.int32)
+        counts = torch.tensor(per_expert, device=tokens.device)
+        offs = counts.cumsum(0).to(torch.int32)
+        # Some GPUs' kernels leave garbage in an empty group's weight gradient (pytorch#172439):
+        # an expert without rows gets exactly zero, as the loop gives it.
+        gate_up, down = _zero_grad_where(gate_up, counts == 0), _zero_grad_where(down, counts == 0)
+        dev = tokens.device.type
+        if torch.is_autocast_enabled(dev):  # _grouped_mm is not on autocast's lists: cast as F.linear would
+            dtype = torch.get_autocast_dtype(dev)
+            tokens, gate_up, down = tokens.to(dtype), gate_up.to(dtype), down.to(dtype)
         h = torch._grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offs)
         gate, up = _contiguous_grad(h).chunk(2, dim=-1)
         return torch._grouped_mm(experts.act_fn(gate) * up, down.transpose(-2, -1), offs=offs)
