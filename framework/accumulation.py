@@ -17,9 +17,9 @@ from .metrics.clock import now
 from .metrics.memory import master_bytes, model_state_bytes
 from .parallel import data_parallel
 from .models.moe_layer import moe_step
-from .parallel.expert_parallel import expert_params, reduce_expert_grads
+from .parallel.expert_parallel import expert_params
 from .parallel.fsdp2 import FSDP2
-from .parallel.grads import clip_grad_norm
+from .parallel.grads import clip_grad_norm, reduce_expert_grads
 from .parallel.tensor_parallel import sync_replicated_grads
 from .parallel.tp_comm import TPComm
 from .parallel.zero import Zero

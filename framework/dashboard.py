@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+
+from .dashboard_moe import moe_section
+from .dashboard_parts import Job, _layout, byte_unit, fmt_bytes, fmt_number, fmt_percent  # noqa: F401 (re-exported)
 
 PAGE = "report.html"
 LABEL_CHARS = 60
-UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 # Forward light, backward dark (as timeline.png), updates grey, waits pale: idle shows as idle.
 ACTION_COLOURS = {"F": "#9ecae1", "B": "#2171b5", "I": "#08519c", "W": "#fd8d3c", "U": "#969696", "wait": "#f0f0f0"}
 ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)", "U": "update",
@@ -36,41 +36,6 @@ ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "
 MEMORY_PARTS = (("params_bytes", "parameters", "#4292c6"), ("grads_bytes", "gradients", "#fd8d3c"),
                 ("master_bytes", "master weights", "#fdd0a2"), ("optimizer_bytes", "optimizer states", "#74c476"),
                 ("activation_peak_bytes", "activations (peak)", "#9e9ac8"))
-
-
-@dataclass
-class Job:
-    row: dict
-    label: str
-    summary: dict
-    metrics: list[dict] = field(default_factory=list)
-    folder: Optional[Path] = None
-
-
-# ---- units ------------------------------------------------------------------------------
-
-def byte_unit(largest: float) -> tuple[str, int]:
-    """The unit a byte axis reads best in: the largest one the biggest value is at least 1 of."""
-    return next((name, size) for name, size in UNITS if largest >= size or size == 1)
-
-
-def fmt_bytes(value: Optional[float]) -> str:
-    if value is None:
-        return ""
-    name, size = byte_unit(value)
-    return f"{value / size:.1f} {name}" if size > 1 else f"{value:.0f} B"
-
-
-def fmt_percent(value: Optional[float]) -> str:
-    return "" if value is None else f"{value:.1%}"
-
-
-def fmt_number(value: Optional[float], digits: int = 4) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float) and abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
 def common_overrides(rows: list[dict]) -> list[str]:
@@ -122,20 +87,14 @@ def _timeline_events(job: Job) -> list[dict]:
             trace = json.loads((job.folder / name).read_text())
         except (OSError, ValueError):
             continue
-        events = [e for e in trace.get("traceEvents", [])
-                  if e.get("ph") == "X" and (e.get("args") or {}).get("step") == step]
+        events = [e for e in trace.get("traceEvents", [])  # pid 1: all-to-all calls (ep), not pipeline actions
+                  if e.get("ph") == "X" and e.get("pid", 0) == 0 and (e.get("args") or {}).get("step") == step]
         t0 = min((e["ts"] for e in events), default=0.0)  # each from its own step's start
         out += [{**e, "ts": e["ts"] - t0, "row": f"{prefix} {e['tid']}"} for e in events]
     return out
 
 
 # ---- figures ----------------------------------------------------------------------------
-
-def _layout(fig, title: str, **kwargs):
-    fig.update_layout(title=title, template="plotly_white", margin=dict(l=70, r=30, t=60, b=60),
-                      legend=dict(orientation="h", y=-0.25), **kwargs)
-    return fig
-
 
 def loss_figure(jobs: list[Job]):
     import plotly.graph_objects as go
@@ -290,7 +249,6 @@ def _section(title: str, fig) -> str:
 def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
     from plotly.offline import get_plotlyjs
 
-    from .dashboard_moe import moe_section  # here: it imports this module's helpers
 
     jobs = load_jobs(sweep, rows)
     parts = [f"<h1>Sweep {html.escape(str(sweep))}: {len(rows)} jobs, {len(jobs)} completed</h1>",

@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import Optional
 
-from .dashboard import Job, _layout, fmt_number, fmt_percent
+from .dashboard_parts import Job, _layout, fmt_number, fmt_percent
 
 MAX_LAYERS = 8  # heat maps per job: 4 rows of 2 still read at a glance
 

@@ -152,9 +152,8 @@ def with_pretrained_sizes(m: ModelConfig) -> ModelConfig:
 
     from transformers import AutoConfig
 
-    hf_cfg = AutoConfig.from_pretrained(m.pretrained)
-    sizes = ARCHS[m.arch].model_sizes(hf_cfg, m.moe) if m.arch == "qwen3_moe" else ARCHS[m.arch].model_sizes(hf_cfg)
-    return replace(m, **sizes)
+    # `m.moe`: what a MoE checkpoint's config does not fix (the routing options) is kept
+    return replace(m, **ARCHS[m.arch].model_sizes(AutoConfig.from_pretrained(m.pretrained), m.moe))
 
 
 def num_positions(hf_model) -> int:

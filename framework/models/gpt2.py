@@ -49,7 +49,7 @@ def hf_config(m: ModelConfig, vocab_size: int) -> GPT2Config:
     )
 
 
-def model_sizes(c: GPT2Config) -> dict:
+def model_sizes(c: GPT2Config, moe=None) -> dict:
     """The ModelConfig keys a GPT2Config sets (hf_config's inverse): a pretrained run records
     its checkpoint's real sizes, not its preset's."""
     return dict(n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head, n_inner=c.n_inner, n_kv_head=None,

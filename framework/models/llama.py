@@ -40,7 +40,7 @@ def hf_config(m: ModelConfig, vocab_size: int) -> LlamaConfig:
     )
 
 
-def model_sizes(c: LlamaConfig) -> dict:
+def model_sizes(c: LlamaConfig, moe=None) -> dict:
     """The ModelConfig keys a LlamaConfig sets (hf_config's inverse)."""
     return dict(n_layer=c.num_hidden_layers, n_embd=c.hidden_size, n_head=c.num_attention_heads,
                 n_kv_head=c.num_key_value_heads, n_inner=c.intermediate_size,

@@ -29,8 +29,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeRMSNorm, Q
 from ..config import ModelConfig, MoEConfig
 from ..parallel.expert_parallel import shard_experts
 from .moe_layer import MoERuntime
-from . import llama
+from .llama import TP_PLAN as LLAMA_TP_PLAN
 from .llama import _rms_norm
+from .llama import localize_heads as llama_localize_heads
 from .llama import split as llama_split
 
 
@@ -90,9 +91,9 @@ split = llama_split
 MODEL_CLASS = Qwen3MoeForCausalLM
 # Llama's plan without the MLP entries: attention, embedding and head split over tp; the
 # sparse MoE block replicated over tp (docs/moe.md).
-TP_PLAN = {**{k: v for k, v in llama.TP_PLAN.items() if ".mlp" not in k},
+TP_PLAN = {**{k: v for k, v in LLAMA_TP_PLAN.items() if ".mlp" not in k},
            "model.layers.*.self_attn.q_norm": "head_norm", "model.layers.*.self_attn.k_norm": "head_norm"}
-localize_heads = llama.localize_heads
+localize_heads = llama_localize_heads
 
 
 def install_moe(hf: Qwen3MoeForCausalLM, m: ModelConfig, device, ep_comm=None, sum_group=None) -> MoERuntime:

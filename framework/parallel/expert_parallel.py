@@ -20,7 +20,7 @@ group that sent it tokens, so each replica of an expert holds ep ranks' worth of
 weights enter the expert computation through `scale_grad(w, 1 / ep)`, after which averaging
 over the expert data parallel group (edp = dp / ep: the replicas of the same experts) gives
 exactly the dp average the dense parameters get: expert parameters are reduced over edp
-(`reduce_expert_grads`; ZeRO shards them over edp), everything else over dp.
+(grads.py `reduce_expert_grads`; ZeRO shards them over edp), everything else over dp.
 
 Experts are not split over tp: with tp > 1 they are replicated over tp like the norms (the
 same tokens on every tp rank, or with sequence parallelism each rank's sequence shard, whose
@@ -257,12 +257,3 @@ def run_routed(experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights
         out = combine_from_experts(out, send, recv, comm)
     y = torch.zeros_like(x).index_add(0, order // k, (out * weights.reshape(-1)[order, None]).to(x.dtype))
     return y, int(tokens.size(0) if comm is None else received.size(0))
-
-
-def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None) -> None:
-    """Average expert gradients over the expert data parallel group (once per step, after the
-    last micro-batch's backward; DDP and the dp all-reduce leave them out)."""
-    from .grads import all_reduce_grads
-
-    if ctx.dims.ep > 1:
-        all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .expert_parallel import is_expert
+from .expert_parallel import expert_params, is_expert
 from .tensor_parallel import is_tp_sharded
 
 
@@ -101,3 +101,10 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> Optional[torch.Tens
     """What clipping to `max_norm` multiplies the gradients by (None: clipping is off). The
     one formula: the runners' update (framework/update.py) and the pipeline reference share it."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+
+
+def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None) -> None:
+    """Average expert-parallel experts' gradients over the expert data parallel group (once per
+    step, after the last micro-batch's backward; DDP and the dp all-reduce leave them out)."""
+    if ctx.dims.ep > 1:
+        all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype)

@@ -21,6 +21,10 @@ only this rank's sequence shard, so `sync_replicated_grads` all-reduces them ove
 per-head norm (Qwen3's q_norm / k_norm, style `head_norm`) is replicated but applied to
 this rank's heads only: its gradient is partial over tp with or without sequence
 parallelism (`tp_partial`), and is all-reduced over tp either way.
+
+One file past ~300 lines on purpose: the layers, the plan styles that build them and the
+shard geometry they share (TPShard, shard / full tensor) are read together; the collectives
+themselves live in tp_comm.py.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from .p2p import RankPlan, comm_plan
 from .tiling import TiledPlan
 from .schedules import resolve
 from ...models.moe_layer import moe_step
-from ..expert_parallel import is_expert, reduce_expert_grads
-from ..grads import all_reduce_grads, clip_grad_norm
+from ..expert_parallel import is_expert
+from ..grads import all_reduce_grads, clip_grad_norm, reduce_expert_grads
 from ..tensor_parallel import sync_replicated_grads
 from ...precision import policy_of
 from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight

@@ -1,0 +1,49 @@
+"""What the sweep dashboard's modules share (framework/dashboard.py, the page; framework/
+dashboard_moe.py, its MoE section): the job record, units and number formats, the figure style."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+@dataclass
+class Job:
+    row: dict
+    label: str
+    summary: dict
+    metrics: list[dict] = field(default_factory=list)
+    folder: Optional[Path] = None
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The unit a byte axis reads best in: the largest one the biggest value is at least 1 of."""
+    return next((name, size) for name, size in UNITS if largest >= size or size == 1)
+
+
+def fmt_bytes(value: Optional[float]) -> str:
+    if value is None:
+        return ""
+    name, size = byte_unit(value)
+    return f"{value / size:.1f} {name}" if size > 1 else f"{value:.0f} B"
+
+
+def fmt_percent(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.1%}"
+
+
+def fmt_number(value: Optional[float], digits: int = 4) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def _layout(fig, title: str, **kwargs):
+    fig.update_layout(title=title, template="plotly_white", margin=dict(l=70, r=30, t=60, b=60),
+                      legend=dict(orientation="h", y=-0.25), **kwargs)
+    return fig
