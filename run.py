@@ -1,7 +1,7 @@
 """Hydra entry point: compose -> validate -> launch ranks -> summarise.
 
 Only this process runs Hydra. It writes the resolved config into the job directory and
-starts dp*tp*pp ranks that read it (framework/worker.py), so ranks never race on `.hydra/`
+starts dp*tp*pp ranks that read it (framework/train/worker.py), so ranks never race on `.hydra/`
 or resolve `${now:}` differently. Returns the run's objective for Hydra sweepers.
 
 A job that does not complete (rejected config, failed or hung rank) writes summary.json
@@ -23,12 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, RunConfig, check_overrides, load_config
 from framework.checkpoint import finished
-from framework.job import run_job
-from framework.jobdir import set_aside_previous, write_outcome
-from framework.launch import RankFailure
-from framework.progress import console_to_run_log
-from framework.signals import StopSignals, Stopped
-from framework.sweep_sim import OBJECTIVES as SIMULATED_OBJECTIVES
+from framework.launch.job import run_job
+from framework.launch.jobdir import set_aside_previous, write_outcome
+from framework.launch.diagnosis import RankFailure
+from framework.report.progress import console_to_run_log
+from framework.launch.signals import StopSignals, Stopped
+from framework.sim.sweep import OBJECTIVES as SIMULATED_OBJECTIVES
 
 
 def name_run(run: RunConfig, hc) -> None:
@@ -109,7 +109,7 @@ def sweeper_installed(argv: list[str]) -> bool:
 
 def _finished(cfg: DictConfig, job_dir: str) -> bool:
     """A finished job relaunched as it was with trainer.resume=auto keeps its files
-    (framework.job says so and runs nothing)."""
+    (framework.launch.job says so and runs nothing)."""
     if OmegaConf.select(cfg, "trainer.resume", default=None) != "auto":
         return False
     try:

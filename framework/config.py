@@ -19,8 +19,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from .parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
-from .precision import PrecisionConfig
+from framework.parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
+from framework.precision import PrecisionConfig
 
 
 class ConfigError(ValueError):
@@ -126,7 +126,7 @@ class TrainerConfig:
     log_interval: int = 5
     save_checkpoint: bool = False  # write final_model.pt (full state dict) in the job dir
     # A rank that makes no progress this long ends the job (launcher's watchdog, hang.txt);
-    # the process-group timeout is this plus framework.worker.PG_TIMEOUT_MARGIN_S.
+    # the process-group timeout is this plus framework.train.worker.PG_TIMEOUT_MARGIN_S.
     hang_timeout_s: float = 300.0
     # Distributed checkpoints (framework/checkpoint/): every N steps to checkpoints/step_<k>/; 0 = off.
     checkpoint_interval: int = 0
@@ -174,13 +174,13 @@ class DebugConfig:
 class SearchConfig:
     """Layout searches (conf/hparams_search/layout.yaml) and any sweep."""
 
-    # The dry-run planner's per-rank model-state estimate (framework.plan) above this is a
+    # The dry-run planner's per-rank model-state estimate (framework.launch.plan) above this is a
     # rejected job, before any rank starts; null = no budget.
     memory_budget_bytes: Optional[float] = None
     # What a failed or rejected job returns to a sweeper; null = NaN (Optuna: a failed trial).
     failed_value: Optional[float] = None
     # run: launch every candidate | simulate: predict each from sim.from (no launch), then
-    # launch only the top_k by predicted step time (framework/sweep_sim.py)
+    # launch only the top_k by predicted step time (framework/sim/sweep.py)
     mode: str = "run"
     top_k: int = 1
 
@@ -290,7 +290,7 @@ def derive_layout(run: RunConfig) -> None:
 def _sizes_from_csv(s: ScheduleConfig) -> None:
     """schedule=csv: micro-batches and chunks left null are the file's (a file that cannot be
     read is left for framework.validate to name)."""
-    from .parallel.pipeline.schedules import CSV, csv_schedule
+    from framework.parallel.pipeline.schedules import CSV, csv_schedule
 
     if s.name != CSV or not s.csv or (s.microbatches is not None and s.virtual_stages is not None):
         return

@@ -3,7 +3,7 @@
 Every other module asks the policy (`policy_of(run)`), never compares the mode's string:
 model materialisation (`param_dtype`), autocast (`autocast_context`), the pipeline's p2p
 buffers (`comm_dtype`), gradient collectives (`reduce_dtype`), the optimizer's master
-copy (`master_dtype`, framework/master.py), the loss scaler (`loss_scaling`),
+copy (`master_dtype`, framework/train/master.py), the loss scaler (`loss_scaling`),
 the memory formulas (`bytes_of`), the MFU peak's datasheet column (`peak_column`) and the
 checkpoint's compatibility check.
 
@@ -76,7 +76,7 @@ class Policy:
 
 @dataclass
 class LossScaleConfig:
-    """fp16-mixed's dynamic loss scaler (framework/loss_scale.py). Defaults: DeepSpeed's
+    """fp16-mixed's dynamic loss scaler (framework/train/loss_scale.py). Defaults: DeepSpeed's
     (initial 2**16; Megatron starts at 2**32, ~17 skipped steps before the first update);
     the rest are both libraries' (x2 after 1000 clean steps, x0.5 on overflow, hysteresis 2,
     minimum 1)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flight import NullRecorder
+from framework.train.flight import NullRecorder
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class ParallelContext:
     device: Any  # torch.device
     groups: dict[str, Any]  # 'dp' | 'tp' | 'pp' -> torch.distributed ProcessGroup
     group_ranks: dict[str, list[int]]
-    # framework.flight: what this rank last started, for the launcher's hang watchdog
+    # framework.train.flight: what this rank last started, for the launcher's hang watchdog
     recorder: Any = field(default_factory=NullRecorder)
 
     @property

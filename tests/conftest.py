@@ -14,7 +14,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from framework.config import RunConfig, load_config
-from framework.job import run_job
+from framework.launch.job import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -48,7 +48,7 @@ def assert_config_error(overrides: list[str], head: str, problem: str) -> None:
 
 
 def run_local(job_dir: Path, *overrides: str) -> dict:
-    """Compose, validate and launch through framework.job (the path run.py takes)."""
+    """Compose, validate and launch through framework.launch.job (the path run.py takes)."""
     return run_job(compose(*overrides), str(job_dir))
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from framework.config import ConfigError
-from framework.job import run_job
-from framework.launch import RankFailure
+from framework.launch.job import run_job
+from framework.launch.diagnosis import RankFailure
 
 from .conftest import FP64, ROOT, TINY, assert_same_training, compose, final_params, read_metrics, run_local
 

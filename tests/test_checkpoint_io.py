@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import flight
+from framework.train import flight
 from framework.checkpoint.shards import _tp_runs, flat_boxes
 from framework.config import ConfigError
-from framework.job import run_job
-from framework.launch import RankFailure
+from framework.launch.job import run_job
+from framework.launch.diagnosis import RankFailure
 
 from .conftest import ROOT, TINY, compose, final_params, read_metrics, run_local
 from .test_checkpoint import _base

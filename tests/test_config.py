@@ -240,7 +240,7 @@ TP_SIZES = [
 @pytest.mark.parametrize("overrides,problem", TP_SIZES, ids=[p for _, p in TP_SIZES])
 def test_tensor_parallel_sizes_must_divide(overrides, problem):
     """Checked on the built (meta) model before launch, so pretrained checkpoints are covered."""
-    from framework.job import meta_model
+    from framework.launch.job import meta_model
 
     run = compose(*overrides)
     validate(run)

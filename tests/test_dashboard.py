@@ -1,4 +1,4 @@
-"""report.html (framework/dashboard.py) rendered by a real browser: Debian's chromium,
+"""report.html (framework/report/dashboard.py) rendered by a real browser: Debian's chromium,
 headless, prints the DOM after plotly has drawn the page. Every figure must be drawn, every
 job must be in the legends and the table with its numbers, and the page must need no network."""
 
@@ -12,9 +12,9 @@ import subprocess
 
 import pytest
 
-from framework.dashboard import byte_unit, common_overrides, fmt_bytes, fmt_number, fmt_percent, label, write_dashboard
-from framework.report import collect, headline
-from framework.report import main as report_main
+from framework.report.dashboard import byte_unit, common_overrides, fmt_bytes, fmt_number, fmt_percent, label, write_dashboard
+from framework.report.compare import collect, headline
+from framework.report.compare import main as report_main
 
 from .test_report import fake_sweep
 

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts section of report.html (framework/dashboard_moe.py), drawn by
+"""The Mixture-of-Experts section of report.html (framework/report/dashboard_moe.py), drawn by
 headless chromium from a real sweep: ep 1 and ep 2 of a tiny MoE model (conftest's
 `moe_sweep`). A dense sweep has no such section (tests/test_dashboard.py)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import re
 
-from framework.dashboard import Job, fmt_percent
-from framework.dashboard_moe import MAX_LAYERS, a2a_share, load_heatmap, shown_layers
-from framework.report import main as report_main
+from framework.report.dashboard import Job, fmt_percent
+from framework.report.dashboard_moe import MAX_LAYERS, a2a_share, load_heatmap, shown_layers
+from framework.report.compare import main as report_main
 
 from .test_dashboard import _render
 

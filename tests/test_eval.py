@@ -1,4 +1,4 @@
-"""Held-out evaluation (framework/evaluate.py, the held-out data in framework/data/sources.py).
+"""Held-out evaluation (framework/train/evaluate.py, the held-out data in framework/data/sources.py).
 
 (a) What is held out: pycode's last data.val_files stdlib files, never in the training
 stream; hf's last data.val_fraction of the training split's documents, or data.val_split;
@@ -165,7 +165,7 @@ def test_held_out_data_smaller_than_a_micro_batch_is_rejected(tmp_path):
 # ---- (c) val_loss equal across layouts ----
 
 def test_every_dp_layout_evaluates_the_same_sequences_in_training_order():
-    from framework.evaluate import eval_indices
+    from framework.train.evaluate import eval_indices
 
     ref = np.concatenate(eval_indices(20, 2, 4, 0, 1, batches=3))
     assert ref.tolist() == [i % 20 for i in range(24)]  # unshuffled, wrapping a small held-out set
@@ -178,9 +178,9 @@ def test_every_dp_layout_evaluates_the_same_sequences_in_training_order():
 
 def _eval_rank(rank: int, world: int, run, info, prepared) -> dict:
     """Evaluate, train a step, twice, then evaluate again: the val losses and rank state."""
-    from framework.evaluate import HeldOut, evaluate
+    from framework.train.evaluate import HeldOut, evaluate
     from framework.topology import ParallelContext, ParallelDims
-    from framework.trainer import Batches, build_runner, train_step
+    from framework.train.trainer import Batches, build_runner, train_step
 
     torch.set_num_threads(1)
     p = run.parallelism
@@ -200,7 +200,7 @@ def _eval_rank(rank: int, world: int, run, info, prepared) -> dict:
 
 
 def _direct(data_cache, *layout):
-    from framework.job import run_info
+    from framework.launch.job import run_info
 
     run = compose(*TINY, *layout, "data=pycode", "data.max_files=20", f"data.cache_dir={data_cache}", FP64,
                   "model.n_layer=4", "trainer.steps=2", "trainer.eval_interval=1", "trainer.eval_batches=2",

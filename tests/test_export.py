@@ -74,7 +74,7 @@ def test_a_run_from_the_export_starts_at_its_weights_and_records_their_sizes(exp
 def test_a_transformers_tokenizer_is_exported_beside_the_model(exported, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from framework.export import export_pretrained
+    from framework.report.export import export_pretrained
 
     from .test_data import make_local_hf_dataset
 

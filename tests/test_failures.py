@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from framework import flight
-from framework.jobdir import set_aside_previous, write_outcome
-from framework.launch import RankEnd, RankFailure, diagnose, read_records
-from framework.report import collect
+from framework.train import flight
+from framework.launch.jobdir import set_aside_previous, write_outcome
+from framework.launch.diagnosis import RankEnd, RankFailure, diagnose, read_records
+from framework.report.compare import collect
 
 from .conftest import ROOT, TINY, run_cli, run_local
 from .test_run import _processes_with
@@ -37,7 +37,7 @@ def test_pp2_fault_on_rank0_blames_rank0_every_time(tmp_path, attempt):
     """Rank 1 blocks in a receive from rank 0 when rank 0 raises: the record rank 0 writes
     before closing its connections makes it the cause, never the peer it brought down."""
     e = _failure(tmp_path, "job", *PP2, "trainer.steps=4", "debug.fail_rank=0", "debug.fail_step=3")
-    assert e.reason.startswith("rank 0 failed: framework.trainer.InjectedFault: injected fault on rank 0"), e.reason
+    assert e.reason.startswith("rank 0 failed: framework.train.trainer.InjectedFault: injected fault on rank 0"), e.reason
     report = (tmp_path / "job" / "error.txt").read_text()
     assert report.splitlines()[0] == e.reason and "InjectedFault" in report
     assert "rank 1" not in report.splitlines()[0]
@@ -50,7 +50,7 @@ def test_pp2_fault_on_rank0_blames_rank0_every_time(tmp_path, attempt):
 def test_fault_in_a_3d_layout_names_the_failing_rank(tmp_path, attempt):
     e = _failure(tmp_path, "job", *TINY, "data=synthetic", "parallelism=3d_2x2x2", "schedule.microbatches=2",
                  "trainer.steps=4", "debug.fail_rank=5", "debug.fail_step=2")
-    assert e.reason.startswith("rank 5 failed: framework.trainer.InjectedFault: injected fault on rank 5"), e.reason
+    assert e.reason.startswith("rank 5 failed: framework.train.trainer.InjectedFault: injected fault on rank 5"), e.reason
     assert str(e).count("Traceback") == 1  # one block: the cause's traceback, consequences named only
 
 
@@ -112,7 +112,7 @@ def test_a_sweep_survives_a_failed_job_and_the_report_lists_every_job(tmp_path):
     assert status == ["completed", "failed", "completed"]
     rows = collect(tmp_path)
     assert [(x["job"], x["status"]) for x in rows] == [("0", "completed"), ("1", "failed"), ("2", "completed")]
-    assert rows[1]["reason"].startswith("rank 0 failed: framework.trainer.InjectedFault")
+    assert rows[1]["reason"].startswith("rank 0 failed: framework.train.trainer.InjectedFault")
     assert "debug.fail_rank=0" in rows[1]["overrides"] and rows[0]["loss"] > 0
 
 

@@ -74,7 +74,7 @@ def test_checkpoints_cross_between_fsdp2_and_our_layouts(runs, name):
 
 def _shapes(data_cache, psi: int) -> list[torch.Size]:
     """The single model's parameter shapes (each once): the rank's FSDP2 units hold all of them."""
-    from framework.job import meta_model
+    from framework.launch.job import meta_model
 
     shapes = [p.shape for p in meta_model(compose(*_common(data_cache)), 257).parameters()]
     assert sum(math.prod(s) for s in shapes) == psi
@@ -142,7 +142,7 @@ def _attrs_rank(rank: int, world: int, run, info) -> dict:
     from framework.parallel.tensor_parallel import is_tp_sharded
     from framework.parallel.tp_comm import TPComm
     from framework.topology import ParallelContext, ParallelDims
-    from framework.trainer import Batches, build_runner, train_step
+    from framework.train.trainer import Batches, build_runner, train_step
     from torch.distributed.tensor import DTensor
 
     torch.set_num_threads(1)
@@ -166,7 +166,7 @@ def _attrs_rank(rank: int, world: int, run, info) -> dict:
 
 def test_tp_attributes_survive_fully_shard(data_cache):
     from framework.data import prepare
-    from framework.job import run_info
+    from framework.launch.job import run_info
 
     run = compose(*_common(data_cache), "parallelism=tp2", "parallelism.zero=3", FSDP2, FP64)
     prepare(run)

@@ -7,7 +7,7 @@ counter. An overflow at the minimum scale stops the run."""
 import pytest
 
 from framework.precision import LossScaleConfig
-from framework.loss_scale import LossScaleError, LossScaler
+from framework.train.loss_scale import LossScaleError, LossScaler
 
 
 def _scales(flags, **cfg):

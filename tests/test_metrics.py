@@ -11,7 +11,7 @@ from framework.metrics.bubble import analytic_bubble
 from framework.metrics.flops import flops_per_token, matmul_params, mfu, probe_peak_flops
 from framework.metrics.memory import ActivationTracker, model_state_bytes
 from framework.models import build_hf_model, build_model
-from framework.optim import build_optimizer, lr_at
+from framework.train.optim import build_optimizer, lr_at
 from framework.metrics.model_states import optimizer_state_ratio
 
 from .conftest import compose

@@ -37,9 +37,9 @@ def _runs(dp: int) -> dict:
 
 def _rank(rank: int, world: int, runs: dict) -> dict:
     from framework.metrics.model_states import formula_report
-    from framework.records import RunInfo
+    from framework.report.records import RunInfo
     from framework.topology import ParallelContext, ParallelDims
-    from framework.trainer import build_runner
+    from framework.train.trainer import build_runner
 
     ctx = ParallelContext.create(ParallelDims(pp=1, dp=world, tp=1), rank, torch.device("cpu"))
     info = RunInfo(None, VOCAB, 64, 1.0, None, "none", 0.0)

@@ -1,4 +1,4 @@
-"""bf16-mixed and fp16-mixed (framework/master.py, framework/update.py, framework/loss_scale.py):
+"""bf16-mixed and fp16-mixed (framework/train/master.py, framework/train/update.py, framework/train/loss_scale.py):
 layouts match the single process at a tolerance derived from bf16's precision; fp16-mixed's
 skipped step equals a hand-written single-process run whose batch was skipped; every rank
 skips alike; resume is bit-exact with the masters and the scaler; p2p travels in 16 bits.
@@ -101,15 +101,15 @@ def test_pipeline_messages_travel_in_bf16(bf16_runs):
 # ---- fp16-mixed: the loss scaler's skip ----
 
 def _reference(job: Path, run_args: list, skip: int):
-    """A single-process fp16-mixed run written here, not through framework/update.py or
-    framework/master.py: scaled loss, fp16 gradients unscaled into fp32 masters, clip by the
+    """A single-process fp16-mixed run written here, not through framework/train/update.py or
+    framework/train/master.py: scaled loss, fp16 gradients unscaled into fp32 masters, clip by the
     unscaled global norm, AdamW on the masters, parameters rounded from them; the step
     `skip` (1-based) is left out entirely (no update, no lr step). Returns the losses of the
     steps run and the final fp16 parameters by name."""
     from framework.config import read_config
     from framework.data import ShardedSampler, TokenData
     from framework.models import build_model
-    from framework.optim import build_optimizer, lr_at
+    from framework.train.optim import build_optimizer, lr_at
 
     run = read_config(str(job / "config.yaml"))
     info = json.loads((job / "run_info.json").read_text())

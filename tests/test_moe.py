@@ -217,7 +217,7 @@ def test_grouped_gemm_equals_the_per_expert_loop(monkeypatch):
 def test_the_export_warns_what_transformers_config_cannot_hold():
     import dataclasses
 
-    from framework.export import routing_not_exported
+    from framework.report.export import routing_not_exported
     from framework.models.moe_layer import MoERuntime
 
     assert routing_not_exported(None) is None

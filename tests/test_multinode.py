@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.launcher.api import LaunchConfig
 
-from framework import flight
+from framework.train import flight
 from framework.launch.node import check_node, combine
-from framework.report import collect
+from framework.report.compare import collect
 
 from .conftest import FP64, ROOT, TINY, assert_same_training, final_params, read_metrics, run_local
 from .test_run import _processes_with
@@ -129,7 +129,7 @@ def fault(tmp_path_factory):
 def test_a_fault_on_the_second_node_is_told_with_rank_host_and_traceback(fault):
     job, r = fault
     assert r["codes"] == [1, 1]
-    cause = f"rank 3 (host {HOST}) failed: framework.trainer.InjectedFault: injected fault on rank 3 at step 3"
+    cause = f"rank 3 (host {HOST}) failed: framework.train.trainer.InjectedFault: injected fault on rank 3 at step 3"
     summary = json.loads((job / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"].startswith(cause), summary
     report = (job / "error.txt").read_text()

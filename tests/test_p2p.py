@@ -18,7 +18,7 @@ from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulat
 from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
 from framework.parallel.pipeline.p2p import P2POp, RankPlan, comm_plan
 from framework.parallel.pipeline.schedules import Action, StageMap, build_schedule
-from framework.parallel.pipeline.simulate import simulate
+from framework.sim.clock import simulate
 
 from .conftest import TINY, read_metrics, run_local
 from .distributed import run_ranks
@@ -106,7 +106,7 @@ def _run_executor(rank, world, name, m, v, coalesced):
     import torch.distributed as dist
 
     import framework.parallel.pipeline.executor as ex
-    from framework.metrics.clock import HostClock
+    from framework.metrics.timestamps import HostClock
 
     calls = []
     real = dist.batch_isend_irecv
@@ -192,7 +192,7 @@ def test_cuda_event_clock_reads_marks_against_the_anchor(monkeypatch):
     """No GPU here: fake events that fire at chosen device times. A mark's time is the
     anchor's host time plus the device time elapsed since the anchor, whatever the host
     was doing when it recorded the mark (on CUDA it only enqueues)."""
-    from framework.metrics import clock as clk
+    from framework.metrics import timestamps as clk
 
     device_now = iter([100.0, 100.5, 103.0])  # ms on the device: anchor, then two marks
 

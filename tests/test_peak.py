@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework import job
-from framework.logging import RunLogger
-from framework.records import RunInfo
+from framework.launch import job
+from framework.report.sinks import RunLogger
+from framework.report.records import RunInfo
 from framework.metrics import peak
 from framework.metrics.peak import PENDING, accelerator, peak_dtype, resolve_peak, resolve_rank_peak, table_peak
 

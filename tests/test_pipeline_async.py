@@ -13,8 +13,8 @@ its stages clips by its own.
 import pytest
 import torch
 
-from framework.job import run_info
-from framework.launch import RankFailure
+from framework.launch.job import run_info
+from framework.launch.diagnosis import RankFailure
 from framework.parallel.pipeline.reference import derived_versions, double_buffer_versions, pipedream_versions
 from framework.parallel.pipeline.reference import run_async_reference
 from framework.parallel.pipeline.schedules import get, names

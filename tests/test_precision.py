@@ -59,7 +59,7 @@ def test_the_master_keeps_updates_16_bits_would_lose():
     of mantissa, spacing 2**-7 below 1) rounds each single step away, so a bf16 parameter
     stepped in place never moves. With an fp32 master the parameter is the rounding of
     0.98 (the nearest bf16 number, 0.98046875)."""
-    from framework.master import build
+    from framework.train.master import build
 
     spec = {"_target_": "torch.optim.SGD", "lr": 1e-4}
     plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))

@@ -1,4 +1,4 @@
-"""The logging rank's live progress line (framework/progress.py), without a run: the line is
+"""The logging rank's live progress line (framework/report/progress.py), without a run: the line is
 redrawn in place on a terminal, a heartbeat line keeps a log file alive during a slow step,
 ETA and elapsed follow the steps' times, and run.log gets the lines that stay.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import time
 
-from framework.progress import RUN_LOG, Progress, clock
+from framework.report.progress import RUN_LOG, Progress, clock
 
 ROW = {"step": 1, "loss": 5.25, "tokens_per_s": 12345.0}
 
@@ -98,7 +98,7 @@ def test_eta_leaves_out_the_first_step_once_there_are_others(tmp_path):
 def test_run_log_gets_the_launching_process_lines_and_a_redrawn_bar_once(tmp_path, capsys):
     import sys
 
-    from framework.progress import console_to_run_log
+    from framework.report.progress import console_to_run_log
 
     with console_to_run_log(str(tmp_path)):
         print("world 2 = dp 2 x tp 1 x pp 1 on cpu")

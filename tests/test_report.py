@@ -1,4 +1,4 @@
-"""framework.report's judgements on a sweep, on hand-made rows and job directories: the
+"""framework.report.compare's judgements on a sweep, on hand-made rows and job directories: the
 fairness warnings (work per step, model config, parameter count) and the best job by the
 sweep's objective."""
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from framework.config import to_yaml
-from framework.report import best, collect, fairness_warnings, headline
+from framework.report.compare import best, collect, fairness_warnings, headline
 
 from .conftest import compose
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from framework.report import main as report_main
+from framework.report.compare import main as report_main
 
 from . import wandb_reader
 from .conftest import ROOT, run_cli

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from framework.config import ConfigError
-from framework.job import check_memory_budget, run_job
-from framework.report import collect, headline
+from framework.launch.job import check_memory_budget, run_job
+from framework.report.compare import collect, headline
 
 from .conftest import ROOT, compose, run_cli
 
@@ -93,7 +93,7 @@ def test_the_search_without_the_plugin_says_how_to_install_it(monkeypatch, capsy
     assert sweeper_installed(["parallelism=dp2"])
 
 
-# --- parallelism.ep in the layout search (framework/search_space.py) ------------------------
+# --- parallelism.ep in the layout search (framework/launch/search_space.py) ------------------------
 
 
 def _search_cfg(*overrides: str):
@@ -115,7 +115,7 @@ def _trials(cfg, n: int, fixed: dict | None = None) -> list[dict]:
     from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_override
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from framework.search_space import expert_parallel
+    from framework.launch.search_space import expert_parallel
 
     params = [f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()]
     dists = {o.get_key_element(): create_optuna_distribution_from_override(o)
@@ -136,10 +136,10 @@ def _trials(cfg, n: int, fixed: dict | None = None) -> list[dict]:
 
 
 def test_the_search_proposes_ep_only_for_moe_models_and_only_divisors():
-    from framework.search_space import ep_choices
+    from framework.launch.search_space import ep_choices
 
     dense = _search_cfg()
-    assert cfg_hook(dense) == "framework.search_space.expert_parallel"
+    assert cfg_hook(dense) == "framework.launch.search_space.expert_parallel"
     assert ep_choices(dense) == [] and all("parallelism.ep" not in t for t in _trials(dense, 12))
     moe = _search_cfg("model=moe-tiny")  # 4 experts, world 4: ep must divide both
     assert ep_choices(moe) == [1, 2, 4]

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from framework.config import ConfigError
-from framework.metrics.calibrate import Sample
+from framework.sim.calibrate import Sample
 from framework.parallel.pipeline.p2p import comm_plan
 from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.simulate import Costs, predict
+from framework.sim.clock import Costs, predict
 
 from .conftest import assert_config_error, read_metrics, run_cli, run_local
 
@@ -102,7 +102,7 @@ def test_replay_meets_its_bound_on_controlled_runs(delayed_flush, schedule, tmp_
 
 
 def test_what_if_replays_the_job_and_predicts_other_layouts(delayed_flush, tmp_path, capsys):
-    from framework.simulate import main, what_if
+    from framework.sim.cli import main, what_if
 
     job, summary = delayed_flush
     same = what_if(str(job))
@@ -119,7 +119,7 @@ def test_what_if_replays_the_job_and_predicts_other_layouts(delayed_flush, tmp_p
     cal = json.loads((job / "calibration.json").read_text())["compute"]
     assert what_if(str(job), ["schedule=gpipe"])["predicted_step_time_s"] >= 4 * (cal["1,0,F"] + cal["1,0,B"])
     # zb-auto takes the job's times rescaled to the target pipeline, as a run with sim.from would
-    from framework.simulate import auto_op_times, target_config
+    from framework.sim.cli import auto_op_times, target_config
 
     times = auto_op_times(str(job), target_config(job_config(job), ["schedule=zb-auto", "parallelism.pp=4"]))
     assert [len(times[op]) for op in "FIW"] == [4, 4, 4] and times["comm"] > 0

@@ -1,5 +1,5 @@
 """The simulator under expert parallelism (docs/simulator.md, "Expert parallelism";
-framework/metrics/alltoall.py): the all-to-all volume model against the bytes a real ep 2
+framework/sim/alltoall.py): the all-to-all volume model against the bytes a real ep 2
 job sent, its replay beside its measurement, the what-if to ep 1 with the all-to-all gone
 (pp = 1 and a pipeline), the p2p fallback without an all-to-all calibration, and a layout
 search that predicts ep instead of launching it (search.mode=simulate)."""
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from framework.config import ConfigError
-from framework.metrics.alltoall import A2ACost, cost_of, layer_bytes, shift_stages, step_bytes
-from framework.metrics.calibrate import Calibration
+from framework.sim.alltoall import A2ACost, cost_of, layer_bytes, shift_stages, step_bytes
+from framework.sim.calibrate import Calibration
 
 from .conftest import TINY, compose, read_metrics, run_cli, run_local
 
@@ -48,7 +48,7 @@ def test_the_volume_model_equals_the_bytes_the_job_sent(ep_job):
 
 
 def test_replay_and_the_what_if_to_ep1_drop_the_measured_all_to_all(ep_job, capsys):
-    from framework.simulate import main, what_if
+    from framework.sim.cli import main, what_if
 
     job, summary = ep_job
     # Its own layout: fwd/bwd + the rest of the step, medians; the replay tests hold pipelines to
@@ -81,7 +81,7 @@ def test_replay_and_the_what_if_to_ep1_drop_the_measured_all_to_all(ep_job, caps
 def test_a_pipeline_ep_job_moves_each_stage_by_its_layers_all_to_all(tmp_path):
     """dp 2 x pp 2, ep 2: each pipeline rank holds 1 of the 2 MoE layers, so it sends half the
     pp = 1 job's bytes; ep 1 takes the all-to-all out of every stage's F and B."""
-    from framework.simulate import what_if
+    from framework.sim.cli import what_if
 
     run_local(tmp_path, *MOE, "parallelism=dp2_pp2", "parallelism.ep=2", "trainer.steps=8", "metrics.skip_first=2")
     rows = read_metrics(tmp_path)
@@ -130,7 +130,7 @@ def test_the_volume_follows_the_dtypes_and_sequence_parallelism():
 
 
 def test_a_simulated_layout_search_over_ep_predicts_and_runs_only_the_best(ep_job, tmp_path):
-    """hparams_search=layout on a MoE model adds parallelism.ep (framework/search_space.py; the
+    """hparams_search=layout on a MoE model adds parallelism.ep (framework/launch/search_space.py; the
     preset's other params cleared here): each trial is predicted from the ep 2 job, none runs
     until the search ends, then only the best one."""
     job, _ = ep_job

@@ -119,8 +119,8 @@ def test_sequence_parallelism_cuts_activation_memory(runs, tp):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_dry_run_estimate_counts_the_same_shards(tp):
-    from framework.job import meta_model
-    from framework.plan import make_plan
+    from framework.launch.job import meta_model
+    from framework.launch.plan import make_plan
     from framework.validate import validate_model
 
     run = compose(*MODELS["gpt2"], "parallelism=single", f"parallelism.tp={tp}", "dry_run=true")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from framework.wandb_sink import api_key_found, init_run, probe, reachable, wandb_mode
+from framework.report.wandb_sink import api_key_found, init_run, probe, reachable, wandb_mode
 
 from . import wandb_reader
 from .conftest import assert_config_error, compose, run_cli
@@ -106,7 +106,7 @@ def test_a_netrc_entry_for_the_server_host_is_a_key(no_wandb_env, monkeypatch):
 
 
 def test_logging_keeps_wandb_mode_importable():
-    from framework.logging import wandb_mode as from_logging
+    from framework.report.sinks import wandb_mode as from_logging
 
     assert from_logging is wandb_mode
 
@@ -170,7 +170,7 @@ def test_a_failing_online_init_falls_back_to_offline(no_wandb_env, silent_server
     then offline with the same single warning."""
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setenv("WANDB_BASE_URL", silent_server)
-    monkeypatch.setattr("framework.wandb_sink.probe", lambda url, timeout_s: None)
+    monkeypatch.setattr("framework.report.wandb_sink.probe", lambda url, timeout_s: None)
     run = init_run("online", str(tmp_path), init_timeout_s=2, project="p", reinit="finish_previous")
     try:
         assert run is not None and run.settings._offline
@@ -196,7 +196,7 @@ def test_wandb_row_flattens_moe_layers_and_logs_the_load_as_a_histogram(moe_swee
     is expert e's tokens (what W&B draws as a heat map over steps)."""
     import wandb
 
-    from framework.wandb_sink import MOE_SCALARS, wandb_row
+    from framework.report.wandb_sink import MOE_SCALARS, wandb_row
 
     rec = _moe_rows(moe_sweep / "1")[0]
     row = wandb_row(rec)
@@ -217,7 +217,7 @@ def test_wandb_row_flattens_moe_layers_and_logs_the_load_as_a_histogram(moe_swee
 
 
 def test_wandb_row_needs_no_wandb_for_a_dense_row_and_skips_oversized_histograms(monkeypatch):
-    from framework.wandb_sink import HISTOGRAM_MAX_BINS, wandb_row
+    from framework.report.wandb_sink import HISTOGRAM_MAX_BINS, wandb_row
 
     dense = {"step": 1, "loss": 2.0, "mfu": None, "rank_bubble_fraction": [0.0, 0.1]}
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError

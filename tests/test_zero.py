@@ -134,8 +134,8 @@ def test_zero_composes_with_tp_and_pp(composed, name):
 
 
 def test_dry_run_estimate_is_the_formula():
-    from framework.job import meta_model
-    from framework.plan import make_plan
+    from framework.launch.job import meta_model
+    from framework.launch.plan import make_plan
     from framework.validate import validate_model
 
     from .conftest import compose

@@ -45,7 +45,7 @@ import json, os
 if os.environ.get("COMM_COUNT_DIR"):
     # Imported by the forkserver before the framework (ranks are its forks): the wrappers are
     # in place when tp_comm.py and FSDP2 look the functions up. Ranks end with os._exit, so
-    # each dumps its counts when it destroys its process group (framework/worker.py).
+    # each dumps its counts when it destroys its process group (framework/train/worker.py).
     import torch.distributed as dist
     _counts = {}
     def _wrap(name, size_of):

@@ -11,7 +11,7 @@ Grid (each case one run of run.py, 20 steps, 3 warm-up, synthetic data, untied e
 - pp 4 (4 ranks on 2 cores: oversubscribed; 8 blocks of width 128) for flush, zbh1, interleaved at m 8, reported
   beside, not held to the targets.
 Replay: each run's own predicted_step_time_s / predicted_bubble_fraction (summary.json).
-Transfer: `framework.simulate.what_if` from the model's first flush m 4 run, for every other
+Transfer: `framework.sim.cli.what_if` from the model's first flush m 4 run, for every other
 case of that model and pp 2 (no stage delay). Ranking: for each model and m, every pair of
 schedules whose measured step times differ by more than the measured spread; preserved
 when the prediction orders them the same way.
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from framework.parallel.pipeline.schedules import get, names  # noqa: E402
-from framework.simulate import what_if  # noqa: E402
+from framework.sim.cli import what_if  # noqa: E402
 
 BASE = ["data=synthetic", "logger=none", "trainer.steps=20", "metrics.skip_first=3", "trainer.micro_batch_size=8",
         "model.tie_embeddings=false"]

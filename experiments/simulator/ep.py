@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from framework.config import read_config  # noqa: E402
-from framework.metrics.alltoall import step_bytes  # noqa: E402
-from framework.simulate import what_if  # noqa: E402
+from framework.sim.alltoall import step_bytes  # noqa: E402
+from framework.sim.cli import what_if  # noqa: E402
 
 BASE = ["model=moe-tiny", "data=synthetic", "data.seq_len=128", "logger=none", "trainer.steps=20",
         "metrics.skip_first=4", "trainer.micro_batch_size=2", "schedule.microbatches=2"]

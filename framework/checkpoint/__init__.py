@@ -23,9 +23,9 @@ Files: `shards.py` (what a rank holds, as boxes; DCP's protocol and planners), `
 lineage, what a resume may load).
 """
 
-from .load import load
-from .save import CheckpointWriteError, Saver, layout_of
-from .store import (CHECKPOINTS_DIR, MARKER, META, METRICS, check_compatible, checkpoints, finished, history,
+from framework.checkpoint.load import load
+from framework.checkpoint.save import CheckpointWriteError, Saver, layout_of
+from framework.checkpoint.store import (CHECKPOINTS_DIR, MARKER, META, METRICS, check_compatible, checkpoints, finished, history,
                     is_complete, latest, prune, read_meta, resolve_resume, set_aside_newer, step_dir)
 
 __all__ = ["CHECKPOINTS_DIR", "MARKER", "META", "METRICS", "CheckpointWriteError", "Saver", "check_compatible",

@@ -11,7 +11,7 @@ unsharded, e.g. by a single process).
 
 Collectives: DCP's planning on the logging group; ZeRO stages 1-2 then all-gather each
 unit's slices over dp into the full parameters the modules read (as after a step). With a
-master copy (framework/master.py) the weights are read into it and the parameters are its
+master copy (framework/train/master.py) the weights are read into it and the parameters are its
 rounding, as after a step.
 """
 
@@ -22,14 +22,14 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..config import RunConfig
-from ..metrics.memory import RssSampler, current_rss_bytes
-from ..master import MasterOptimizer
-from .save import layout_of
-from .shards import LoadPlanner, rank_parts, slots
-from .store import read_meta
+from framework.config import RunConfig
+from framework.metrics.memory import RssSampler, current_rss_bytes
+from framework.train.master import MasterOptimizer
+from framework.checkpoint.save import layout_of
+from framework.checkpoint.shards import LoadPlanner, rank_parts, slots
+from framework.checkpoint.store import read_meta
 
-UPDATE_KEYS = ("update/", "scaler/", "moe/")  # framework/update.py's state; MoE expert biases
+UPDATE_KEYS = ("update/", "scaler/", "moe/")  # framework/train/update.py's state; MoE expert biases
 
 
 def load(path: str, runner, full, ctx, run: RunConfig) -> dict:

@@ -18,13 +18,13 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
-from ..config import ConfigError, RunConfig, read_config
+from framework.config import ConfigError, RunConfig, read_config
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"
 META = "meta.json"
 METRICS = "metrics.jsonl"
-PREVIOUS_DIR = ".previous"  # the job directory's set-aside folder (framework/jobdir.py)
+PREVIOUS_DIR = ".previous"  # the job directory's set-aside folder (framework/launch/jobdir.py)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -176,7 +176,7 @@ def check_compatible(run: RunConfig, path: str, vocab_size: int) -> dict:
     if meta["optimizer"].get("_target_") != target:
         raise ConfigError("optimizer._target_", target, f"the checkpoint holds {meta['optimizer'].get('_target_')} "
                           "states", "resume with the same optimizer")
-    from ..precision import policy_of
+    from framework.precision import policy_of
 
     # The rule: a checkpoint stores the optimizer's weights and states in the state dtype
     # (fp32 in fp32, bf16-autocast, bf16-mixed and fp16-mixed; fp64 in fp64), so modes of the

@@ -5,7 +5,7 @@ through `datasets`, tokenizes it (in several processes when it is large), packs 
 token stream and caches it as .npy keyed by the data config, streaming: no step holds the
 corpus, as Python objects or as one array. Ranks memory-map that file (`TokenData.load`), so N
 ranks do not tokenize N times or race on the datasets cache. Held-out data (trainer.eval_interval,
-framework/evaluate.py) gets a second checked cache (`<name>-val-<key>`), built only when
+framework/train/evaluate.py) gets a second checked cache (`<name>-val-<key>`), built only when
 evaluation is on.
 
 One concern per module:
@@ -23,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import RunConfig
-from ..validate import validate_prepared
-from .build import build_cache
-from .cache import CACHE_FORMAT, build_inputs, cache_dir, cache_key, lock_path, meta_path, verified_or_built
-from .sampler import ShardedSampler
-from .sources import held_out_count, heldout_files, stdlib_files
-from .tokenizers import BYTES_EOS, BYTES_VOCAB, ByteTokenizer, HFTokenizer, get_tokenizer
-from .tokens import HELDOUT_SEED_STREAM, TokenData
+from framework.config import RunConfig
+from framework.validate import validate_prepared
+from framework.data.build import build_cache
+from framework.data.cache import CACHE_FORMAT, build_inputs, cache_dir, cache_key, lock_path, meta_path, verified_or_built
+from framework.data.sampler import ShardedSampler
+from framework.data.sources import held_out_count, heldout_files, stdlib_files
+from framework.data.tokenizers import BYTES_EOS, BYTES_VOCAB, ByteTokenizer, HFTokenizer, get_tokenizer
+from framework.data.tokens import HELDOUT_SEED_STREAM, TokenData
 
 __all__ = ["BYTES_EOS", "BYTES_VOCAB", "ByteTokenizer", "CACHE_FORMAT", "HELDOUT_SEED_STREAM", "HFTokenizer",
            "PreparedData", "ShardedSampler", "TokenData", "cache_dir", "get_tokenizer", "held_out_count",

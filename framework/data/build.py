@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import RunConfig
-from .cache import content_record, write_meta
-from .sources import Documents, load_part
+from framework.config import RunConfig
+from framework.data.cache import content_record, write_meta
+from framework.data.sources import Documents, load_part
 
 CHUNK_BYTES = 1 << 18  # text per tokenization task: 256 KiB, a few MB of memory in flight
 PARALLEL_MIN_BYTES = 16 << 20  # the whole stdlib (~30 MB) is tokenized in parallel, data=pycode's 400 files not

@@ -38,8 +38,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import DataConfig
-from .sources import sources
+from framework.config import DataConfig
+from framework.data.sources import sources
 
 CACHE_FORMAT = 2  # bump when the metadata or the packing changes: old caches then rebuild (2: mtime, sampled)
 SAMPLED_BLOCKS, SAMPLED_BLOCK_BYTES = 16, 1 << 16  # the sampled checksum reads 1 MiB

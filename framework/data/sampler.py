@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .tokens import TokenData
+from framework.data.tokens import TokenData
 
 
 class ShardedSampler:

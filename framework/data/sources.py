@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config import ConfigError, DataConfig
-from ..validate import check_text_field, first_line, local_data_files
+from framework.config import ConfigError, DataConfig
+from framework.validate import check_text_field, first_line, local_data_files
 
 
 def stdlib_files(max_files: Optional[int], val_files: int = 0) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..config import RunConfig
+from framework.config import RunConfig
 
 HELDOUT_SEED_STREAM = 1  # synthetic held-out tokens: default_rng([seed, 1]), training's is default_rng(seed)
 

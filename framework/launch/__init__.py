@@ -1,5 +1,10 @@
-"""Launching ranks and telling how they ended, one module per concern:
+"""The Hydra process's side of a job, one module per concern:
 
+- job.py        validate -> dry run or prepare -> launch -> summarise, for one job
+- jobdir.py     what a job writes into its directory; setting an earlier run's files aside
+- plan.py       the dry run (`dry_run=true`): groups, stages, schedule grid, memory estimate
+- signals.py    SIGINT / SIGTERM -> Stopped: the one stop path (also the ranks')
+- search_space.py the layout search's custom_search_space (parallelism.ep for MoE models)
 - local.py      the local launch: the torch elastic agent starts world_size ranks on this node
 - watchdog.py   the hang watchdog: reads the ranks' flight recorders, ends a stalled job
 - diagnosis.py  how the ranks ended: root cause first, then the consequences, in one block
@@ -7,11 +12,7 @@
                 the watchdog, and the exit path that writes the job's error.txt / summary.json
                 (not imported here: it is a program)
 
-The rank side is framework/worker.py; this package only reads what the ranks leave.
+The rank side is framework/train/ (framework/train/worker.py its entry); the launchers here only
+read what the ranks leave. Nothing is imported here: the ranks import signals.py, and an eager
+import of the launchers (which import the rank side) would close a cycle.
 """
-
-from .diagnosis import RankEnd, RankFailure, diagnose, read_records
-from .local import launch_local
-from .watchdog import HANG_FILE, Watchdog, hang_text
-
-__all__ = ["HANG_FILE", "RankEnd", "RankFailure", "Watchdog", "diagnose", "hang_text", "launch_local", "read_records"]

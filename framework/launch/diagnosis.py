@@ -1,13 +1,13 @@
 """How the ranks ended, told as one block: pure functions of what the ranks and the launcher saw.
 
-A failed job is told (`diagnose`, printed once by framework.job) as:
+A failed job is told (`diagnose`, printed once by framework.launch.job) as:
 - the root cause first: a rank that raised (its traceback, from the record it wrote before
   its peers could fail), or a rank that died without a traceback (killed by a signal:
   `rank 1 killed by SIGKILL`, e.g. kill -9 or the out-of-memory killer);
 - then every other rank that failed, as a consequence.
 
 The inputs are the ranks' failure records (`read_records`: `rank_failures/` in the job
-directory, written by framework/worker.py) and each rank's exit code as its launcher saw it.
+directory, written by framework/train/worker.py) and each rank's exit code as its launcher saw it.
 On several nodes (`hosts` given, launch/node.py) each rank is named with its host, and a
 record that only says a connection closed is a consequence wherever it falls in time: its
 writer saw only its own node's dead peers, and wall clocks of two hosts differ a little.
@@ -23,7 +23,7 @@ import signal
 from dataclasses import dataclass
 from typing import Optional
 
-from ..worker import CONNECTION_ERRORS, FAILURES_DIR
+from framework.train.worker import CONNECTION_ERRORS, FAILURES_DIR
 
 
 class RankFailure(RuntimeError):
@@ -46,7 +46,7 @@ class RankEnd:
     @property
     def stopped(self) -> bool:
         """Ended the way the agent ends survivors once another rank failed (SIGTERM, seen
-        as exit 143 through framework.signals, then SIGKILL), or by a stop signal."""
+        as exit 143 through framework.launch.signals, then SIGKILL), or by a stop signal."""
         return _stop_rank(self.exitcode) > 0
 
 

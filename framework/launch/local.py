@@ -1,6 +1,6 @@
 """The local launch: start the ranks on this node with the torch elastic launcher, and wait.
 
-Locally the launching process starts `world_size` ranks (framework/worker.py) with the
+Locally the launching process starts `world_size` ranks (framework/train/worker.py) with the
 torch elastic launcher (the library behind torchrun): when a rank exits with an error, the
 agent stops the others (SIGTERM, then SIGKILL after 30 s). A hang watchdog
 (launch/watchdog.py) runs beside it; how the ranks ended is told by launch/diagnosis.py.
@@ -19,12 +19,12 @@ import uuid
 from dataclasses import asdict
 from typing import Optional
 
-from .. import flight
-from ..config import RunConfig
-from ..signals import Stopped
-from ..worker import FAILURES_DIR, rank_main
-from .diagnosis import RankEnd, diagnose, read_records
-from .watchdog import Watchdog
+from framework.train import flight
+from framework.config import RunConfig
+from framework.launch.signals import Stopped
+from framework.train.worker import FAILURES_DIR, rank_main
+from framework.launch.diagnosis import RankEnd, diagnose, read_records
+from framework.launch.watchdog import Watchdog
 
 # What elastic's start_processes installs handlers for (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -47,7 +47,7 @@ def _preload_forkserver() -> None:
     if getattr(server, "framework_env", None) != env:
         server._stop()
         server.framework_env = env
-    fs.set_forkserver_preload(["framework.worker", "framework.trainer"])
+    fs.set_forkserver_preload(["framework.train.worker", "framework.train.trainer"])
 
 
 def ends_of(err, watchdog: Watchdog, job_dir: str, records: dict[int, dict]) -> dict[int, RankEnd]:
@@ -67,7 +67,7 @@ def ends_of(err, watchdog: Watchdog, job_dir: str, records: dict[int, dict]) -> 
 
 def _quiet_elastic() -> None:
     """The agent logs every failed rank's traceback on ERROR lines, and a stop or the end of
-    the survivors on WARNING lines; framework.job prints one report instead. Elastic sets a
+    the survivors on WARNING lines; framework.launch.job prints one report instead. Elastic sets a
     level on each of its module loggers (from $LOGLEVEL), so a parent's level is not enough."""
     for name in list(_logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):

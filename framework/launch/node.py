@@ -35,15 +35,15 @@ import sys
 import time
 import uuid
 
-from .. import flight
-from ..config import read_config
-from ..files import write_report
-from ..jobdir import completed_summary, write_outcome
-from ..signals import Stopped
-from ..worker import FAILURES_DIR
-from .diagnosis import RankEnd, RankFailure, diagnose, peek_records
-from .local import run_ranks
-from .watchdog import HANG_FILE, Watchdog
+from framework.train import flight
+from framework.config import read_config
+from framework.report.files import write_report
+from framework.launch.jobdir import completed_summary, write_outcome
+from framework.launch.signals import Stopped
+from framework.train.worker import FAILURES_DIR
+from framework.launch.diagnosis import RankEnd, RankFailure, diagnose, peek_records
+from framework.launch.local import run_ranks
+from framework.launch.watchdog import HANG_FILE, Watchdog
 
 NODES_DIR = "nodes"
 NODE_SETTLE_S = 10.0
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
     finally:
         node_done(job_dir, nodes)
     if results.get(0) is not None:  # the node of rank 0, which wrote summary.json
-        from ..job import summary_lines
+        from framework.launch.job import summary_lines
 
         print(summary_lines(results[0]), flush=True)
     return 0

@@ -1,6 +1,6 @@
 """The hang watchdog: a thread in a launching process that ends a job whose ranks stopped progressing.
 
-It reads every rank's flight recorder (framework/flight.py) twice a second. When a rank
+It reads every rank's flight recorder (framework/train/flight.py) twice a second. When a rank
 has made no progress for trainer.hang_timeout_s, the job ends naming the stalled rank(s)
 and `hang.txt` holds every rank's last actions and collectives. The stalled rank is the one
 stopped (process state `T`), else the one not blocked waiting on a peer, else (a deadlock)
@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import flight
-from ..files import write_report
-from ..flight import process_state
-from .diagnosis import RankFailure
+from framework.train import flight
+from framework.report.files import write_report
+from framework.train.flight import process_state
+from framework.launch.diagnosis import RankFailure
 
 HANG_FILE = "hang.txt"
 REMOTE_GRACE_S = 10.0

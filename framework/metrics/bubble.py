@@ -5,14 +5,14 @@ analytic bubble in the registry (framework/parallel/pipeline/schedules/) as a fu
 p, m, v and the op times T_F, T_I, T_W (T_B = T_I + T_W): a closed form where one is known
 (GPipe and 1F1B: (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v·m+p-1); ZB-H1 / ZB-H2: the
 zero-bubble paper's idle time), else the idle share of the schedule's own dependency graph
-run with those op times and no communication cost (framework/parallel/pipeline/simulate.py);
+run with those op times and no communication cost (framework/sim/clock.py);
 docs/schedules.md lists them. A run reports it for its
 own measured op times (`measured_op_times`: medians of the actions' compute). One stage
 has no pipeline, so no bubble.
 
 The measured counterpart, per rank and step, is 1 - busy / window
-(framework/parallel/pipeline/runner.py), with per-action marks from
-framework/metrics/clock.py:
+(framework/train/pipeline_runner.py), with per-action marks from
+framework/metrics/timestamps.py:
 - busy: the sum of the rank's compute (F, B, I, W; for the asynchronous schedules also
   the updates), each from the moment its input was received to the end of its compute. The
   receive wait and the issuing of sends are outside it.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from ..parallel.pipeline.schedules import Action, OpTimes, get
+from framework.parallel.pipeline.schedules import Action, OpTimes, get
 
 
 def analytic_bubble(schedule, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1,

@@ -66,7 +66,7 @@ def memory_summary(ranks: list[dict]) -> dict:
 
 
 def master_bytes(optimizer) -> int:
-    """The optimizer's own copy of the parameters (framework/master.py), 0 when it has none."""
+    """The optimizer's own copy of the parameters (framework/train/master.py), 0 when it has none."""
     return tensor_bytes(getattr(optimizer, "master", []))
 
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..precision import Policy, bytes_of
+from framework.precision import Policy, bytes_of
 
 
 def optimizer_state_ratio(spec: dict) -> float:
@@ -37,7 +37,7 @@ def optimizer_state_ratio(spec: dict) -> float:
 
 
 def _probe(spec: dict) -> tuple[float, int]:
-    from ..optim import build_optimizer
+    from framework.train.optim import build_optimizer
 
     p = nn.Parameter(torch.zeros(256))
     p.grad = torch.ones(256)
@@ -87,7 +87,7 @@ def stepped_numels(runner, experts: bool = False) -> list[int]:
     """The element counts `config_model_states` takes: ZeRO's flat units, else the parameters
     the optimizer steps; `experts`: only the expert-parallel ones (ZeRO shards them over edp),
     else only the others."""
-    from ..parallel.expert_parallel import is_expert
+    from framework.parallel.expert_parallel import is_expert
 
     zero = getattr(runner, "zero", None)
     if zero is not None and hasattr(zero, "flat"):
@@ -104,8 +104,8 @@ def _added(a: dict, b: dict) -> dict:
 def formula_report(runner, run) -> dict:
     """summary.json's formula keys for one rank: psi (its tp / pp part's parameters), this
     configuration's exact formula (in all and by component) and the paper's two forms."""
-    from ..parallel.expert_parallel import is_expert
-    from ..precision import policy_of
+    from framework.parallel.expert_parallel import is_expert
+    from framework.precision import policy_of
 
     p = run.parallelism
     edp = p.dp // p.ep  # expert parallel experts are replicated (and ZeRO-sharded) over edp

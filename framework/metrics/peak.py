@@ -43,8 +43,8 @@ from typing import Optional
 
 import torch
 
-from .flops import probe_peak_flops
-from ..precision import policy_of
+from framework.metrics.flops import probe_peak_flops
+from framework.precision import policy_of
 
 PENDING = "pending"  # source while a CUDA run's ranks have yet to look the peak up
 

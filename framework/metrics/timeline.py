@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from ..parallel.pipeline.schedules import Action
+from framework.parallel.pipeline.schedules import Action
 
 Record = tuple[str, float, float, float]  # action, start, compute_start, end
 
@@ -112,7 +112,7 @@ def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], s
     warm-up. Sets summary["timeline_step"]."""
     import os
 
-    from .predict import timeline_records
+    from framework.sim.replay import timeline_records
 
     write_trace(actions, os.path.join(job_dir, "trace.json"), comm)
     measured = [r for r in measured if r["step"] in actions]

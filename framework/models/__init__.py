@@ -9,12 +9,12 @@ from typing import Optional
 
 import torch
 
-from ..config import ModelConfig
-from ..precision import policy_of
-from . import gpt2, llama, qwen3_moe
-from .checks import HF_MODEL_TYPES, check_model_type, check_tp_sizes
-from .materialise import PretrainedWeights, RandomInit, materialise, materialise_buffers
-from .split import SplitLM, lm_loss
+from framework.config import ModelConfig
+from framework.precision import policy_of
+from framework.models import gpt2, llama, qwen3_moe
+from framework.models.checks import HF_MODEL_TYPES, check_model_type, check_tp_sizes
+from framework.models.materialise import PretrainedWeights, RandomInit, materialise, materialise_buffers
+from framework.models.split import SplitLM, lm_loss
 
 ARCHS = {"gpt2": gpt2, "llama": llama, "qwen3_moe": qwen3_moe}
 
@@ -78,7 +78,7 @@ class _WholeCheckpoint:
         self.state = dict(model.named_parameters())
 
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        from .materialise import _local
+        from framework.models.materialise import _local
 
         return _local(self.state.pop(name).detach(), p).clone()  # popped: the whole model is not kept
 
@@ -125,7 +125,7 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     if tp_comm is None or tp_comm.size == 1:
         model = arch.split(hf, checkpoint_blocks)
     else:
-        from ..parallel.tensor_parallel import apply_plan
+        from framework.parallel.tensor_parallel import apply_plan
 
         check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)  # validated on the meta model; cheap to repeat
         apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)  # meta shards

@@ -3,7 +3,7 @@ the model builders (on a rank) run: here, below both, so neither imports the oth
 
 from __future__ import annotations
 
-from ..config import ConfigError, ModelConfig
+from framework.config import ConfigError, ModelConfig
 
 HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen3_moe": "qwen3_moe"}  # model.arch -> transformers' model_type
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ..config import ModelConfig
-from .split import HFBlock, SplitLM
+from framework.config import ModelConfig
+from framework.models.split import HFBlock, SplitLM
 
 
 class GPT2Embedding(nn.Module):

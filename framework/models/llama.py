@@ -9,8 +9,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ..config import ModelConfig
-from .split import HFBlock, SplitLM
+from framework.config import ModelConfig
+from framework.models.split import HFBlock, SplitLM
 
 
 class LlamaEmbedding(nn.Module):

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import MoEConfig
-from ..parallel.expert_parallel import EPComm, run_routed
-from .moe_routing import AuxLossScale, attach_aux_loss, route, updated_bias
+from framework.config import MoEConfig
+from framework.parallel.expert_parallel import EPComm, run_routed
+from framework.models.moe_routing import AuxLossScale, attach_aux_loss, route, updated_bias
 
 
 class MoERuntime:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import MoEConfig
+from framework.config import MoEConfig
 
 SCORES = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")

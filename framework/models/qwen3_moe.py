@@ -26,13 +26,13 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeRMSNorm, Qwen3MoeSparseMoeBlock,
                                                                Qwen3MoeTopKRouter)
 
-from ..config import ModelConfig, MoEConfig
-from ..parallel.expert_parallel import shard_experts
-from .moe_layer import MoERuntime
-from .llama import TP_PLAN as LLAMA_TP_PLAN
-from .llama import _rms_norm
-from .llama import localize_heads as llama_localize_heads
-from .llama import split as llama_split
+from framework.config import ModelConfig, MoEConfig
+from framework.parallel.expert_parallel import shard_experts
+from framework.models.moe_layer import MoERuntime
+from framework.models.llama import TP_PLAN as LLAMA_TP_PLAN
+from framework.models.llama import _rms_norm
+from framework.models.llama import localize_heads as llama_localize_heads
+from framework.models.llama import split as llama_split
 
 
 def hf_config(m: ModelConfig, vocab_size: int) -> Qwen3MoeConfig:

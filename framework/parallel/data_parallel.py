@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..topology import ParallelContext
+from framework.topology import ParallelContext
 
 
 def wrap(model: nn.Module, ctx: ParallelContext, reduce_dtype: Optional[torch.dtype] = None,

@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..metrics.clock import now
-from .tensor_parallel import TPShard
-from .tp_comm import TPComm
+from framework.metrics.timestamps import now
+from framework.parallel.tensor_parallel import TPShard
+from framework.parallel.tp_comm import TPComm
 
 
 class EPComm(TPComm):

@@ -60,8 +60,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..metrics.memory import tensor_bytes
-from ..precision import policy_of
+from framework.metrics.memory import tensor_bytes
+from framework.precision import policy_of
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -230,7 +230,7 @@ class FSDP2:
     def build_optimizer(self, spec: dict, offload: bool, policy=None):
         """The plain optimizer over the sharded parameters: in the mixed modes they are the
         fp32 masters already (compute gathers 16-bit copies), so no MasterOptimizer."""
-        from ..optim import build_optimizer
+        from framework.train.optim import build_optimizer
 
         assert not offload, "fsdp2 with offload_optimizer is rejected before launch"
         return build_optimizer(spec, self.shards)

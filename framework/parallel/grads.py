@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .expert_parallel import expert_params, is_expert
-from .tensor_parallel import is_tp_sharded
+from framework.parallel.expert_parallel import expert_params, is_expert
+from framework.parallel.tensor_parallel import is_tp_sharded
 
 
 BUCKET_ELEMENTS = 2 ** 24  # per all-reduce when widened (precision.reduce_dtype): 64 MiB of fp32
@@ -99,7 +99,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, t
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> Optional[torch.Tensor]:
     """What clipping to `max_norm` multiplies the gradients by (None: clipping is off). The
-    one formula: the runners' update (framework/update.py) and the pipeline reference share it."""
+    one formula: the runners' update (framework/train/update.py) and the pipeline reference share it."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
 
 

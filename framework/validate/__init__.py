@@ -13,19 +13,19 @@ from __future__ import annotations
 import os
 
 
-from ..config import ConfigError, DataConfig, RunConfig
-from ..parallel.pipeline.partition import PartitionError
-from ..parallel.pipeline.schedules import never_flushes
-from .common import choice, first_line, number, positive
-from .expert import check_expert_parallel, check_moe
-from .fsdp2 import ZERO_IMPLS, check_fsdp2
-from .environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
-from .heldout import check_eval, flushing
-from .optimizer import check_optimizer
-from .precision import check_precision
-from .schedule import check_schedule, load_schedule_modules
-from ..models.checks import check_model_type, check_tp_sizes
-from .paths import check_job_dir, check_paths, local_data_files, safetensors_problem
+from framework.config import ConfigError, DataConfig, RunConfig
+from framework.parallel.pipeline.partition import PartitionError
+from framework.parallel.pipeline.schedules import never_flushes
+from framework.validate.common import choice, first_line, number, positive
+from framework.validate.expert import check_expert_parallel, check_moe
+from framework.validate.fsdp2 import ZERO_IMPLS, check_fsdp2
+from framework.validate.environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
+from framework.validate.heldout import check_eval, flushing
+from framework.validate.optimizer import check_optimizer
+from framework.validate.precision import check_precision
+from framework.validate.schedule import check_schedule, load_schedule_modules
+from framework.models.checks import check_model_type, check_tp_sizes
+from framework.validate.paths import check_job_dir, check_paths, local_data_files, safetensors_problem
 
 __all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
            "check_model_type", "local_data_files", "check_rank_env", "check_job_dir", "cpu_rank_limit",
@@ -35,7 +35,7 @@ ARCHS = ("gpt2", "llama", "qwen3_moe")
 DATASETS = ("pycode", "synthetic", "hf")
 DEVICES = ("auto", "cpu", "cuda")
 LAUNCHERS = ("local", "external")
-# Summary keys a sweeper may optimise (see framework/logging.py for their meaning).
+# Summary keys a sweeper may optimise (see framework/report/sinks.py for their meaning).
 OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction")
 
 
@@ -94,7 +94,7 @@ def _zero(run: RunConfig) -> None:
 
 def _tensor_parallel(run: RunConfig) -> None:
     """Divisibility of heads and MLP width is checked on the built (meta) model before
-    launch, in framework.job, so it covers pretrained checkpoints too."""
+    launch, in framework.launch.job, so it covers pretrained checkpoints too."""
     p, m = run.parallelism, run.model
     if m.dropout > 0:
         raise ConfigError("model.dropout", m.dropout,
@@ -235,8 +235,8 @@ def _debug_delay(run: RunConfig) -> None:
 def validate_model(run: RunConfig, hf_model) -> list[range]:
     """On the model built on the meta device (also a pretrained checkpoint's): its
     positions, its tensor-parallel sizes, and the blocks of each pipeline stage (returned)."""
-    from ..models import ARCHS, num_positions
-    from ..parallel.pipeline.stage import stage_ranges
+    from framework.models import ARCHS, num_positions
+    from framework.parallel.pipeline.stage import stage_ranges
 
     if run.data.seq_len > num_positions(hf_model):
         raise ConfigError("data.seq_len", run.data.seq_len, f"above the model's {num_positions(hf_model)} positions",

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..config import ConfigError
+from framework.config import ConfigError
 
 
 def choice(key: str, value: Any, allowed: Iterable[str]) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from ..config import ConfigError, RunConfig
-from .common import choice
+from framework.config import ConfigError, RunConfig
+from framework.validate.common import choice
 
 LOGGERS = ("wandb", "none")
 LOGGER_MODES = ("auto", "online", "offline", "disabled")
@@ -15,10 +15,10 @@ LOGGER_MODES = ("auto", "online", "offline", "disabled")
 
 def check_logger(run: RunConfig) -> None:
     """W&B's own failures would come from the logging rank after launch: a bad WANDB_MODE
-    (wandb parses it at init even when mode= overrides it, see framework.wandb_sink) and
+    (wandb parses it at init even when mode= overrides it, see framework.report.wandb_sink) and
     an online run without credentials. An unreachable server is not an error: the run
-    logs offline (framework.wandb_sink.init_run)."""
-    from ..wandb_sink import WANDB_MODES, api_key_found, base_url
+    logs offline (framework.report.wandb_sink.init_run)."""
+    from framework.report.wandb_sink import WANDB_MODES, api_key_found, base_url
 
     lg = run.logger
     choice("logger.name", lg.name, LOGGERS)

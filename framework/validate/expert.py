@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from ..config import ConfigError, RunConfig
-from ..parallel.pipeline.schedules import never_flushes
-from ..models.moe_routing import AUX_LOSSES, DROP_POLICIES, SCORES
-from .common import number, positive
+from framework.config import ConfigError, RunConfig
+from framework.parallel.pipeline.schedules import never_flushes
+from framework.models.moe_routing import AUX_LOSSES, DROP_POLICIES, SCORES
+from framework.validate.common import number, positive
 
 
 def check_expert_parallel(run: RunConfig) -> None:
@@ -94,7 +94,7 @@ def _experts_impl(run: RunConfig) -> None:
     """grouped runs torch._grouped_mm: fp32 / bf16 / fp16 only, rows 16-byte aligned."""
     import torch
 
-    from ..precision import policy_of
+    from framework.precision import policy_of
 
     e = run.model.moe
     if e.experts_impl not in ("auto", "loop", "grouped"):

@@ -3,8 +3,8 @@ before launch. Each rejection says why; `zero_impl=ours` supports every case nam
 
 from __future__ import annotations
 
-from ..config import ConfigError, RunConfig
-from ..precision import policy_of
+from framework.config import ConfigError, RunConfig
+from framework.precision import policy_of
 
 ZERO_IMPLS = ("ours", "fsdp2")
 

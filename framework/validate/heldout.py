@@ -8,9 +8,9 @@ documents training leaves out, and that must not depend on evaluation being on.
 
 from __future__ import annotations
 
-from ..config import ConfigError, RunConfig
-from ..parallel.pipeline.schedules import get, names, never_flushes
-from .common import number, positive
+from framework.config import ConfigError, RunConfig
+from framework.parallel.pipeline.schedules import get, names, never_flushes
+from framework.validate.common import number, positive
 
 
 def flushing() -> list[str]:

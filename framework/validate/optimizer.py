@@ -9,8 +9,8 @@ import inspect
 import warnings
 from typing import Any, Optional
 
-from ..config import ConfigError, RunConfig
-from .common import first_line, number
+from framework.config import ConfigError, RunConfig
+from framework.validate.common import first_line, number
 
 
 def check_optimizer(run: RunConfig) -> None:
@@ -33,7 +33,7 @@ def check_optimizer(run: RunConfig) -> None:
 
 
 def _optimizer_arguments(spec: dict[str, Any], cls: type) -> None:
-    """Every key but _target_ is a constructor argument (framework.optim.build_optimizer)."""
+    """Every key but _target_ is a constructor argument (framework.train.optim.build_optimizer)."""
     try:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
@@ -70,7 +70,7 @@ def _optimizer_trial(spec: dict[str, Any]) -> Optional[str]:
     """None when the optimizer builds and steps cleanly, else torch's message."""
     import torch
 
-    from ..optim import build_optimizer
+    from framework.train.optim import build_optimizer
 
     param = torch.nn.Parameter(torch.ones(1))
     try:

@@ -11,9 +11,9 @@ import uuid
 import zipfile
 from typing import Any, Optional
 
-from ..config import ConfigError, RunConfig
-from ..models.checks import check_model_type
-from .common import first_line
+from framework.config import ConfigError, RunConfig
+from framework.models.checks import check_model_type
+from framework.validate.common import first_line
 
 PRETRAINED_FIX = ("use a local directory with config.json and weights (as save_pretrained writes it), "
                   "or a hub name with network access or in the HF cache (huggingface-cli download <name>)")
@@ -160,7 +160,7 @@ def _hub_name(key: str, name: str, cache_files: tuple[str, ...], loader: str, fi
         except Exception:  # noqa: BLE001 - an invalid repo id: the loader below says why
             break
     if not constants.HF_HUB_OFFLINE:
-        from ..wandb_sink import probe
+        from framework.report.wandb_sink import probe
 
         reason = probe(constants.ENDPOINT, HUB_PROBE_TIMEOUT_S)
         if reason is not None:

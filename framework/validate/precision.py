@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from ..config import ConfigError, RunConfig
-from ..parallel.pipeline.schedules import never_flushes
-from ..precision import PRECISIONS, REDUCE_DTYPES, policy_of
-from .common import choice, number, positive
+from framework.config import ConfigError, RunConfig
+from framework.parallel.pipeline.schedules import never_flushes
+from framework.precision import PRECISIONS, REDUCE_DTYPES, policy_of
+from framework.validate.common import choice, number, positive
 
 
 def check_precision(run: RunConfig) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 
-from ..config import ConfigError, RunConfig
-from ..parallel.pipeline.partition import uniform
-from ..parallel.pipeline.schedules import CSV, CsvError, csv_schedule, get, load_modules, names, resolve
-from .common import choice, positive
+from framework.config import ConfigError, RunConfig
+from framework.parallel.pipeline.partition import uniform
+from framework.parallel.pipeline.schedules import CSV, CsvError, csv_schedule, get, load_modules, names, resolve
+from framework.validate.common import choice, positive
 
 
 def load_schedule_modules(run: RunConfig) -> None:
@@ -102,7 +102,7 @@ def _prove(run: RunConfig, sched, where) -> None:
     """The exact (pp, m, v) the ranks will run, proved under gloo's and NCCL's rules before
     launch (tests cover pp <= 8, m <= 16; this covers whatever a user asks for). Two steps
     show an asynchronous schedule's steady state across a step boundary."""
-    from ..parallel.pipeline.check import ScheduleError, prove
+    from framework.parallel.pipeline.check import ScheduleError, prove
 
     s, pp = run.schedule, run.parallelism.pp
     steps = min(2, run.trainer.steps) if not sched.flushes else 1

@@ -22,9 +22,9 @@
 
 from __future__ import annotations
 
-from .p2p import RankPlan, comm_plan
-from .schedules.base import Action, Op, Schedule, StageMap, get
-from .simulate import ScheduleError, match_pairs, recv_batches, simulate
+from framework.parallel.pipeline.p2p import RankPlan, comm_plan
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap, get
+from framework.sim.clock import ScheduleError, match_pairs, recv_batches, simulate
 
 __all__ = ["ScheduleError", "check", "prove", "nccl_simulate", "alive_peak"]
 

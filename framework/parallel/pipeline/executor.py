@@ -18,7 +18,7 @@ batch, as NCCL makes it. `debug.coalesced_p2p` makes gloo behave so too: one mer
 per batch, and every tag 0, so gloo also matches a pair's messages in issue order.
 Sends are waited for at the end of a flushing step (every receive has run by then).
 
-Timing (framework/metrics/clock.py): per action a mark before the receive wait, one after
+Timing (framework/metrics/timestamps.py): per action a mark before the receive wait, one after
 it (compute starts) and one after the compute; host time on CPU, CUDA events on GPUs,
 read after the step, so the measured bubble is step time minus compute, never time spent
 inside a receive (which mixes transfer and waiting).
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...flight import NullRecorder
-from ...metrics.memory import tensor_bytes
-from .messages import Message, needs, produces
-from .p2p import RankPlan
-from .schedules.base import Action, Op, StageMap
-from .split_backward import PendingWeight, backward_input, backward_weight
+from framework.train.flight import NullRecorder
+from framework.metrics.memory import tensor_bytes
+from framework.parallel.pipeline.messages import Message, needs, produces
+from framework.parallel.pipeline.p2p import RankPlan
+from framework.parallel.pipeline.schedules.base import Action, Op, StageMap
+from framework.parallel.pipeline.split_backward import PendingWeight, backward_input, backward_weight
 
 
 @dataclass
@@ -134,7 +134,7 @@ class PipelineExecutor:
                  act_dtype: torch.dtype, plan: RankPlan, clock, coalesced_p2p: bool = False,
                  delay_s: float = 0.0, recorder=None):
         self.chunks, self.peers, self.device = chunks, peers, device
-        self.recorder = recorder or NullRecorder()  # framework.flight: what the hang watchdog reads
+        self.recorder = recorder or NullRecorder()  # framework.train.flight: what the hang watchdog reads
         self.act_shape = act_shape  # (micro_batch_size, seq_len, hidden)
         self.act_dtype = act_dtype  # fp32 (also under bf16 autocast), fp64 in verification mode
         self.forward_context = forward_context  # (microbatch, chunk) -> context (activation tracking, autocast)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from .messages import Message, needs, produces, receiver_of, sender_of
-from .schedules.base import Action, StageMap
-from .simulate import simulate
+from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
+from framework.parallel.pipeline.schedules.base import Action, StageMap
+from framework.sim.clock import simulate
 
 
 @dataclass(frozen=True)

@@ -42,13 +42,13 @@ from typing import Optional
 
 import torch
 
-from ...config import RunConfig
-from ...data import ShardedSampler, TokenData
-from ...models import SplitLM, build_model
-from ...optim import build_optimizer, lr_at, set_lr
-from .schedules import resolve
-from ..grads import clip_grad_norm
-from .stage import stage_ranges, stage_state_dict
+from framework.config import RunConfig
+from framework.data import ShardedSampler, TokenData
+from framework.models import SplitLM, build_model
+from framework.train.optim import build_optimizer, lr_at, set_lr
+from framework.parallel.pipeline.schedules import resolve
+from framework.parallel.grads import clip_grad_norm
+from framework.parallel.pipeline.stage import stage_ranges, stage_state_dict
 
 
 def pipedream_versions(p: int, n: int, every: int = 1) -> list[list[int]]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...models import SplitLM
-from ...models.materialise import release
-from .partition import partition
+from framework.models import SplitLM
+from framework.models.materialise import release
+from framework.parallel.pipeline.partition import partition
 
 
 def _numel(m) -> int:
@@ -77,7 +77,7 @@ def stage_state_dict(full: SplitLM, chunks: list[SplitLM], tp_comm=None, ep_comm
     """This rank's parameters under their transformers names and shapes (for the merged
     checkpoint). Tensor-parallel shards are gathered over tp (every tp rank must call it),
     expert-parallel experts over ep (every ep rank must call it)."""
-    from ..tensor_parallel import full_tensor
+    from framework.parallel.tensor_parallel import full_tensor
 
     owned = {id(p) for ch in chunks for p in ch.parameters()}
     out = {}

@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .check import ScheduleError, nccl_simulate
-from .messages import Message
-from .p2p import P2POp, RankPlan, comm_plan
-from .schedules.base import Action, Op, Schedule, StageMap
+from framework.parallel.pipeline.check import ScheduleError, nccl_simulate
+from framework.parallel.pipeline.messages import Message
+from framework.parallel.pipeline.p2p import P2POp, RankPlan, comm_plan
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap
 
 
 def cut(actions: list[Action], m: int) -> list[range]:

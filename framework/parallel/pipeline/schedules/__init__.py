@@ -8,11 +8,11 @@ declares (placement, ops, constraints, analytic bubble, memory bound, update rul
 `schedule=csv schedule.csv=<file>` (torch's CSV format).
 """
 
-from .base import (REGISTRY, Action, AsyncRule, Op, OpTimes, Schedule, StageMap, Violation, build_schedule, get,
+from framework.parallel.pipeline.schedules.base import (REGISTRY, Action, AsyncRule, Op, OpTimes, Schedule, StageMap, Violation, build_schedule, get,
                    names, register, unregister)
-from . import classic, pipedream, zero_bubble, interleaved_zb, zbv, dualpipev, zb_auto  # noqa: F401  (they register)
-from .csv_format import CsvError, dump_csv, load_csv
-from .loading import CSV, csv_schedule, load_modules, never_flushes, resolve
+from framework.parallel.pipeline.schedules import classic, pipedream, zero_bubble, interleaved_zb, zbv, dualpipev, zb_auto  # noqa: F401  (they register)
+from framework.parallel.pipeline.schedules.csv_format import CsvError, dump_csv, load_csv
+from framework.parallel.pipeline.schedules.loading import CSV, csv_schedule, load_modules, never_flushes, resolve
 
 __all__ = ["REGISTRY", "Action", "AsyncRule", "Op", "OpTimes", "Schedule", "StageMap", "Violation",
            "build_schedule", "get", "names", "register", "unregister", "CsvError", "dump_csv", "load_csv", "CSV",

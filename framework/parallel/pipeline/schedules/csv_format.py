@@ -19,7 +19,7 @@ import csv
 import re
 from typing import Optional
 
-from .base import Action, Op, Schedule, StageMap
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap
 
 _CELL = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _PAIR = re.compile(r"^\((.*)\)OVERLAP_F_B$")
@@ -109,7 +109,7 @@ def load_csv(path: str) -> tuple[Schedule, dict]:
         return {r: list(acts) for r, acts in lists.items()}
 
     def bubble(p: int, mm: int, v: int = 1, times=None, steps: int = 1) -> float:
-        from ..simulate import simulated_bubble  # simulate imports this package's base
+        from framework.sim.clock import simulated_bubble  # simulate imports this package's base
         return simulated_bubble(generate(p, mm, v), smap, times)
 
     sched = Schedule(name="csv", generate=generate, ops=ops or frozenset({Op.F}), placement=smap.placement,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .base import Action, Op, Schedule, Violation, register
-from .zero_bubble import simulated
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, register
+from framework.parallel.pipeline.schedules.zero_bubble import simulated
 
 
 def _rank(pp: int, m: int, r: int) -> list[Action]:

@@ -8,8 +8,8 @@ max(1, m // p) rounds). Loop placement: chunk c of rank r is stage c*p + r.
 
 from __future__ import annotations
 
-from .base import Action, Op, Schedule, Violation, register
-from .zero_bubble import simulated
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, register
+from framework.parallel.pipeline.schedules.zero_bubble import simulated
 
 
 def _rounds(pp: int, m: int) -> tuple[int, int]:

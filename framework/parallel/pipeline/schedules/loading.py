@@ -17,8 +17,8 @@ import importlib.util
 import os
 import sys
 
-from .base import REGISTRY, Schedule, get
-from .csv_format import load_csv
+from framework.parallel.pipeline.schedules.base import REGISTRY, Schedule, get
+from framework.parallel.pipeline.schedules.csv_format import load_csv
 
 CSV = "csv"  # the name that reads schedule.csv instead of the registry
 _csv_cache: dict[tuple, tuple] = {}

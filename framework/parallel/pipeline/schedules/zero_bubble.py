@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .base import Action, Op, OpTimes, Schedule, StageMap, register
+from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, Schedule, StageMap, register
 
 
 def zbh1(pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
@@ -115,7 +115,7 @@ def simulated(generate, placement: str = "loop"):
     """An analytic bubble from the schedule's own dependency graph and the given op times
     (no communication cost): for schedules without a closed form."""
     def bubble(p: int, m: int, v: int = 1, times: OpTimes = OpTimes(), steps: int = 1) -> float:
-        from ..simulate import simulated_bubble  # simulate imports this package's base
+        from framework.sim.clock import simulated_bubble  # simulate imports this package's base
         return simulated_bubble(generate(p, m, v, steps), StageMap(p, v, placement), times) if p > 1 else 0.0
     return bubble
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from framework.config import RunConfig
 from urllib.parse import urlsplit
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"
@@ -146,7 +146,7 @@ def _first_line(e: BaseException) -> str:
 
 def layout_keys(run: RunConfig) -> dict:
     """The layout as flat keys: what W&B's filters, grouping and parallel-coordinates views
-    (and framework.report) compare runs by, with no nesting to dig through."""
+    (and framework.report.compare) compare runs by, with no nesting to dig through."""
     p, s, t = run.parallelism, run.schedule, run.trainer
     return {
         "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,

@@ -5,7 +5,7 @@ exits with 128 + the signal number (130, 143), as a shell reports a process kill
 `StopSignals` is the ONE path both signals take, in the launching process and in every
 rank. A rank that checkpoints (trainer.checkpoint_interval > 0) `defer`s the stop: the
 signal only sets `requested`, and the training loop, after the ranks agree at the next step
-boundary, saves a checkpoint and raises `Stopped` itself (framework/trainer.py).
+boundary, saves a checkpoint and raises `Stopped` itself (framework/train/trainer.py).
 """
 
 from __future__ import annotations

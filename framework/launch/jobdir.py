@@ -10,9 +10,9 @@ import tempfile
 import time
 from typing import Optional
 
-from . import checkpoint
-from .files import write_report
-from .progress import RUN_LOG
+from framework import checkpoint
+from framework.report.files import write_report
+from framework.report.progress import RUN_LOG
 
 
 # Everything a job writes into its directory (the output files table in the README). Only
@@ -25,7 +25,7 @@ JOB_OUTPUTS = ("config.yaml", "run_info.json", "summary.json", "summary.json.tmp
                "prediction.json")
 PREVIOUS_DIR = ".previous"
 # A sweep directory's own files (besides its numbered job directories): Hydra's record, the
-# report (framework.report) and an Optuna search's result.
+# report (framework.report.compare) and an Optuna search's result.
 SWEEP_OUTPUTS = ("multirun.yaml", "report.csv", "report.md", "report.html", "optimization_results.yaml",
                  "simulated_search.json")
 

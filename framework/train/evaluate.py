@@ -34,10 +34,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import RunConfig
-from .data import TokenData
-from .precision import autocast_context
-from .topology import ParallelContext
+from framework.config import RunConfig
+from framework.data import TokenData
+from framework.precision import autocast_context
+from framework.topology import ParallelContext
 
 
 def eval_indices(num_samples: int, micro_batch_size: int, microbatches: int, dp_rank: int, dp: int,

@@ -7,7 +7,7 @@
 Each job of the sweep is validated as usual (a layout that cannot run is rejected; one whose
 model states, per the dry-run planner, plus the predicted activation peak exceed
 `search.memory_budget_bytes` is rejected too), predicted from sim.from's calibration
-(framework/simulate.py) and written as `prediction.json` (plus its config.yaml); no rank
+(framework/sim/cli.py) and written as `prediction.json` (plus its config.yaml); no rank
 starts. The sweeper receives the prediction of its objective (`predicted_tokens_per_s` for
 tokens_per_s, `predicted_step_time_s` for step_time_s). When the sweep ends
 (`SimulatedSearch.finish`, from the Hydra callback) the candidates are ranked by predicted
@@ -24,8 +24,8 @@ import json
 import os
 from typing import Optional
 
-from .config import ConfigError, RunConfig, read_config, to_yaml
-from .files import write_atomic
+from framework.config import ConfigError, RunConfig, read_config, to_yaml
+from framework.report.files import write_atomic
 
 PREDICTION = "prediction.json"
 RESULT = "simulated_search.json"
@@ -34,7 +34,7 @@ OBJECTIVES = {"tokens_per_s": "predicted_tokens_per_s", "step_time_s": "predicte
 
 def predict_job(run: RunConfig, job_dir: str, model_state_bytes: Optional[int]) -> dict:
     """One candidate: its prediction, checked against the memory budget, in prediction.json."""
-    from .simulate import what_if
+    from framework.sim.cli import what_if
 
     result = what_if(run.sim.source, target=run)
     result.pop("_predicted")

@@ -3,8 +3,8 @@
 A runner does one optimizer step (or, for asynchronous pipelines, one step's share of the
 never-flushed schedule) and reports loss, grad norm, timings and model-state bytes as a
 `StepResult`; `train_step` adds the step's data time and this rank's counters into a
-`StepRecord` (both in framework/records.py):
-- `AccumulationRunner` (pp = 1, framework/accumulation.py): micro-batches accumulated under
+`StepRecord` (both in framework/report/records.py):
+- `AccumulationRunner` (pp = 1, framework/train/accumulation.py): micro-batches accumulated under
   DDP's no_sync (one gradient all-reduce per step), or ZeRO / FSDP2 over dp.
 - `PipelineRunner` (pp > 1): the schedule's action list (framework/parallel/pipeline/).
 Records are gathered to the logging rank every log interval (not every step, so logging
@@ -21,27 +21,27 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
-from .accumulation import AccumulationRunner
-from .config import RunConfig
-from .data import ShardedSampler, TokenData
-from .evaluate import HeldOut, evaluate
-from .export import save_final_model, transformers_tokenizer
-from .logging import RunLogger
-from .metrics.clock import now
-from .metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
-from .metrics.model_states import formula_report
-from .metrics.peak import resolve_rank_peak
-from .models import build_model
-from .optim import lr_at
-from .parallel.expert_parallel import EPComm
-from .parallel.pipeline.runner import PipelineRunner
-from .parallel.pipeline.schedules import Op
-from .parallel.tp_comm import TPComm
-from .precision import autocast_context
-from .records import RunInfo, StepRecord, StepResult
-from .signals import Stopped, StopSignals
-from .topology import ParallelContext
+from framework import checkpoint
+from framework.train.accumulation import AccumulationRunner
+from framework.config import RunConfig
+from framework.data import ShardedSampler, TokenData
+from framework.train.evaluate import HeldOut, evaluate
+from framework.report.export import save_final_model, transformers_tokenizer
+from framework.report.sinks import RunLogger
+from framework.metrics.timestamps import now
+from framework.metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
+from framework.metrics.model_states import formula_report
+from framework.metrics.peak import resolve_rank_peak
+from framework.models import build_model
+from framework.train.optim import lr_at
+from framework.parallel.expert_parallel import EPComm
+from framework.train.pipeline_runner import PipelineRunner
+from framework.parallel.pipeline.schedules import Op
+from framework.parallel.tp_comm import TPComm
+from framework.precision import autocast_context
+from framework.report.records import RunInfo, StepRecord, StepResult
+from framework.launch.signals import Stopped, StopSignals
+from framework.topology import ParallelContext
 
 
 class InjectedFault(RuntimeError):
@@ -226,7 +226,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
     except BaseException:
         # Said before W&B's finish (which may take a while): the watchdog then knows this is
         # a failure being reported, not a hang, and its peers stay blocked on it until the
-        # rank's record is written (framework.worker).
+        # rank's record is written (framework.train.worker).
         ctx.recorder.note("rank failed (finishing the checkpoint write in flight, closing the logger)")
         if saver is not None:  # the checkpoint being written completes first (its own group)
             saver.drain(min(60.0, run.trainer.hang_timeout_s / 2))

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .parallel.pipeline.stage import stage_state_dict
+from framework.parallel.pipeline.stage import stage_state_dict
 
 EXPORT_DIR = "final_model"
 
@@ -57,7 +57,7 @@ def _is_tied(model, name: str) -> bool:
 
 def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] = None) -> None:
     """final_model.pt (transformers parameter names, merged over pipeline stages and tp on
-    rank 0) and final_model/, the same weights as a transformers directory (framework.export)."""
+    rank 0) and final_model/, the same weights as a transformers directory (framework.report.export)."""
     zero = getattr(runner, "zero", None)
     if zero is not None and (zero.stage == 3 or getattr(zero, "sharded_between_steps", False)):
         zero.gather_all()  # parameters are sharded over dp between steps (FSDP2: at zero 2 too)

@@ -1,4 +1,4 @@
-"""What the sweep dashboard's modules share (framework/dashboard.py, the page; framework/
+"""What the sweep dashboard's modules share (framework/report/dashboard.py, the page; framework/
 dashboard_moe.py, its MoE section): the job record, units and number formats, the figure style."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ report.csv and report.md in the sweep directory. Status comes from the job's sum
 `rejected` (a config error, before any rank started) or `interrupted` (Ctrl-C, SIGTERM).
 A job directory without summary.json is `incomplete` (the job is running, or its process
 was killed). A job of a basic sweep (multirun.yaml) that has no directory is `not run`.
-Earlier runs set aside in `.previous/` (framework.job) are not jobs of this sweep.
+Earlier runs set aside in `.previous/` (framework.launch.job) are not jobs of this sweep.
 
 A fair comparison of layouts holds the work per step and the model fixed: the report warns
 when the completed jobs differ in global batch or tokens per step (set
@@ -15,7 +15,7 @@ trainer.global_batch_size, and each layout derives its micro-batches), in any ke
 `model` group of their config.yaml, or in their parameter count (`model_params` in
 summary.json; a tied embedding counts once). When the jobs share an objective, the best
 completed job is named (max for tokens_per_s and mfu, min for the others). report.html is the
-comparison dashboard (framework.dashboard): plots of every job, one self-contained page.
+comparison dashboard (framework.report.dashboard): plots of every job, one self-contained page.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
     print("\n".join([*notes, ""]) if notes else "", end="")
     print(markdown(rows), end="")
     write(rows, sweep, notes)
-    from .dashboard import write_dashboard  # plotly: only when a page is written
+    from framework.report.dashboard import write_dashboard  # plotly: only when a page is written
 
     page = write_dashboard(sweep, rows, notes)
     print(f"wrote {sweep / 'report.csv'}, {sweep / 'report.md'} and {page}")

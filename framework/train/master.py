@@ -9,7 +9,7 @@ master is then 1/N of the model, as in Megatron's distributed optimizer):
   states live in host memory, pinned on CUDA; the update runs there (Ren et al., 2021).
 
 A step: each 16-bit gradient is copied into an fp32 gradient of its master, multiplied by
-`grad_factor` (the loss scaler's 1/scale times the clip coefficient, framework/update.py),
+`grad_factor` (the loss scaler's 1/scale times the clip coefficient, framework/train/update.py),
 the inner optimizer steps the masters, their gradients are freed (held for the step only)
 and the parameters are overwritten with the masters' values (rounded to 16 bits).
 
@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .optim import build_optimizer
-from .precision import Policy
+from framework.train.optim import build_optimizer
+from framework.precision import Policy
 
 
 class MasterOptimizer:

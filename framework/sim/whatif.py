@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import statistics
 
-from ..parallel.pipeline.schedules import Schedule
-from .calibrate import Calibration
+from framework.parallel.pipeline.schedules import Schedule
+from framework.sim.calibrate import Calibration
 
 
 def fit_blocks(values: dict[int, float], blocks: list[int]) -> tuple[float, float, float]:

@@ -28,24 +28,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...config import RunConfig
-from ...master import build as build_master
-from ...update import Update
-from ...records import StateBytes, StepResult
-from ...topology import ParallelContext
-from ...metrics.clock import clock_for
-from .executor import ActionRecord, PipelineExecutor, PipelinePeers
-from .p2p import RankPlan, comm_plan
-from .tiling import TiledPlan
-from .schedules import resolve
-from ...models.moe_layer import moe_step
-from ..expert_parallel import is_expert
-from ..grads import all_reduce_grads, clip_grad_norm, reduce_expert_grads
-from ..tensor_parallel import sync_replicated_grads
-from ...precision import policy_of
-from .stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
-from ..zero import Zero
-from .weights import VersionUses, WeightVersions
+from framework.config import RunConfig
+from framework.train.master import build as build_master
+from framework.train.update import Update
+from framework.report.records import StateBytes, StepResult
+from framework.topology import ParallelContext
+from framework.metrics.timestamps import clock_for
+from framework.parallel.pipeline.executor import ActionRecord, PipelineExecutor, PipelinePeers
+from framework.parallel.pipeline.p2p import RankPlan, comm_plan
+from framework.parallel.pipeline.tiling import TiledPlan
+from framework.parallel.pipeline.schedules import resolve
+from framework.models.moe_layer import moe_step
+from framework.parallel.expert_parallel import is_expert
+from framework.parallel.grads import all_reduce_grads, clip_grad_norm, reduce_expert_grads
+from framework.parallel.tensor_parallel import sync_replicated_grads
+from framework.precision import policy_of
+from framework.parallel.pipeline.stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
+from framework.parallel.zero import Zero
+from framework.parallel.pipeline.weights import VersionUses, WeightVersions
 
 
 def _delay_s(run: RunConfig, pp_rank: int) -> float:
@@ -237,7 +237,7 @@ class PipelineRunner:
             sync_replicated_grads(self.params, self.tp_comm, self.run.parallelism.sequence_parallel)
 
     def _state_bytes(self) -> StateBytes:
-        from ...metrics.memory import master_bytes, model_state_bytes
+        from framework.metrics.memory import master_bytes, model_state_bytes
 
         return StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
                              else model_state_bytes(self.module, self.optimizer)),

@@ -1,12 +1,12 @@
 """Typed records of one training step, from a runner to the logging rank.
 
   StateBytes  the model states a rank holds between steps (exact, storage-deduplicated)
-  StepResult  what a runner's `step()` returns (framework/accumulation.py: AccumulationRunner;
-              framework/parallel/pipeline/runner.py: PipelineRunner)
+  StepResult  what a runner's `step()` returns (framework/train/accumulation.py: AccumulationRunner;
+              framework/train/pipeline_runner.py: PipelineRunner)
   RunInfo     what the launching process derives once before launch (run_info.json)
   StepRecord  one rank's record of one step, built by `trainer.train_step`, gathered to
               the logging rank (pickled by `dist.gather_object`) and merged there into the
-              metrics.jsonl row (framework/logging.py, `RunLogger._merge`)
+              metrics.jsonl row (framework/report/sinks.py, `RunLogger._merge`)
 
 Plain dataclasses without imports from the rest of the framework, so runners, trainer and
 logging all import them without cycles.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from .parallel.pipeline.executor import ActionRecord
+    from framework.parallel.pipeline.executor import ActionRecord
 
 
 @dataclass

@@ -3,30 +3,30 @@ our ZeRO (framework/parallel/zero.py) or FSDP2 (framework/parallel/fsdp2.py).
 
 One `step()` is one optimizer step: m micro-batches' forward and backward (DDP all-reduces
 on the last one only; ZeRO-2/3 and FSDP2 reduce-scatter per unit as its backward ends), then
-the gradient sync that remains, the global norm, and the update (framework/update.py:
-loss scaling, clipping, the master copy). Returns a `StepResult` (framework/records.py).
+the gradient sync that remains, the global norm, and the update (framework/train/update.py:
+loss scaling, clipping, the master copy). Returns a `StepResult` (framework/report/records.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import master
-from .config import RunConfig
-from .metrics.clock import now
-from .metrics.memory import master_bytes, model_state_bytes
-from .parallel import data_parallel
-from .models.moe_layer import moe_step
-from .parallel.expert_parallel import expert_params
-from .parallel.fsdp2 import FSDP2
-from .parallel.grads import clip_grad_norm, reduce_expert_grads
-from .parallel.tensor_parallel import sync_replicated_grads
-from .parallel.tp_comm import TPComm
-from .parallel.zero import Zero
-from .precision import autocast_context, policy_of
-from .records import StateBytes, StepResult
-from .topology import ParallelContext
-from .update import Update
+from framework.train import master
+from framework.config import RunConfig
+from framework.metrics.timestamps import now
+from framework.metrics.memory import master_bytes, model_state_bytes
+from framework.parallel import data_parallel
+from framework.models.moe_layer import moe_step
+from framework.parallel.expert_parallel import expert_params
+from framework.parallel.fsdp2 import FSDP2
+from framework.parallel.grads import clip_grad_norm, reduce_expert_grads
+from framework.parallel.tensor_parallel import sync_replicated_grads
+from framework.parallel.tp_comm import TPComm
+from framework.parallel.zero import Zero
+from framework.precision import autocast_context, policy_of
+from framework.report.records import StateBytes, StepResult
+from framework.topology import ParallelContext
+from framework.train.update import Update
 
 
 class AccumulationRunner:

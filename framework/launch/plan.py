@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from .config import RunConfig
-from .metrics.bubble import analytic_bubble
-from .models import ARCHS
-from .metrics.model_states import config_model_states, optimizer_state_ratio, zero_model_states
-from .parallel.tensor_parallel import shard_numels
-from .parallel.pipeline.schedules import resolve
-from .parallel.pipeline.simulate import grid
-from .precision import policy_of
-from .topology import ParallelDims
+from framework.config import RunConfig
+from framework.metrics.bubble import analytic_bubble
+from framework.models import ARCHS
+from framework.metrics.model_states import config_model_states, optimizer_state_ratio, zero_model_states
+from framework.parallel.tensor_parallel import shard_numels
+from framework.parallel.pipeline.schedules import resolve
+from framework.sim.clock import grid
+from framework.precision import policy_of
+from framework.topology import ParallelDims
 
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
 

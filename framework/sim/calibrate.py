@@ -28,7 +28,7 @@ executor's records (action, start, compute start, end) in unix seconds:
   seconds, each the mean over ranks (metrics.jsonl shows the max: the per-stage compute the
   all-to-all sits in pools ranks too, and the mean of bytes is what the volume model
   expects), medians over steps (a link cost, as the latency): the simulator's all-to-all
-  bandwidth (framework/metrics/alltoall.py).
+  bandwidth (framework/sim/alltoall.py).
 - pp = 1 (no pipeline, no action records; written with ep > 1, for the ep what-if):
   fwd_bwd_s, the step's forward and backward of its m micro-batches, and outside_s["0"], the
   rest of the step (each the max over ranks, as the metrics.jsonl row), act_bytes["0"].
@@ -45,9 +45,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..parallel.pipeline.messages import needs, produces, receiver_of
-from ..parallel.pipeline.schedules import Action, StageMap
-from ..parallel.pipeline.simulate import Costs
+from framework.parallel.pipeline.messages import needs, produces, receiver_of
+from framework.parallel.pipeline.schedules import Action, StageMap
+from framework.sim.clock import Costs
 
 WAITED_S = 2e-4  # a receive wait longer than this: the message was not there yet
 

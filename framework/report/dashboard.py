@@ -4,7 +4,7 @@ Written by `python -m framework.report <sweep dir>` beside report.md. plotly's J
 embedded once in the page, so it opens offline (a laptop, a cluster's login node, an e-mail
 attachment) and needs no server. It holds, for the jobs of the sweep:
   - the table of every job (status and reason of those that did not complete), in readable
-    units, under the report's headline (framework.report's fairness warnings: jobs that differ
+    units, under the report's headline (framework.report.compare's fairness warnings: jobs that differ
     in work per step, model config or parameter count; then the best job);
   - loss against step, every completed job overlaid (held-out val_loss as markers);
   - tokens/s and MFU per job;
@@ -24,8 +24,8 @@ import html
 import json
 from pathlib import Path
 
-from .dashboard_moe import moe_section
-from .dashboard_parts import Job, _layout, byte_unit, fmt_bytes, fmt_number, fmt_percent  # noqa: F401 (re-exported)
+from framework.report.dashboard_moe import moe_section
+from framework.report.dashboard_parts import Job, _layout, byte_unit, fmt_bytes, fmt_number, fmt_percent  # noqa: F401 (re-exported)
 
 PAGE = "report.html"
 LABEL_CHARS = 60
@@ -272,8 +272,8 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
 
 def write_dashboard(sweep: Path, rows: list[dict], notes: list[str]) -> Path:
     """Write <sweep>/report.html (atomically: a half-written page never looks like a report).
-    `notes`: the lines above the table (framework.report's headline: its warnings, the best job)."""
-    from .files import write_atomic
+    `notes`: the lines above the table (framework.report.compare's headline: its warnings, the best job)."""
+    from framework.report.files import write_atomic
 
     path = Path(sweep) / PAGE
     write_atomic(str(path), render(Path(sweep), rows, list(notes)))

@@ -76,7 +76,7 @@ class Progress:
             self.current = None
 
     def gathered(self, row: dict, text: str) -> None:
-        """A gathered step's console line (framework.logging), with elapsed and ETA added."""
+        """A gathered step's console line (framework.report.sinks), with elapsed and ETA added."""
         with self.lock:
             self.last_row = row
             self._line(f"{text} | elapsed {clock(self._elapsed())} | ETA {self._eta(row['step'])}")

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts section of report.html (framework/dashboard.py).
+"""The Mixture-of-Experts section of report.html (framework/report/dashboard.py).
 
 Only for the completed jobs whose metrics.jsonl rows carry `moe_layers` (docs/metrics.md,
 "Mixture-of-Experts"); a sweep without one gets no section at all, so a dense sweep's page
@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import Optional
 
-from .dashboard_parts import Job, _layout, fmt_number, fmt_percent
+from framework.report.dashboard_parts import Job, _layout, fmt_number, fmt_percent
 
 MAX_LAYERS = 8  # heat maps per job: 4 rows of 2 still read at a glance
 

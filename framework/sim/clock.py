@@ -15,8 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .messages import needs, produces, receiver_of, sender_of
-from .schedules.base import Action, Op, OpTimes, StageMap
+from framework.parallel.pipeline.messages import needs, produces, receiver_of, sender_of
+from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap
 
 
 class ScheduleError(ValueError):

@@ -2,7 +2,7 @@
 
 `Update` owns what precision adds around the optimizer (framework/precision.py decides):
 - the loss's multiplier before backward (`loss_weight`): the loss scale in fp16-mixed
-  (framework/loss_scale.py), and inf on one rank holding the head at `debug.inf_grad_step`
+  (framework/train/loss_scale.py), and inf on one rank holding the head at `debug.inf_grad_step`
   (the test of the skip: the inf gradient reaches every rank through the reductions that
   follow);
 - the learning rate of the update's index: steps skipped on overflow do not advance the
@@ -12,7 +12,7 @@
   is the same on every rank. Overflow: nothing is stepped. Otherwise the clip coefficient
   of the unscaled norm, and either the optimizer steps the gradients clipped in place (no
   master copy: fp32, bf16-autocast, fp64, exactly as before mixed precision existed) or the
-  master optimizer steps fp32 copies multiplied by clip / scale (framework/master.py).
+  master optimizer steps fp32 copies multiplied by clip / scale (framework/train/master.py).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from .loss_scale import LossScaler
-from .master import MasterOptimizer
-from .optim import lr_at, set_lr
-from .parallel.grads import clip_coefficient
-from .precision import policy_of
+from framework.train.loss_scale import LossScaler
+from framework.train.master import MasterOptimizer
+from framework.train.optim import lr_at, set_lr
+from framework.parallel.grads import clip_coefficient
+from framework.precision import policy_of
 
 
 class Update:
@@ -81,7 +81,7 @@ class Update:
         return norm
 
     def step_fields(self) -> dict:
-        """The loss scaler's StepResult fields (framework/records.py)."""
+        """The loss scaler's StepResult fields (framework/report/records.py)."""
         return {"loss_scale": self.step_scale, "overflow": self.overflow, "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict[str, float]:

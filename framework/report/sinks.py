@@ -1,6 +1,6 @@
 """Sinks for one run: console, files in the job directory, and W&B. Rank 0 logs for all.
 
-Every rank keeps its own step records (`StepRecord`, framework/records.py); `gather_and_log`
+Every rank keeps its own step records (`StepRecord`, framework/report/records.py); `gather_and_log`
 gathers them to rank 0 once per log interval and rank 0 merges them into one row per step:
   loss        the global mean over the step's tokens (identical on every rank)
   step_time_s the slowest rank's wall time for the step (data + fwd/bwd + optimizer)
@@ -10,7 +10,7 @@ gathers them to rank 0 once per log interval and rank 0 merges them into one row
               mfu above 1 is a bug in the FLOPs or the peak: the logging rank warns on
               stderr and summary.json says mfu_above_one: true
   bubble_fraction  pipeline idle share, mean over ranks (each: 1 - compute / window,
-              framework/parallel/pipeline/runner.py); _max and per rank beside it
+              framework/train/pipeline_runner.py); _max and per rank beside it
   loss_scale, overflow, skipped_steps  fp16-mixed only: the scale the step ran at, whether it
               was skipped (grad_norm is then null), overflowed steps so far
   tp_comm_bytes bytes one rank sent in tp collectives during the step (forward, backward,
@@ -36,21 +36,21 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .config import RunConfig
-from .files import write_atomic
-from .metrics.bubble import analytic_at_measured
-from .metrics.flops import mfu
-from .metrics.memory import memory_summary
-from .metrics.moe import step_metrics
-from .metrics.predict import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
-from .parallel.pipeline.schedules import resolve
-from .metrics.timeline import kept_steps, write_run_timeline, write_trace
-from .precision import policy_of
-from .progress import Progress
-from .records import RunInfo, StepRecord
-from .topology import ParallelContext
-from .wandb_sink import wandb_mode  # noqa: F401 (also imported from here)
-from .wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
+from framework.config import RunConfig
+from framework.report.files import write_atomic
+from framework.metrics.bubble import analytic_at_measured
+from framework.metrics.flops import mfu
+from framework.metrics.memory import memory_summary
+from framework.metrics.moe import step_metrics
+from framework.sim.replay import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
+from framework.parallel.pipeline.schedules import resolve
+from framework.metrics.timeline import kept_steps, write_run_timeline, write_trace
+from framework.precision import policy_of
+from framework.report.progress import Progress
+from framework.report.records import RunInfo, StepRecord
+from framework.topology import ParallelContext
+from framework.report.wandb_sink import wandb_mode  # noqa: F401 (also imported from here)
+from framework.report.wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
@@ -279,7 +279,7 @@ class RunLogger:
             "sequence_parallel": run.parallelism.sequence_parallel and run.parallelism.tp > 1,
             "global_batch": run.global_batch, "micro_batch_size": run.trainer.micro_batch_size,
             "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,
-            "model_params": info.model_params,  # framework.report warns when a sweep's jobs differ in it
+            "model_params": info.model_params,  # framework.report.compare warns when a sweep's jobs differ in it
             "peak_tflops_per_rank": None if info.peak_flops_per_rank is None else info.peak_flops_per_rank / 1e12,
             "peak_source": info.peak_source,
             "mfu_above_one": any(r["mfu"] is not None and r["mfu"] > 1 for r in self.records),

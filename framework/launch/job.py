@@ -16,26 +16,27 @@ from typing import Optional
 
 import torch
 
-from . import checkpoint
-from .config import ConfigError, RunConfig, to_yaml
-from .data import prepare
-from .device import resolve_device, threads_per_rank
-from .files import write_report
-from .launch import RankFailure, launch_local
-from .records import RunInfo
-from .metrics.bubble import analytic_bubble
-from .parallel.pipeline.schedules import resolve
-from .metrics.flops import flops_per_token, matmul_params
-from .metrics.peak import PENDING, device_peak, fixed_peak
-from .models import build_hf_model, with_pretrained_sizes
-from .plan import make_plan, render_plan
-from .precision import policy_of
-from .jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
-from .signals import Stopped
-from .sweep_sim import finish as finish_simulated_search
-from .sweep_sim import predict_job
-from .simulate import describe, fill_measured_times, predicts, what_if
-from .validate import check_job_dir, validate, validate_model
+from framework import checkpoint
+from framework.config import ConfigError, RunConfig, to_yaml
+from framework.data import prepare
+from framework.device import resolve_device, threads_per_rank
+from framework.report.files import write_report
+from framework.launch.diagnosis import RankFailure
+from framework.launch.local import launch_local
+from framework.report.records import RunInfo
+from framework.metrics.bubble import analytic_bubble
+from framework.parallel.pipeline.schedules import resolve
+from framework.metrics.flops import flops_per_token, matmul_params
+from framework.metrics.peak import PENDING, device_peak, fixed_peak
+from framework.models import build_hf_model, with_pretrained_sizes
+from framework.launch.plan import make_plan, render_plan
+from framework.precision import policy_of
+from framework.launch.jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
+from framework.launch.signals import Stopped
+from framework.sim.sweep import finish as finish_simulated_search
+from framework.sim.sweep import predict_job
+from framework.sim.cli import describe, fill_measured_times, predicts, what_if
+from framework.validate import check_job_dir, validate, validate_model
 
 
 def meta_model(run: RunConfig, vocab_size: int):
@@ -166,7 +167,7 @@ def check_memory_budget(run: RunConfig) -> Optional[int]:
     the meta device, no data, no rank) puts above the budget is rejected here, so a search
     never launches it. The estimate is model states only (parameters, gradients, optimizer
     states, ZeRO-sharded, tp shards exact); activations are not in it (search.mode=simulate
-    adds the simulator's activation peak, framework/sweep_sim.py). Returns the estimate
+    adds the simulator's activation peak, framework/sim/sweep.py). Returns the estimate
     (None when neither a budget nor the simulate mode asks for it)."""
     budget = run.search.memory_budget_bytes
     if budget is None and run.search.mode != "simulate":
@@ -191,7 +192,7 @@ def _paper_form(mode: str) -> str:
 
 
 def _vocab_without_data(run: RunConfig) -> int:
-    from .data import get_tokenizer
+    from framework.data import get_tokenizer
 
     return run.data.vocab_size if run.data.name == "synthetic" else get_tokenizer(run.data.tokenizer).vocab_size
 
@@ -240,7 +241,7 @@ def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
         model_states = check_memory_budget(run)
         if run.dry_run:
             return dry_run(run, job_dir)
-        if run.search.mode == "simulate":  # predicted, not run (framework/sweep_sim.py)
+        if run.search.mode == "simulate":  # predicted, not run (framework/sim/sweep.py)
             result = predict_job(run, job_dir, model_states)
             print(describe(result), flush=True)
             return result

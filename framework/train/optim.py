@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .config import RunConfig
+from framework.config import RunConfig
 
 
 def build_optimizer(spec: dict[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

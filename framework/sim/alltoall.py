@@ -1,5 +1,5 @@
 """Expert parallelism's all-to-all in the simulator (`parallelism.ep` what-ifs,
-framework/simulate.py): how many bytes a rank sends per step, and what that costs.
+framework/sim/cli.py): how many bytes a rank sends per step, and what that costs.
 
 Volume: what framework/parallel/expert_parallel.py counts (bytes a rank sends to the other
 ranks of its ep group), per MoE layer on the rank and per micro-batch:
@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import ConfigError, RunConfig
-from ..precision import bytes_of, policy_of
-from .calibrate import Calibration
+from framework.config import ConfigError, RunConfig
+from framework.precision import bytes_of, policy_of
+from framework.sim.calibrate import Calibration
 
 CALLS = {"F": 3, "B": 2}  # all-to-alls per MoE layer and micro-batch: counts, dispatch, combine | their conjugates
 COUNT_BYTES = 8  # the exchanged counts are int64 (torch.bincount)
@@ -108,7 +108,7 @@ def shift_stages(cal: Calibration, stage_of, blocks: list[int], delta: dict[str,
     """`cal` with each stage's ops moved by its MoE layers x `delta` (seconds per layer and
     micro-batch, {"F", "B"}): the all-to-all sits inside F and the backward. A split
     backward's all-to-all is in I (it carries the input gradient), except on the first stage,
-    whose I computes nothing and W the whole backward (framework/metrics/whatif.py).
+    whose I computes nothing and W the whole backward (framework/sim/whatif.py).
     `stage_of(rank, chunk)`: the stage a calibration key's (rank, chunk) holds."""
     compute = {}
     for key, sec in cal.compute.items():
