@@ -214,3 +214,16 @@ BAD = [
 @pytest.mark.parametrize("overrides,head,problem", BAD, ids=[b[1] + "-" + b[2].split()[0] for b in BAD])
 def test_what_fsdp2_does_not_support_is_rejected_before_launch(overrides, head, problem):
     assert_config_error(overrides, head, problem)
+
+
+def test_fsdp2_layouts_are_labelled_by_the_states_they_hold():
+    """FSDP2's zero 2 holds stage 3's model states between steps (its optimizer steps the
+    sharded parameters): the flat W&B keys and the layout label say so, and ours keep z<n>."""
+    from framework.report.wandb_sink import layout_keys
+
+    keys = {(impl, z): layout_keys(compose("parallelism=dp2", f"parallelism.zero={z}", f"parallelism.zero_impl={impl}"))
+            for impl, z in [("ours", 2), ("ours", 3), ("fsdp2", 2), ("fsdp2", 3)]}
+    assert [keys[k]["zero_states"] for k in keys] == [2, 3, 3, 3]
+    assert [keys[k]["zero_impl"] for k in keys] == ["ours", "ours", "fsdp2", "fsdp2"]
+    assert [keys[k]["layout"].split("-flush")[0] for k in keys] == [
+        "dp2-tp1-pp1-z2", "dp2-tp1-pp1-z3", "dp2-tp1-pp1-fsdp2-z2-holds-z3", "dp2-tp1-pp1-fsdp2-z3"]

@@ -155,9 +155,26 @@ def layout_keys(run: RunConfig) -> dict:
         "sequence_parallel": p.sequence_parallel and p.tp > 1, "offload_optimizer": p.offload_optimizer,
         "activation_checkpointing": t.activation_checkpointing, "precision": t.precision,
         "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
-        "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-z{p.zero}-{s.name}-m{s.microbatches}"
+        "zero_impl": p.zero_impl, "zero_states": zero_states(run),
+        "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-{zero_label(run)}-{s.name}-m{s.microbatches}"
                   + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else ""),
     }
+
+
+def zero_states(run: RunConfig) -> int:
+    """The ZeRO stage of the model states a rank holds between steps. FSDP2 always holds
+    stage 3's (its optimizer steps the sharded parameters, framework/parallel/fsdp2.py): its
+    zero 2 differs from its zero 3 only between a forward and its backward."""
+    p = run.parallelism
+    return 3 if p.zero_impl == "fsdp2" and p.zero >= 2 else p.zero
+
+
+def zero_label(run: RunConfig) -> str:
+    """`z<stage>` for our ZeRO; FSDP2's say so, and its zero 2 says it holds stage 3's states."""
+    p = run.parallelism
+    if p.zero_impl != "fsdp2":
+        return f"z{p.zero}"
+    return "fsdp2-z3" if p.zero == 3 else f"fsdp2-z{p.zero}-holds-z3"
 
 
 def wandb_config(run: RunConfig) -> dict:

@@ -82,5 +82,6 @@ def _check(pp: int, m: int, v: int) -> Violation | None:
 register(Schedule(
     name="dualpipev", generate=dualpipev, ops=frozenset({Op.F, Op.B, Op.I, Op.W}), placement="v", chunks=2,
     preset_chunks=2, constraint=_check,
-    doc="DualPipeV: 2 chunks per rank in a V; forward/backward pairs of the two chunks in the steady state",
+    doc="DualPipeV's order: 2 chunks per rank in a V; the steady state's forward/backward pairs of the two "
+        "chunks run one after the other (DualPipe's F/B overlap is not built)",
     bubble=simulated(dualpipev, "v"), memory_bound=lambda pp, m, v, r: 2 * pp + 1))
