@@ -1,0 +1,60 @@
+"""Expert parallelism (parallelism.ep) composed with the pipeline schedules that hold several
+chunks per rank (interleaved, interleaved-zb, zbv, dualpipev) and with ep + pp + ZeRO-1
+(issue 29 item 5; docs/moe.md, docs/correctness.md).
+
+Each layout reproduces one single process accumulating the same global batch of 16 sequences
+in fp64 at rtol 1e-9 (conftest.FP64_TOL: per-step losses, gradient norms, every final
+parameter, routers and experts included), with the three aux losses and DeepSeek-V3's bias
+update on (the bias steers the choice from step 2 on, so it must match too). Micro-batches hold
+2 sequences in every layout: the aux losses are per micro-batch, so the grouping of sequences
+must not change. Four layers: pp 2 x 2 chunks puts one MoE layer in each virtual stage (two per
+rank: the runtime's per-layer sums and bias updates are shared by a rank's chunks).
+Each of these breakages, made by hand, fails the layouts it concerns: run_routed without the
+1 / ep gradient scale; ZeRO sharding the experts over dp instead of edp; the bias update
+skipping every other layer when dp > 1."""
+
+import pytest
+
+from .conftest import assert_same_training, final_params, read_metrics, run_local
+from .test_expert_parallel import ROUTING
+from .test_moe import MOE
+
+FOUR_LAYERS = [*MOE, *ROUTING, "model.n_layer=4", "trainer.steps=3"]
+EP_PP = ["parallelism=dp2_pp2", "parallelism.ep=2", "schedule.microbatches=4"]  # 4 ranks, edp = 1
+LAYOUTS = {
+    "interleaved": [*EP_PP, "schedule=interleaved", "schedule.virtual_stages=2"],
+    "interleaved_zb": [*EP_PP, "schedule=interleaved-zb"],
+    "zbv_nccl": [*EP_PP, "schedule=zbv", "debug.coalesced_p2p=true"],  # NCCL's one Work per p2p batch
+    "dualpipev": [*EP_PP, "schedule=dualpipev"],
+    "zero1_dp2": [*EP_PP, "schedule=flush", "parallelism.zero=1"],
+    # 8 ranks: ep 2 of dp 4 leaves edp = 2 replicas of each expert, so ZeRO-1 shards the
+    # experts' optimizer states over edp and the dense ones over dp, in two chunks per rank
+    "zero1_dp4_zbv": ["parallelism=dp2_pp2", "parallelism.dp=4", "parallelism.ep=2", "parallelism.zero=1",
+                      "schedule=zbv", "schedule.microbatches=2"],
+}
+SINGLE = ["parallelism=single", "schedule=flush", "schedule.microbatches=8"]
+
+
+def _job(path, *layout):
+    summary = run_local(path, *FOUR_LAYERS, *layout)
+    return summary, read_metrics(path), final_params(path)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_cache):
+    return _job(tmp_path_factory.mktemp("ep_single"), f"data.cache_dir={data_cache}", *SINGLE)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ep_composition_reproduces_the_single_process_in_fp64(single, layout, tmp_path, data_cache):
+    summary, metrics, params = _job(tmp_path, f"data.cache_dir={data_cache}", *LAYOUTS[layout])
+    assert summary["global_batch"] == 16 and summary["virtual_stages"] == 2 - (layout == "zero1_dp2")
+    assert all(m["a2a_bytes"] > 0 for m in metrics)  # the experts were split over ep
+    assert_same_training(metrics, params, *single[1:])
+    # the routing statistics are global (summed over dp, micro-batches and a rank's chunks)
+    for mine, ref in zip(metrics, single[1], strict=True):
+        assert set(mine["moe_layers"]) == set(ref["moe_layers"]) == {"0", "1", "2", "3"}
+        for layer, row in ref["moe_layers"].items():
+            assert mine["moe_layers"][layer]["tokens_per_expert"] == row["tokens_per_expert"]
+            for key in ("aux", "seq_aux", "z", "router_entropy"):
+                assert mine["moe_layers"][layer][key] == pytest.approx(row[key], rel=1e-9)
