@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from framework.config import ModelConfig, MoEConfig
-from framework.metrics.flops import matmul_params
+from framework.metrics.flops import active_expert_params, executed_flops_per_token, flops_per_token, matmul_params
 from framework.models import build_model
 
 from .conftest import FP64, TINY, assert_config_error, assert_same_training, final_params, read_metrics, run_local
@@ -50,6 +50,17 @@ def test_flops_count_active_parameters_by_hand():
     assert matmul_params(model) == 14816
     dense_count = sum(p.numel() for p in model.parameters()) - 64 * 32
     assert dense_count == 20960
+
+
+def test_a_step_that_drops_assignments_counts_only_the_executed_expert_flops():
+    """The same model as above: a token's routed experts are 2 of 4 per layer, 3072 parameters
+    per layer, 6144 over both; a step whose capacity dropped a quarter of the assignments ran
+    6 x 6144 / 4 = 9216 fewer FLOPs per token, and one that dropped none the full count."""
+    model = build_model(SMALL, vocab_size=64, seed=0, on_meta=True).hf_model
+    assert active_expert_params(model) == 6144
+    fpt = flops_per_token(matmul_params(model), 2, 32, 16)
+    assert executed_flops_per_token(fpt, 6.0 * 6144, 0.25) == fpt - 9216
+    assert executed_flops_per_token(fpt, 6.0 * 6144, 0.0) == fpt
 
 
 MOE = [*TINY, "model=moe-tiny", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1",

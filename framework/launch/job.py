@@ -26,7 +26,7 @@ from framework.launch.local import launch_local
 from framework.report.records import RunInfo
 from framework.metrics.bubble import analytic_bubble
 from framework.parallel.pipeline.schedules import resolve
-from framework.metrics.flops import flops_per_token, matmul_params
+from framework.metrics.flops import active_expert_params, flops_per_token, matmul_params
 from framework.metrics.peak import PENDING, device_peak, fixed_peak
 from framework.models import build_hf_model, with_pretrained_sizes
 from framework.launch.plan import make_plan, render_plan
@@ -85,7 +85,8 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
                    resume_from=resume, val_tokens_path=prepared.val_tokens_path,
                    val_num_samples=prepared.val_num_samples,
                    model_params=sum(p.numel() for p in model.parameters()),  # unique: a tied weight once
-                   p2p_message_bytes=p2p_message_bytes(run, c.hidden_size))
+                   p2p_message_bytes=p2p_message_bytes(run, c.hidden_size),
+                   expert_flops_per_token=6.0 * active_expert_params(model))
 
 
 def p2p_message_bytes(run: RunConfig, hidden: int) -> int:

@@ -11,7 +11,10 @@ lm_head counted; GPT-2's tied wte counts once, through the LM head matmul it als
 Norm weights and biases are counted (as nanoGPT does; they are <1% of N). For GPT-2 124M
 at s = 1024 this gives nanoGPT's 855,166,464 FLOPs per token. Mixture-of-Experts models count
 active parameters: a token runs top_k of each layer's E routed experts, so the routed
-experts count k / E of their parameters (`inactive_expert_params`). Activation recomputation is
+experts count k / E of their parameters (`inactive_expert_params`), and a step whose capacity
+dropped a fraction d of the (token, expert) assignments executed 6 R k / E d fewer FLOPs per
+token (R the routed experts' parameters; `executed_flops_per_token`): the logged tflops and
+mfu count the executed assignments. Activation recomputation is
 not counted: this is *model* FLOPs, so checkpointed runs show lower MFU. The peak it is
 divided by: framework/metrics/peak.py.
 """
@@ -36,19 +39,37 @@ def matmul_params(model: nn.Module) -> int:
     return n - inactive_expert_params(model)
 
 
+def active_expert_params(model: nn.Module) -> int:
+    """Routed-expert parameters one token runs when no assignment is dropped: R k / E."""
+    routed, experts, k = _routed(model)
+    return routed * k // experts if experts else 0
+
+
+def executed_flops_per_token(flops_per_token: float, expert_flops_per_token: float, dropped_fraction: float) -> float:
+    """A step's FLOPs per token counting only the expert assignments it executed:
+    `expert_flops_per_token` (6 R k / E) is the routed experts' share when nothing is dropped;
+    a dropped assignment runs no expert matmul, forward or backward."""
+    return flops_per_token - expert_flops_per_token * dropped_fraction
+
+
+def _routed(model: nn.Module) -> tuple[int, int, int]:
+    """(R, E, k): the routed experts' parameters, experts per layer, top_k; (0, 0, 0) when dense."""
+    c = getattr(model, "config", None)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    k = getattr(c, "num_experts_per_tok", None)
+    if not experts or not k:
+        return 0, 0, 0
+    return sum(p.numel() for name, p in model.named_parameters() if ".experts." in name), experts, k
+
+
 def inactive_expert_params(model: nn.Module) -> int:
     """Routed-expert parameters a token does not use: each token runs top_k of the E routed
     experts of a layer, so of the routed experts' R parameters only R k / E are active (the
     router, attention, norms and any shared expert are active for every token). 0 for dense
     models. Read from the transformers config (num_experts / num_local_experts,
     num_experts_per_tok) and the fused experts' names (`*.experts.*`)."""
-    c = getattr(model, "config", None)
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
-    k = getattr(c, "num_experts_per_tok", None)
-    if not experts or not k:
-        return 0
-    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    return routed * (experts - k) // experts
+    routed, experts, k = _routed(model)
+    return routed * (experts - k) // experts if experts else 0
 
 
 def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:

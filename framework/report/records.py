@@ -106,3 +106,6 @@ class RunInfo:
     val_num_samples: int = 0
     model_params: Optional[int] = None  # the whole model's parameters, each counted once (a tied embedding once)
     p2p_message_bytes: int = 0  # one pipeline activation / gradient message (the simulator's transfer size)
+    # MoE: the routed experts' share of flops_per_token (6 R k / E), less by the fraction a
+    # step's capacity dropped (framework.metrics.flops.executed_flops_per_token)
+    expert_flops_per_token: float = 0.0

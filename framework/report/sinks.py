@@ -39,7 +39,7 @@ import torch.distributed as dist
 from framework.config import RunConfig
 from framework.report.files import write_atomic
 from framework.metrics.bubble import analytic_at_measured
-from framework.metrics.flops import mfu
+from framework.metrics.flops import executed_flops_per_token, mfu
 from framework.metrics.memory import memory_summary
 from framework.metrics.moe import step_metrics
 from framework.sim.replay import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
@@ -119,7 +119,8 @@ class RunLogger:
         losses = [r.loss for r in per_rank if r.loss is not None]
         step_time = max(r.step_time_s for r in per_rank)
         tps = self.run.tokens_per_step / step_time
-        tflops, achieved_mfu = self._mfu(r0.step, tps)
+        moe = step_metrics([r.moe for r in per_rank], self.run.model.moe)
+        tflops, achieved_mfu = self._mfu(r0.step, tps, moe.get("moe_dropped_fraction", 0.0))
         return {
             "step": r0.step, "loss": sum(losses) / len(losses), "lr": r0.lr,
             # null on a step skipped for overflow (its norm is inf or nan: no JSON number)
@@ -146,7 +147,7 @@ class RunLogger:
             "rank_busy_s": [r.busy_s for r in per_rank],
             "rank_window_s": [r.window_s for r in per_rank],
             # MoE models (framework/metrics/moe.py): routing per layer, all-to-all with ep > 1
-            **step_metrics([r.moe for r in per_rank], self.run.model.moe),
+            **moe,
             **({"a2a_bytes": max(r.a2a_bytes for r in per_rank), "a2a_s": max(r.a2a_s for r in per_rank)}
                if self.run.parallelism.ep > 1 else {}),
             # only in the rows of steps after which the held-out set was evaluated
@@ -161,17 +162,20 @@ class RunLogger:
                                     per_rank, [self.ctx.dims.coords(r).pp for r in range(len(per_rank))],
                                     self.info.bubble_fraction_analytic)
 
-    def _mfu(self, step: int, tokens_per_s: float) -> tuple[Optional[float], Optional[float]]:
-        """(TFLOP/s per rank, MFU) with this rank's resolved peak; (None, None) without one."""
+    def _mfu(self, step: int, tokens_per_s: float, dropped: float) -> tuple[Optional[float], Optional[float]]:
+        """(TFLOP/s per rank, MFU) with this rank's resolved peak, counting the expert
+        assignments the step executed (`dropped`: the share its capacity dropped); (None, None)
+        without a peak."""
         info = self.info
         if info.peak_flops_per_rank is None:
             return None, None
-        achieved = mfu(tokens_per_s, info.flops_per_token, self.run.world_size, info.peak_flops_per_rank)
+        fpt = executed_flops_per_token(info.flops_per_token, info.expert_flops_per_token, dropped)
+        achieved = mfu(tokens_per_s, fpt, self.run.world_size, info.peak_flops_per_rank)
         if achieved > 1:
             print(f"WARNING: step {step}: mfu {achieved:.3f} > 1 against a peak of "
                   f"{info.peak_flops_per_rank / 1e12:.3f} TFLOP/s per rank ({info.peak_source}): the FLOPs "
                   "per token or the peak is wrong", file=sys.stderr, flush=True)
-        return tokens_per_s * info.flops_per_token / self.run.world_size / 1e12, achieved
+        return tokens_per_s * fpt / self.run.world_size / 1e12, achieved
 
     def gather_and_log(self, pending: list[StepRecord]) -> None:
         gathered = [None] * self.run.world_size if self.is_logger else None
