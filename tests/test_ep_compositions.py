@@ -1,6 +1,8 @@
-"""Expert parallelism (parallelism.ep) composed with the pipeline schedules that hold several
-chunks per rank (interleaved, interleaved-zb, zbv, dualpipev) and with ep + pp + ZeRO-1
-(issue 29 item 5; docs/moe.md, docs/correctness.md).
+"""Expert parallelism (parallelism.ep) composed with every flushing pipeline schedule not run
+with ep in tests/test_expert_parallel.py (interleaved, interleaved-zb, zbv, dualpipev, zbh2,
+zb-auto, gpipe, a schedule file), with ep + pp + ZeRO-1, and with tp and pp together (dp 2 x
+tp 2 x pp 2, with and without sequence parallelism); ep with the asynchronous schedules (1f1b,
+2bw) is rejected before launch (issue 29 item 5; docs/moe.md, docs/correctness.md).
 
 Each layout reproduces one single process accumulating the same global batch of 16 sequences
 in fp64 at rtol 1e-9 (conftest.FP64_TOL: per-step losses, gradient norms, every final
@@ -11,11 +13,13 @@ must not change. Four layers: pp 2 x 2 chunks puts one MoE layer in each virtual
 rank: the runtime's per-layer sums and bias updates are shared by a rank's chunks).
 Each of these breakages, made by hand, fails the layouts it concerns: run_routed without the
 1 / ep gradient scale; ZeRO sharding the experts over dp instead of edp; the bias update
-skipping every other layer when dp > 1."""
+skipping every other layer when dp > 1; with sequence parallelism, the tp all-reduce of the
+replicated MoE block's gradients leaving the experts out (each tp rank routes its own
+sequence shard)."""
 
 import pytest
 
-from .conftest import assert_same_training, final_params, read_metrics, run_local
+from .conftest import assert_config_error, assert_same_training, final_params, read_metrics, run_local
 from .test_expert_parallel import ROUTING
 from .test_moe import MOE
 
@@ -31,13 +35,32 @@ LAYOUTS = {
     # experts' optimizer states over edp and the dense ones over dp, in two chunks per rank
     "zero1_dp4_zbv": ["parallelism=dp2_pp2", "parallelism.dp=4", "parallelism.ep=2", "parallelism.zero=1",
                       "schedule=zbv", "schedule.microbatches=2"],
+    # one chunk per rank: the flushing schedules not run with ep before, and a schedule file
+    "zbh2": [*EP_PP, "schedule=zbh2"],
+    "zb_auto": [*EP_PP, "schedule=zb-auto"],
+    "gpipe": [*EP_PP, "schedule=gpipe"],
+    "csv_dualpipev": [*EP_PP, "schedule=csv"],  # dualpipev's dump: a V read from the file, B and I / W cells
+    # 8 ranks: ep with tp and pp together (ep groups at one tp rank: experts split over tp inside)
+    "tp2_pp2": ["parallelism=3d_2x2x2", "parallelism.ep=2", "schedule=flush", "schedule.microbatches=4"],
+    "tp2_pp2_sp": ["parallelism=3d_2x2x2", "parallelism.ep=2", "parallelism.sequence_parallel=true",
+                   "schedule=zbh1", "schedule.microbatches=4"],
 }
+ONE_CHUNK = {"zero1_dp2", "zbh2", "zb_auto", "gpipe", "tp2_pp2", "tp2_pp2_sp"}
 SINGLE = ["parallelism=single", "schedule=flush", "schedule.microbatches=8"]
 
 
 def _job(path, *layout):
     summary = run_local(path, *FOUR_LAYERS, *layout)
     return summary, read_metrics(path), final_params(path)
+
+
+def _dump(name, tmp_path):
+    from framework.parallel.pipeline.schedules import build_schedule, dump_csv, get
+
+    path = tmp_path / f"{name}.csv"
+    v = get(name).preset_chunks
+    dump_csv(build_schedule(name, 2, 4, v), get(name).stage_map(2, v), str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +70,11 @@ def single(tmp_path_factory, data_cache):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ep_composition_reproduces_the_single_process_in_fp64(single, layout, tmp_path, data_cache):
-    summary, metrics, params = _job(tmp_path, f"data.cache_dir={data_cache}", *LAYOUTS[layout])
-    assert summary["global_batch"] == 16 and summary["virtual_stages"] == 2 - (layout == "zero1_dp2")
+    layout_keys = LAYOUTS[layout]
+    if layout.startswith("csv_"):  # the file the framework dumps, read back as schedule=csv
+        layout_keys = [*layout_keys, f"schedule.csv={_dump(layout[4:], tmp_path)}"]
+    summary, metrics, params = _job(tmp_path, f"data.cache_dir={data_cache}", *layout_keys)
+    assert summary["global_batch"] == 16 and summary["virtual_stages"] == 2 - (layout in ONE_CHUNK)
     assert all(m["a2a_bytes"] > 0 for m in metrics)  # the experts were split over ep
     assert_same_training(metrics, params, *single[1:])
     # the routing statistics are global (summed over dp, micro-batches and a rank's chunks)
@@ -58,3 +84,12 @@ def test_ep_composition_reproduces_the_single_process_in_fp64(single, layout, tm
             assert mine["moe_layers"][layer]["tokens_per_expert"] == row["tokens_per_expert"]
             for key in ("aux", "seq_aux", "z", "router_entropy"):
                 assert mine["moe_layers"][layer][key] == pytest.approx(row[key], rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+@pytest.mark.parametrize("extra", [[], ["model.moe.bias_update_rate=0", "model.tie_embeddings=false"]])
+def test_ep_with_an_asynchronous_schedule_is_rejected_before_launch(schedule, extra):
+    # 1f1b / 2bw update each stage alone at dp = 1 and ep is carved out of dp: no layout holds
+    # both, so there is no update rule to prove (with or without the bias update and a tied embedding)
+    assert_config_error([*FOUR_LAYERS, *EP_PP, f"schedule={schedule}", *extra], f"schedule.name='{schedule}'",
+                        "asynchronous schedules update each stage alone with dp = 1, and ep > 1 needs dp > 1")
