@@ -95,6 +95,20 @@ def test_sequence_parallel_shards_drop_what_the_whole_micro_batch_drops(monkeypa
     assert not torch.equal(old, whole.index)
 
 
+def _capacity_edges(scores, index, cap: int) -> list:
+    """(last kept - first dropped score, the first dropped (token, slot)) of every over-full
+    (sequence, expert), by a plain loop."""
+    edges = []
+    for s in range(index.shape[0] // T):
+        for e in range(E):
+            mine = sorted(((scores[t, e].item(), t) for t in range(s * T, (s + 1) * T) if e in index[t]),
+                          key=lambda x: -x[0])
+            if len(mine) > cap:
+                t = mine[cap][1]
+                edges.append((mine[cap - 1][0] - mine[cap][0], (t, index[t].tolist().index(e))))
+    return edges
+
+
 def test_the_margin_is_the_closest_decision_to_a_tie():
     """The margin is the smallest of every token's k-th minus best unchosen score and every
     over-full expert's last kept minus first dropped score (per sequence), by a plain loop; the
@@ -107,16 +121,15 @@ def test_the_margin_is_the_closest_decision_to_a_tie():
     scores = torch.softmax(free.logits, -1)  # (N, E)
     top = scores.sort(-1, descending=True).values
     topk_gap = (top[:, K - 1] - top[:, K]).min().item()
-    cap, edges = expert_capacity(1.0, T, K, E), []  # (gap, first dropped (token, slot))
-    for s in range(2):
-        for e in range(E):
-            mine = sorted(((scores[t, e].item(), t) for t in range(s * T, (s + 1) * T) if e in free.index[t]),
-                          key=lambda x: -x[0])
-            if len(mine) > cap:
-                t = mine[cap][1]
-                edges.append((mine[cap - 1][0] - mine[cap][0], (t, free.index[t].tolist().index(e))))
-    gap, first_dropped = min(edges)
+    cap = expert_capacity(1.0, T, K, E)
+    gap, first_dropped = min(_capacity_edges(scores, free.index, cap))
     assert r.stats["margin"].item() == min(topk_gap, gap) > MARGIN
+    # A bias of 10 on experts 0 and 1 puts every token's top-k choice ~10 from a tie: the
+    # route's margin is then its capacity decisions' (over the unbiased scores, policy probs)
+    bias = torch.tensor([10.0, 10.0, 0.0, 0.0], dtype=torch.float64)
+    biased = route(weight, hidden, cfg, seq_len=T, bias=bias)
+    by_bias = route(weight, hidden, replace(cfg, capacity_factor=None), seq_len=T, bias=bias)
+    assert biased.stats["margin"].item() == min(_capacity_edges(scores, by_bias.index, cap))[0] < 1
     chosen = scores.gather(-1, free.index)
     keep, margin = _within_capacity(free.index, chosen, cap, "probs", E, T)
     assert margin.item() == gap
