@@ -46,45 +46,52 @@ def test_defaults_reproduce_qwen3_moe_router_bit_for_bit(dtype, norm):
     assert r.stats["tokens_per_expert"].sum().item() == 48 * 2 and r.stats["tokens"].item() == 48
 
 
-def _brute_force_keep(index, chosen, capacity: int, policy: str, later_first: bool = False) -> torch.Tensor:
-    """Each expert's assignments in priority order (score descending, then earlier flattened
-    position; or position only), the first `capacity` kept: a plain loop. `later_first` flips the
-    tie-break, to show that the example's ties decide something."""
+def _brute_force_keep(index, chosen, capacity: int, policy: str, later_first: bool = False,
+                      seq_len: int = 0) -> torch.Tensor:
+    """Each expert's assignments of each sequence of `seq_len` tokens (0: all one group) in
+    priority order (score descending, then earlier flattened position; or position only), the
+    first `capacity` kept: a plain loop. `later_first` flips the tie-break, to show that the
+    example's ties decide something."""
     n, k = index.shape
+    seq_len = seq_len or n
     keep = torch.zeros(n, k, dtype=torch.bool)
-    for expert in range(int(index.max()) + 1):
-        slots = [(t, j) for t in range(n) for j in range(k) if index[t, j] == expert]
-        if policy == "probs":
-            slots.sort(key=lambda s: (-chosen[s[0], s[1]].item(), (s[0] * k + s[1]) * (-1 if later_first else 1)))
-        for t, j in slots[:capacity]:
-            keep[t, j] = True
+    for start in range(0, n, seq_len):
+        for expert in range(int(index.max()) + 1):
+            slots = [(t, j) for t in range(start, start + seq_len) for j in range(k) if index[t, j] == expert]
+            if policy == "probs":
+                slots.sort(key=lambda s: (-chosen[s[0], s[1]].item(), (s[0] * k + s[1]) * (-1 if later_first else 1)))
+            for t, j in slots[:capacity]:
+                keep[t, j] = True
     return keep
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_keeps_the_highest_scores_or_earliest_tokens(policy):
-    # Logits on a grid of halves: many equal scores, so the tie-break is exercised too.
-    g = torch.Generator().manual_seed(1)
+    # Logits on a grid of halves: many equal scores, so the tie-break is exercised too. Two
+    # sequences of 20: the capacity is per sequence (tests/test_moe_capacity.py says why).
+    g = torch.Generator().manual_seed(2)
     logits = torch.randint(-2, 3, (40, 4), generator=g).double() / 2
     weight, hidden = _by_logits(logits)
     base = MoEConfig(experts=4, top_k=2)
-    free = route(weight, hidden, base, seq_len=10)
-    inf = route(weight, hidden, replace(base, capacity_factor=math.inf), seq_len=10)
+    free = route(weight, hidden, base, seq_len=20)
+    inf = route(weight, hidden, replace(base, capacity_factor=math.inf), seq_len=20)
     assert torch.equal(inf.index, free.index) and torch.equal(inf.weights, free.weights)
 
     cfg = replace(base, capacity_factor=0.6, drop_policy=policy)
-    capacity = expert_capacity(0.6, 40, 2, 4)
-    assert capacity == math.ceil(0.6 * 40 * 2 / 4) == 12
-    r = route(weight, hidden, cfg, seq_len=10)
+    capacity = expert_capacity(0.6, 20, 2, 4)
+    assert capacity == math.ceil(0.6 * 20 * 2 / 4) == 6
+    r = route(weight, hidden, cfg, seq_len=20)
     chosen = torch.softmax(logits, -1).gather(-1, free.index)
-    keep = _brute_force_keep(free.index, chosen, capacity, policy)
+    keep = _brute_force_keep(free.index, chosen, capacity, policy, seq_len=20)
     if policy == "probs":
-        assert not torch.equal(keep, _brute_force_keep(free.index, chosen, capacity, policy, later_first=True))
+        assert not torch.equal(keep, _brute_force_keep(free.index, chosen, capacity, policy, True, seq_len=20))
+    assert r.stats["margin"].item() == 0  # the grid's ties: top-k ties too, so the margin says "a tie decided"
     assert torch.equal(r.index != 4, keep)
     assert torch.equal(r.index, free.index.masked_fill(~keep, 4))
     assert torch.equal(r.weights, free.weights.masked_fill(~keep, 0))  # kept weights untouched, not renormalised
     assert int(r.stats["dropped"]) == int((~keep).sum()) > 0
-    assert torch.bincount(r.index[keep], minlength=4).max() <= capacity
+    for half in (r.index[:20], r.index[20:]):
+        assert torch.bincount(half[half != 4], minlength=4).max() <= capacity
     assert torch.equal(r.stats["tokens_per_expert"], free.stats["tokens_per_expert"])  # counted before dropping
 
 
@@ -115,7 +122,7 @@ def test_aux_seq_aux_and_z_losses_by_hand(score, p):
     entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
     assert r.stats["entropy_sum"].item() == pytest.approx(4 * entropy, rel=1e-14)
     assert set(_hand_example(score, [{"type": "z", "coeff": 1.0}]).stats) == {
-        "tokens_per_expert", "dropped", "entropy_sum", "tokens", "z"}
+        "tokens_per_expert", "dropped", "entropy_sum", "tokens", "margin", "z"}
 
 
 def test_shares_over_a_sequence_parallel_group_sum_to_the_whole_micro_batch(monkeypatch):
@@ -130,7 +137,7 @@ def test_shares_over_a_sequence_parallel_group_sum_to_the_whole_micro_batch(monk
     local = []
     monkeypatch.setattr(moe_routing.dist, "all_reduce", lambda x, group: local.append(x.clone()))
     for half in halves:
-        route(weight, half, cfg, seq_len=t // 2, sum_group="sp")
+        route(weight, half, cfg, seq_len=t // 2, sp_group="sp")
     total = local[0] + local[1]
     monkeypatch.setattr(moe_routing.dist, "all_reduce", lambda x, group: x.copy_(total))
 
@@ -138,7 +145,7 @@ def test_shares_over_a_sequence_parallel_group_sum_to_the_whole_micro_batch(monk
     full = route(full_w, hidden, cfg, seq_len=t)
     full.aux_loss.backward()
     split_w = weight.clone().requires_grad_()
-    shares = [route(split_w, half, cfg, seq_len=t // 2, sum_group="sp") for half in halves]
+    shares = [route(split_w, half, cfg, seq_len=t // 2, sp_group="sp") for half in halves]
     (shares[0].aux_loss + shares[1].aux_loss).backward()
     for name in ("aux", "seq_aux", "z"):
         whole = shares[0].stats[name] + shares[1].stats[name]

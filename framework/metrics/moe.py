@@ -14,10 +14,16 @@ with sequence parallelism), into the metrics.jsonl row (docs/metrics.md):
   - `aux`, `seq_aux`, `z`: the configured auxiliary losses, mean over micro-batches and dp
     ranks (uncoefficiented);
   - `tokens_received_per_ep_rank`: rows each ep rank's experts processed (summed over its
-    edp replicas); `ep_straggler`: their max / mean (1 = even).
-- `moe_load_cv_max`, `moe_dead_experts`, `moe_dropped_fraction`, `moe_aux_loss`: over layers
-  (the worst CV, the dead experts summed, assignments dropped over all, the aux losses summed
-  with their coefficients as trained), for plots and sweeps.
+    edp replicas); `ep_straggler`: their max / mean (1 = even);
+  - `route_margin`: the smallest score gap at any routing decision of the step (a token's
+    k-th against its best unchosen score; an over-full expert's last kept against its first
+    dropped score, drop policy probs), min over micro-batches and ranks; null without any.
+    The decisions are discontinuous: two layouts route alike while their scores' round-off
+    stays below it (docs/moe.md, Capacity).
+- `moe_load_cv_max`, `moe_dead_experts`, `moe_dropped_fraction`, `moe_aux_loss`,
+  `moe_route_margin`: over layers (the worst CV, the dead experts summed, assignments dropped
+  over all, the aux losses summed with their coefficients as trained, the smallest margin),
+  for plots and sweeps.
 - `a2a_bytes` (max over ranks of the bytes a rank sent to other ranks by all-to-all, counts
   and tokens, forward and backward) and `a2a_s` (max over ranks of host seconds inside
   all-to-all; on CPU the transfer and the wait for peers, on CUDA only what the host waits).
@@ -42,7 +48,8 @@ def layer_metrics(s: dict, top_k: int) -> dict:
            "dropped_fraction": s["dropped"] / (s["tokens"] * top_k) if s["tokens"] else 0.0,
            "router_entropy": s["entropy_sum"] / s["tokens"] if s["tokens"] else None,
            "tokens_received_per_ep_rank": received,
-           "ep_straggler": max(received) / r_mean if r_mean else None}
+           "ep_straggler": max(received) / r_mean if r_mean else None,
+           "route_margin": s["margin"] if math.isfinite(s["margin"]) else None}  # inf: no decision
     out.update({k: v / s["calls"] for k, v in s["aux"].items()})  # per micro-batch (and dp rank)
     return out
 
@@ -63,4 +70,6 @@ def step_metrics(per_rank: list[Optional[dict]], moe_cfg) -> dict:
             "moe_load_cv_max": max((r["load_cv"] for r in rows.values() if r["load_cv"] is not None), default=None),
             "moe_dead_experts": sum(r["dead_experts"] for r in rows.values()),
             "moe_dropped_fraction": sum(layers[i]["dropped"] for i in layers) / assignments if assignments else 0.0,
-            "moe_aux_loss": sum(coeff[k] * r[k] for r in rows.values() for k in coeff)}
+            "moe_aux_loss": sum(coeff[k] * r[k] for r in rows.values() for k in coeff),
+            "moe_route_margin": min((r["route_margin"] for r in rows.values() if r["route_margin"] is not None),
+                                    default=None)}

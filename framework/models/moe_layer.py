@@ -8,8 +8,9 @@ gradient enters backward scaled as the LM loss's), and count what the router did
 are split over (tp with sequence parallelism), the aux-loss scale the runner sets each step,
 and the per-layer statistics of the step so far. `take_step` ends a step: it sums the
 statistics over the ranks that saw other tokens (dp, and tp with sequence parallelism) in
-one all-reduce, applies DeepSeek-V3's bias update to the global counts, and returns the
-step's per-layer numbers (framework/metrics/moe.py turns them into metrics).
+one all-reduce (the routing margin's minimum in a second, tiny one), applies DeepSeek-V3's
+bias update to the global counts, and returns the step's per-layer numbers
+(framework/metrics/moe.py turns them into metrics).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from framework.models.moe_routing import AuxLossScale, attach_aux_loss, route, u
 
 
 class MoERuntime:
-    def __init__(self, cfg: MoEConfig, ep_comm: Optional[EPComm], sum_group=None):
-        self.cfg, self.ep_comm, self.sum_group = cfg, ep_comm, sum_group
+    def __init__(self, cfg: MoEConfig, ep_comm: Optional[EPComm], sp_group=None):
+        self.cfg, self.ep_comm, self.sp_group = cfg, ep_comm, sp_group
         self.aux_scale = AuxLossScale()
         self.gates: dict[int, nn.Module] = {}  # layer -> its router (which holds expert_bias)
         self.sums: dict[int, torch.Tensor] = {}  # layer -> the step's statistics so far (_row's layout)
+        self.margins: dict[int, torch.Tensor] = {}  # layer -> the step's smallest routing margin so far
 
     def install(self, hf: nn.Module, block_class: type, device) -> None:
         """Every `block_class` module (a sparse block with `.gate` and `.experts`) runs `forward`."""
@@ -58,6 +60,8 @@ class MoERuntime:
     def record(self, layer: int, stats: dict, received: int, device) -> None:
         row = self._row(stats, received, device)
         self.sums[layer] = self.sums[layer] + row if layer in self.sums else row
+        margin = stats["margin"].reshape(1)
+        self.margins[layer] = torch.minimum(self.margins[layer], margin) if layer in self.margins else margin
 
     def take_step(self, dp_group, tp_group=None, update_bias: bool = True) -> dict[int, dict]:
         """Sum the step's statistics over dp (and tp when tokens are split over it), update the
@@ -67,12 +71,14 @@ class MoERuntime:
             return {}
         layers = sorted(self.sums)
         flat = torch.stack([self.sums[i] for i in layers])
+        margins = torch.cat([self.margins[i] for i in layers])
         for group in (dp_group, tp_group):
             if group is not None:
                 dist.all_reduce(flat, group=group)
-        self.sums = {}
+                dist.all_reduce(margins, op=dist.ReduceOp.MIN, group=group)
+        self.sums, self.margins = {}, {}
         e, out = self.cfg.experts, {}
-        for i, row in zip(layers, flat.cpu(), strict=True):
+        for i, row, margin in zip(layers, flat.cpu(), margins.tolist(), strict=True):
             counts = row[:e]
             dropped, entropy_sum, tokens, calls = row[e:e + 4].tolist()
             if tp_group is not None:  # each tp rank ran the micro-batch's sequence shard: one call
@@ -80,7 +86,7 @@ class MoERuntime:
             aux = {a["type"]: float(v) for a, v in zip(self.cfg.aux_losses, row[e + 4:e + 4 + len(self.cfg.aux_losses)],
                                                         strict=True)}
             out[i] = {"tokens_per_expert": counts.tolist(), "dropped": dropped, "entropy_sum": entropy_sum,
-                      "tokens": tokens, "calls": calls, "aux": aux,
+                      "tokens": tokens, "calls": calls, "aux": aux, "margin": margin,
                       "received_per_ep_rank": row[e + 4 + len(self.cfg.aux_losses):].tolist()}
             gate = self.gates[i]
             if self.cfg.bias_update_rate > 0 and update_bias:
@@ -136,7 +142,7 @@ def forward(block: nn.Module, rt: MoERuntime, layer: int, hidden_states: torch.T
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     r = route(block.gate.weight, x, rt.cfg, seq_len=shape[1] if len(shape) == 3 else x.size(0),
-              bias=getattr(block.gate, "expert_bias", None), sum_group=rt.sum_group)
+              bias=getattr(block.gate, "expert_bias", None), sp_group=rt.sp_group)
     y, received = run_routed(block.experts, x, r.index, r.weights, rt.ep_comm)
     if r.aux_loss is not None and torch.is_grad_enabled():
         y = attach_aux_loss(y, r.aux_loss, rt.aux_scale)

@@ -96,14 +96,14 @@ TP_PLAN = {**{k: v for k, v in LLAMA_TP_PLAN.items() if ".mlp" not in k},
 localize_heads = llama_localize_heads
 
 
-def install_moe(hf: Qwen3MoeForCausalLM, m: ModelConfig, device, ep_comm=None, sum_group=None) -> MoERuntime:
+def install_moe(hf: Qwen3MoeForCausalLM, m: ModelConfig, device, ep_comm=None, sp_group=None) -> MoERuntime:
     """Every sparse block runs framework/models/moe_layer.py's forward (our routing options,
     aux losses and statistics); with `ep_comm` its experts are split over the ep group."""
     if ep_comm is not None and ep_comm.size > 1:
         for module in hf.modules():
             if isinstance(module, Qwen3MoeSparseMoeBlock):
                 shard_experts(module.experts, ep_comm)
-    runtime = MoERuntime(m.moe, ep_comm if ep_comm is not None and ep_comm.size > 1 else None, sum_group)
+    runtime = MoERuntime(m.moe, ep_comm if ep_comm is not None and ep_comm.size > 1 else None, sp_group)
     runtime.install(hf, Qwen3MoeSparseMoeBlock, device)
     return runtime
 
