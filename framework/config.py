@@ -41,7 +41,7 @@ class MoEConfig:
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1 (Qwen3-MoE, Mixtral)
     # Routing and balancing (framework/models/moe_routing.py; docs/moe.md "Routing and balancing").
     score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): how logits become routing scores
-    capacity_factor: Optional[float] = None  # null (or .inf) = dropless; else capacity ceil(cf * N * k / E)
+    capacity_factor: Optional[float] = None  # null (or .inf) = dropless; else ceil(cf * seq_len * k / E) per sequence and expert
     drop_policy: str = "probs"  # over capacity, keep the highest-score (probs) or earliest (position) tokens
     aux_losses: list[dict[str, Any]] = field(default_factory=list)  # [{type: aux | seq_aux | z, coeff: 0.01}]
     experts_impl: str = "auto"  # auto (grouped on CUDA when it can) | loop (per-expert matmuls) | grouped

@@ -97,3 +97,17 @@ def test_every_model_key_is_compared():
                                   "job 2: (not set)): ")
     assert fairness_warnings([_row("0", model_config=gpt2, model_params=10),
                               _row("1", model_config=dict(gpt2), model_params=10)]) == []
+
+
+def test_a_moe_aux_loss_across_micro_batch_sizes_is_warned_about_and_capacity_is_not():
+    """The Switch aux loss is per micro-batch, so it changes with the micro-batch size a layout
+    derives; capacity is per sequence and seq_aux per sequence, so they do not."""
+    def moe(aux_type):
+        return {"name": "moe-tiny", "moe": {"capacity_factor": 1.0, "aux_losses": [{"type": aux_type, "coeff": 0.01}]}}
+    rows = [_row("0", model_config=moe("aux"), micro_batch_size=2), _row("1", model_config=moe("aux"), micro_batch_size=4)]
+    warnings = fairness_warnings(rows)
+    assert len(warnings) == 1
+    assert warnings[0].startswith("WARNING: the jobs differ in trainer.micro_batch_size (job 0: 2, job 1: 4) and their "
+                                  "MoE model has an `aux` loss")
+    assert fairness_warnings([{**r, "model_config": moe("seq_aux")} for r in rows]) == []
+    assert fairness_warnings([{**r, "micro_batch_size": 2} for r in rows]) == []

@@ -87,17 +87,18 @@ def _row(sweep: Path, job: Path) -> dict:
     except (OSError, ValueError) as e:
         return {**row, "status": "incomplete", "reason": f"summary.json unreadable ({e})"}
     row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS},
-               model_params=s.get("model_params"), model_config=_model_config(job))
+               model_params=s.get("model_params"), model_config=_group(job, "model"),
+               micro_batch_size=(_group(job, "trainer") or {}).get("micro_batch_size"))
     return row
 
 
-def _model_config(job: Path) -> Optional[dict]:
-    """The `model` group of the job's resolved config.yaml (None when it has none)."""
+def _group(job: Path, name: str) -> Optional[dict]:
+    """One group of the job's resolved config.yaml (None when it has none)."""
     try:
-        model = (yaml.safe_load((job / "config.yaml").read_text()) or {}).get("model")
+        group = (yaml.safe_load((job / "config.yaml").read_text()) or {}).get(name)
     except (OSError, yaml.YAMLError, AttributeError):
         return None
-    return model if isinstance(model, dict) else None
+    return group if isinstance(group, dict) else None
 
 
 def collect(sweep: Path) -> list[dict]:
@@ -121,7 +122,23 @@ def fairness_warnings(rows: list[dict]) -> list[str]:
             jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in done)
             out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
                        "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
-    return out + model_warnings(done)
+    return out + model_warnings(done) + micro_batch_warnings(done)
+
+
+def micro_batch_warnings(done: list[dict]) -> list[str]:
+    """What a MoE model computes per micro-batch changes with trainer.micro_batch_size, which
+    trainer.global_batch_size derives per layout: the Switch `aux` loss (f_e and P_e over a
+    micro-batch's tokens). Capacity does not: it is per sequence (framework/models/moe_routing.py)."""
+    def per_micro_batch(r):
+        moe = (r.get("model_config") or {}).get("moe") or {}
+        return any(isinstance(a, dict) and a.get("type") == "aux" for a in moe.get("aux_losses") or [])
+    moe = [r for r in done if per_micro_batch(r)]
+    if len({r.get("micro_batch_size") for r in moe}) <= 1:
+        return []
+    jobs = ", ".join(f"job {r['job']}: {r.get('micro_batch_size')}" for r in moe)
+    return [f"WARNING: the jobs differ in trainer.micro_batch_size ({jobs}) and their MoE model has an `aux` "
+            "loss, which is computed per micro-batch: they train with different balancing losses. Fix: set "
+            "trainer.micro_batch_size once for the sweep, or use seq_aux (per sequence) instead of aux"]
 
 
 ABSENT = "(not set)"  # a key one job's config.yaml lacks (written by another version)
