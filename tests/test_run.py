@@ -49,6 +49,9 @@ def test_main_job_writes_config_metrics_and_summary(main_job):
         assert rank["params_bytes"] == rank["grads_bytes"] > 0 and rank["optimizer_bytes"] > 2 * rank["params_bytes"]
         assert rank["activation_peak_bytes"] > 0 and rank["rss_peak_bytes"] >= rank["model_state_bytes"]
     assert summary["schedule"] == "flush" and summary["bubble_fraction_analytic"] == 0.2
+    # a closed form, (p-1)/(m+p-1), so the console says "analytic"; before launch too (run_info.json)
+    assert summary["bubble_analytic_source"] == json.loads((job / "run_info.json").read_text())[
+        "bubble_analytic_source"] == "closed form"
     assert 0 < summary["bubble_fraction"] < 1
     assert (job / "timeline.png").exists() and (job / "trace.json").exists()
     assert summary["memory_peak_bytes"] == max(x["memory_peak_bytes"] for x in summary["ranks"])

@@ -67,6 +67,10 @@ def test_zero_bubble_gpt2_reproduces_the_single_process(gpt2_single, layout, tmp
     # the analytic bubble is the schedule's, for this run's measured op times: I and W were measured
     assert summary["op_time_s"]["I"] > 0 and summary["op_time_s"]["W"] > 0 and summary["op_time_s"]["F"] > 0
     assert 0 < summary["bubble_fraction_analytic"] < 1
+    # ZB-H1's closed form holds from m = p; every other layout here is a simulation of the
+    # schedule's graph (ZB-H2's form needs m >= 2p-1), reported as the schedule model's
+    closed = layout in ("zbh1_pp2", "zbh1_dp2_pp2_zero1")
+    assert summary["bubble_analytic_source"] == ("closed form" if closed else "schedule model")
 
 
 LLAMA = ["model=llama-tiny", "model.n_kv_head=1", "model.n_inner=64"]

@@ -24,8 +24,8 @@ from framework.report.files import write_report
 from framework.launch.diagnosis import RankFailure
 from framework.launch.local import launch_local
 from framework.report.records import RunInfo
-from framework.metrics.bubble import analytic_bubble
-from framework.parallel.pipeline.schedules import resolve
+from framework.metrics.bubble import analytic_bubble, analytic_label, analytic_source
+from framework.parallel.pipeline.schedules import CLOSED_FORM, resolve
 from framework.metrics.flops import active_expert_params, flops_per_token, matmul_params
 from framework.metrics.peak import PENDING, device_peak, fixed_peak
 from framework.models import build_hf_model, with_pretrained_sizes
@@ -76,7 +76,8 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
     fpt = flops_per_token(matmul_params(model), c.num_hidden_layers, c.hidden_size, run.data.seq_len)
     peak, source = _peak(run, device_type)
     s = run.schedule
-    bubble = analytic_bubble(resolve(s), run.parallelism.pp, s.microbatches, s.virtual_stages, run.trainer.steps)
+    sched, pp = resolve(s), run.parallelism.pp
+    bubble = analytic_bubble(sched, pp, s.microbatches, s.virtual_stages, run.trainer.steps)
     if resume is not None:
         checkpoint.check_compatible(run, resume, vocab)
     if job_dir:
@@ -86,7 +87,8 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
                    val_num_samples=prepared.val_num_samples,
                    model_params=sum(p.numel() for p in model.parameters()),  # unique: a tied weight once
                    p2p_message_bytes=p2p_message_bytes(run, c.hidden_size),
-                   expert_flops_per_token=6.0 * active_expert_params(model))
+                   expert_flops_per_token=6.0 * active_expert_params(model),
+                   bubble_analytic_source=analytic_source(sched, pp, s.microbatches, s.virtual_stages))
 
 
 def p2p_message_bytes(run: RunConfig, hidden: int) -> int:
@@ -207,7 +209,9 @@ def summary_lines(summary: dict) -> str:
         ops = ", ".join(f"T_{op} {t * 1e3:.2f} ms" for op, t in summary.get("op_time_s", {}).items())
         lines.append(f"bubble {summary['bubble_fraction']:.3f} measured "
                      f"(max rank {summary['bubble_fraction_max']:.3f}) | "
-                     f"{summary['bubble_fraction_analytic']:.3f} analytic ({summary['schedule']} at the measured op "
+                     f"{summary['bubble_fraction_analytic']:.3f} "
+                     f"{analytic_label(summary.get('bubble_analytic_source', CLOSED_FORM))} "
+                     f"({summary['schedule']} at the measured op "
                      f"times: {ops or 'none'})")
     for r in summary["ranks"]:
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"

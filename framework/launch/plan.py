@@ -1,4 +1,5 @@
-"""The dry run: rank layout, stage contents, analytic bubble and a per-rank memory estimate.
+"""The dry run: rank layout, stage contents, the schedule's bubble (its closed form or its
+schedule model) and a per-rank memory estimate.
 
 Pure planning, no process group and no real tensors (the model is built on the meta
 device), so it works for world sizes far beyond the machine it runs on.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from framework.config import RunConfig
-from framework.metrics.bubble import analytic_bubble
+from framework.metrics.bubble import analytic_bubble, analytic_label, analytic_source
 from framework.models import ARCHS
 from framework.metrics.model_states import config_model_states, optimizer_state_ratio, zero_model_states
 from framework.parallel.tensor_parallel import shard_numels
@@ -113,6 +114,7 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
                                        "virtual_stages": s.virtual_stages},
         "bubble_fraction_analytic": analytic_bubble(sched, p.pp, s.microbatches, s.virtual_stages,
                                                     run.trainer.steps),
+        "bubble_analytic_source": analytic_source(sched, p.pp, s.microbatches, s.virtual_stages),
         "schedule_grid": schedule_grid,
         "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step,
         "optimizer_state_ratio": ratio, "memory_estimate_per_rank": memory,
@@ -136,7 +138,8 @@ def render_plan(plan: dict) -> str:
                      f"the paper's 2 + 2 + 12 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} MiB in all)")
     s = plan["schedule"]
     lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
-                 f"analytic bubble {plan['bubble_fraction_analytic']:.3f}")
+                 f"{analytic_label(plan['bubble_analytic_source'])} bubble {plan['bubble_fraction_analytic']:.3f} "
+                 "at T_F = T_I = T_W")
     if plan["schedule_grid"]:
         lines.append("schedule grid (unit-time simulation; . = idle):\n" + plan["schedule_grid"])
     lines.append(f"global batch {plan['global_batch']} sequences = {plan['tokens_per_step']} tokens/step")

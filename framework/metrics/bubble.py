@@ -1,14 +1,18 @@
-"""Pipeline bubble: the analytic share of idle time for a schedule, beside the measured one.
+"""Pipeline bubble: the schedule's declared share of idle time, beside the measured one.
 
-Convention: bubble = idle / step time per pipeline rank. Each schedule declares its
-analytic bubble in the registry (framework/parallel/pipeline/schedules/) as a function of
-p, m, v and the op times T_F, T_I, T_W (T_B = T_I + T_W): a closed form where one is known
-(GPipe and 1F1B: (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v·m+p-1); ZB-H1 / ZB-H2: the
-zero-bubble paper's idle time), else the idle share of the schedule's own dependency graph
-run with those op times and no communication cost (framework/sim/clock.py);
-docs/schedules.md lists them. A run reports it for its
-own measured op times (`measured_op_times`: medians of the actions' compute). One stage
-has no pipeline, so no bubble.
+Convention: bubble = idle / step time per pipeline rank. Each schedule declares its bubble
+in the registry (framework/parallel/pipeline/schedules/) as a function of p, m, v and the
+op times T_F, T_I, T_W (T_B = T_I + T_W), and where it comes from (`bubble_source`):
+- a closed form (CLOSED_FORM) where a paper gives one that holds here (GPipe and 1F1B:
+  (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v·m+p-1); ZB-H1 / ZB-H2 for m >= p / 2p-1: the
+  zero-bubble paper's idle time, floored by the flush's fill), reported as "analytic";
+- else the schedule model (SCHEDULE_MODEL): the idle share of the schedule's own
+  dependency graph run with those op times and no communication cost
+  (framework/sim/clock.py), a simulation, reported as "schedule model" (interleaved-zb,
+  zbv, dualpipev, zb-auto, a CSV file's schedule).
+The key stays `bubble_fraction_analytic`; `bubble_analytic_source` says which it is.
+docs/schedules.md lists them. A run reports it for its own measured op times
+(`measured_op_times`: medians of the actions' compute). One stage has no pipeline, so no bubble.
 
 The measured counterpart, per rank and step, is 1 - busy / window
 (framework/train/pipeline_runner.py), with per-action marks from
@@ -36,7 +40,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from framework.parallel.pipeline.schedules import Action, OpTimes, get
+from framework.parallel.pipeline.schedules import CLOSED_FORM, Action, OpTimes, get
 
 
 def analytic_bubble(schedule, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1,
@@ -48,6 +52,21 @@ def analytic_bubble(schedule, pp: int, microbatches: int, virtual_stages: int = 
         return 0.0
     schedule = get(schedule) if isinstance(schedule, str) else schedule  # a name or a resolved Schedule
     return schedule.bubble(pp, microbatches, virtual_stages, times or OpTimes(), steps)
+
+
+def analytic_source(schedule, pp: int, microbatches: int, virtual_stages: int = 1) -> str:
+    """Where `analytic_bubble` comes from for this layout: CLOSED_FORM or SCHEDULE_MODEL
+    (pp = 1: no pipeline, a bubble of 0 by definition: a closed form)."""
+    if pp == 1:
+        return CLOSED_FORM
+    schedule = get(schedule) if isinstance(schedule, str) else schedule
+    return schedule.bubble_source(pp, microbatches, virtual_stages)
+
+
+def analytic_label(source: str) -> str:
+    """What a person reads beside the number: "analytic" for a closed form, "schedule
+    model" for a simulation of the schedule's graph."""
+    return "analytic" if source == CLOSED_FORM else source
 
 
 def timed_records(per_rank: list, pp_of: list[int], smap) -> list:

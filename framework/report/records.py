@@ -109,3 +109,6 @@ class RunInfo:
     # MoE: the routed experts' share of flops_per_token (6 R k / E), less by the fraction a
     # step's capacity dropped (framework.metrics.flops.executed_flops_per_token)
     expert_flops_per_token: float = 0.0
+    # where bubble_fraction_analytic comes from: "closed form" | "schedule model" (a simulation
+    # of the schedule's graph; framework/metrics/bubble.py analytic_source)
+    bubble_analytic_source: str = "closed form"

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from framework.config import RunConfig
 from framework.report.files import write_atomic
-from framework.metrics.bubble import analytic_at_measured
+from framework.metrics.bubble import analytic_at_measured, analytic_label
 from framework.metrics.flops import executed_flops_per_token, mfu
 from framework.metrics.memory import memory_summary
 from framework.metrics.moe import step_metrics
@@ -212,8 +212,8 @@ class RunLogger:
                                f"| lr {r['lr']:.2e} | {_grad(r)} | {r['tokens_per_s']:,.0f} tok/s "
                                f"| {r['step_time_s'] * 1e3:.0f} ms/step "
                                f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}"
-                               + (f" | bubble {r['bubble_fraction']:.2f} (analytic {r['bubble_fraction_analytic']:.2f})"
-                                  if self.run.parallelism.pp > 1 else ""))
+                               + (f" | bubble {r['bubble_fraction']:.2f} ({analytic_label(self.info.bubble_analytic_source)} "
+                                  f"{r['bubble_fraction_analytic']:.2f})" if self.run.parallelism.pp > 1 else ""))
 
     def step_started(self, k: int) -> None:
         if self.progress is not None:
@@ -266,9 +266,9 @@ class RunLogger:
         return {
             "status": "completed", "loss": self.records[-1]["loss"], "loss_first": self.records[0]["loss"],
             **med, "steps": run.trainer.steps, "measured_steps": len(measured),
-            # the schedule's analytic bubble at this run's median op times (op_time_s), and at
-            # T_F = T_I = T_W (what the dry run and the banner show before launch)
-            "bubble_fraction_analytic": analytic,
+            # the schedule's declared bubble at this run's median op times (op_time_s), and at
+            # T_F = T_I = T_W (what the dry run shows); its source: "closed form" | "schedule model"
+            "bubble_fraction_analytic": analytic, "bubble_analytic_source": info.bubble_analytic_source,
             "bubble_fraction_analytic_equal_times": info.bubble_fraction_analytic, "op_time_s": op_times,
             **self._prediction(med),
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,

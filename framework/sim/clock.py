@@ -2,9 +2,9 @@
 
 `simulate` (unit time or per-op durations, no link cost): each rank computes its actions in
 order; an action that needs a message starts once it has arrived (when the producing
-action ended); sends never block. The dry run's grid, the analytic bubble of schedules
-without a closed form, and the lockstep that places p2p ops (p2p.py) run on it; NCCL's
-rules are proved in check.py without a clock.
+action ended); sends never block. The dry run's grid, the bubble of schedules without a
+closed form (reported as "schedule model", not analytic), and the lockstep that places p2p
+ops (p2p.py) run on it; NCCL's rules are proved in check.py without a clock.
 `clock` / `predict` (the simulator, docs/simulator.md): the executor's real batches with
 per-stage durations, host gaps and a link cost, under gloo's or NCCL's rules.
 """

@@ -113,6 +113,16 @@ class OpTimes:
         return self.I + self.W
 
 
+# Where a schedule's declared bubble comes from (`Schedule.bubble_source`), as reports label it.
+CLOSED_FORM = "closed form"  # a formula in p, m, v and the op times (`Schedule.bubble_formula`: which, whose)
+SCHEDULE_MODEL = "schedule model"  # the schedule's own lists run on the unit-time clock (framework/sim/clock.py)
+
+
+def modelled(pp: int, m: int, v: int) -> str:
+    """`bubble_source` of a schedule whose bubble is its schedule model's at every (pp, m, v)."""
+    return SCHEDULE_MODEL
+
+
 @dataclass(frozen=True)
 class Violation:
     """Why (pp, m, v) cannot run a schedule: the config key at fault, the reason, the fix."""
@@ -154,6 +164,11 @@ class Schedule:
     # Schedules with keys of their own (zb-auto: schedule.memory_limit_microbatches,
     # schedule.op_times): the run's ScheduleConfig -> the Schedule it asks for (`resolve`).
     configure: Optional[Callable[[Any], "Schedule"]] = None
+    # Where `bubble` comes from at (pp, m, v): CLOSED_FORM, a formula (`bubble_formula` names
+    # it and its paper), or SCHEDULE_MODEL, the idle share of the schedule's own lists run on
+    # the clock at the given op times: a simulation, which reports must not call analytic.
+    bubble_source: Callable[[int, int, int], str] = lambda pp, m, v: CLOSED_FORM
+    bubble_formula: str = ""
 
     @property
     def flushes(self) -> bool:

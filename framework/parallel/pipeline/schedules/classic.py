@@ -77,14 +77,15 @@ def interleaved_check(pp: int, m: int, v: int) -> Violation | None:
 register(Schedule(
     name="gpipe", generate=gpipe, ops=frozenset({Op.F, Op.B}), single_stage=True,
     doc="GPipe: all forwards, then all backwards, one update per step",
-    bubble=_flat, memory_bound=lambda pp, m, v, r: m))
+    bubble=_flat, bubble_formula="(p-1)/(m+p-1) (Huang et al. 2019)", memory_bound=lambda pp, m, v, r: m))
 register(Schedule(
     name="flush", generate=flush, ops=frozenset({Op.F, Op.B}), single_stage=True,
     doc="PipeDream-Flush (Megatron's 1F1B): warm-up, steady 1F1B, cool-down, one update per step",
-    bubble=_flat, memory_bound=lambda pp, m, v, r: min(pp - r, m)))
+    bubble=_flat, bubble_formula="(p-1)/(m+p-1) (Narayanan et al. 2021)", memory_bound=lambda pp, m, v, r: min(pp - r, m)))
 register(Schedule(
     name="interleaved", generate=interleaved, ops=frozenset({Op.F, Op.B}), max_chunks=None, preset_chunks=2,
     doc="Megatron's interleaved 1F1B: v chunks per rank, bubble (p-1)/(v*m+p-1)",
     bubble=lambda p, m, v, times=None, steps=1: (p - 1) / (v * m + p - 1) if p > 1 else 0.0,
+    bubble_formula="(p-1)/(v*m+p-1) (Narayanan et al., SC 2021)",
     memory_bound=lambda pp, m, v, r: min(interleaved_warmup(pp, r, m, v) + 1, m * v),
     constraint=interleaved_check))

@@ -1,6 +1,6 @@
 """Schedules on the command line (no rank starts):
 
-    python -m framework.schedules list
+    python -m framework.schedules list        (each schedule, and whether its bubble is a closed form)
     python -m framework.schedules dump <name> --pp P --microbatches M [--virtual-stages V] [-o file.csv]
     python -m framework.schedules grid <name> --pp P --microbatches M [--virtual-stages V]
 
@@ -34,7 +34,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "list":
         for n in names():
-            print(f"{n:16} {get(n).doc}")
+            s = get(n)
+            print(f"{n:16} {s.doc}\n{'':16} bubble: "
+                  + (f"closed form, {s.bubble_formula}" if s.bubble_formula else "schedule model (its lists on the clock)"))
         return 0
     sched = get(args.name)
     v = args.virtual_stages or sched.preset_chunks

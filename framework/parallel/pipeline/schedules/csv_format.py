@@ -19,7 +19,7 @@ import csv
 import re
 from typing import Optional
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap, modelled
 
 _CELL = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _PAIR = re.compile(r"^\((.*)\)OVERLAP_F_B$")
@@ -113,7 +113,7 @@ def load_csv(path: str) -> tuple[Schedule, dict]:
         return simulated_bubble(generate(p, mm, v), smap, times)
 
     sched = Schedule(name="csv", generate=generate, ops=ops or frozenset({Op.F}), placement=smap.placement,
-                     doc=f"the schedule in {path}", bubble=bubble, chunks=smap.v,
+                     doc=f"the schedule in {path}", bubble=bubble, bubble_source=modelled, chunks=smap.v,
                      memory_bound=lambda pp, mm, v, r: mm * v,  # a file declares none: the checker reports its peak
                      extra={"path": path, "pp": smap.pp, "microbatches": m, "virtual_stages": smap.v})
     return sched, where

@@ -4,13 +4,22 @@ steady state pairs the forward of one chunk with the backward of the other; Dual
 overlaps each pair's computation with the other's communication on a GPU, and here the
 pair runs one after the other (F, then B). The start and the end split the backward into
 I and W to fill the ramps. Needs microbatches >= 2p (the number of stages).
+
+Bubble. DeepSeek-V3's Table 2 gives DualPipe (PP/2-1)(F&B+B-3W), B the full backward and
+F&B one overlapped forward-backward pair; the DualPipe repository gives DualPipeV the same
+with PP the number of stages (2p here): `paper_idle`, (p-1)(F&B+B-3W) per rank. It is the
+idle time of these lists when each pair runs as one unit (it starts once both its inputs
+are there, and both results leave at its end), with F&B = T_F + T_B and T_I >= max(T_F, T_W)
+(tests/test_bubble_forms.py). The pair is not overlapped here: F runs, its activation
+leaves, then B, so the ramps wait less and the schedule model idles less than that form
+(T_F = T_I = T_W: p-1 units against 2(p-1)). The declared bubble is the schedule model's.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, register
+from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, Schedule, Violation, modelled, register
 from framework.parallel.pipeline.schedules.zero_bubble import simulated
 
 
@@ -72,6 +81,14 @@ def dualpipev(pp: int, m: int, v: int = 2, steps: int = 1) -> dict[int, list[Act
     return {r: _rank(pp, m, r) for r in range(pp)}
 
 
+def paper_idle(p: int, t: OpTimes, f_and_b: float | None = None) -> float:
+    """(PP/2 - 1)(F&B + B - 3W) with PP = 2p stages: DeepSeek-V3 (arXiv 2412.19437) Table 2,
+    in chunk times, B = T_I + T_W the full backward; `f_and_b` the overlapped pair's time,
+    by default T_F + T_B (no overlap, as the pairs run here)."""
+    fb = t.F + t.B if f_and_b is None else f_and_b
+    return (p - 1) * (fb + t.B - 3 * t.W)
+
+
 def _check(pp: int, m: int, v: int) -> Violation | None:
     if m < 2 * pp:
         return Violation("schedule.microbatches", f"dualpipev needs at least as many micro-batches as stages "
@@ -84,4 +101,4 @@ register(Schedule(
     preset_chunks=2, constraint=_check,
     doc="DualPipeV's order: 2 chunks per rank in a V; the steady state's forward/backward pairs of the two "
         "chunks run one after the other (DualPipe's F/B overlap is not built)",
-    bubble=simulated(dualpipev, "v"), memory_bound=lambda pp, m, v, r: 2 * pp + 1))
+    bubble=simulated(dualpipev, "v"), bubble_source=modelled, memory_bound=lambda pp, m, v, r: 2 * pp + 1))

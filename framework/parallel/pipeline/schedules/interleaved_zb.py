@@ -8,7 +8,7 @@ max(1, m // p) rounds). Loop placement: chunk c of rank r is stage c*p + r.
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, register
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, modelled, register
 from framework.parallel.pipeline.schedules.zero_bubble import simulated
 
 
@@ -72,6 +72,6 @@ register(Schedule(
     name="interleaved-zb", generate=interleaved_zb, ops=frozenset({Op.F, Op.I, Op.W}), min_chunks=2,
     max_chunks=None, preset_chunks=2, constraint=_check,
     doc="interleaved zero bubble (ZB1P, torch's ScheduleInterleavedZeroBubble): v >= 2 chunks, split backward",
-    bubble=simulated(interleaved_zb),
+    bubble=simulated(interleaved_zb), bubble_source=modelled,
     # warm-up, one more forward, and rank r's r deferred W's: (v-1)*per_round + p
     memory_bound=lambda pp, m, v, r: min((v - 1) * _rounds(pp, m)[1] + pp, m * v)))

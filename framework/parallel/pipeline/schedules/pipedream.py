@@ -45,14 +45,15 @@ def _bubble(p: int, m: int, v: int = 1, times=None, steps: int = 1) -> float:
     return (p - 1) / (steps * m + p - 1) if p > 1 else 0.0
 
 
+RUN_FORMULA = "(p-1)/(N+p-1) over the run, N = steps*m: one fill and one drain"
 register(Schedule(
     name="1f1b", generate=lambda pp, m, v=1, steps=1: _async(pp, m, steps, lambda j: True),
-    ops=frozenset({Op.F, Op.B, Op.U}), bubble=_bubble, memory_bound=lambda pp, n, v, r: min(pp - r, n),
+    ops=frozenset({Op.F, Op.B, Op.U}), bubble=_bubble, bubble_formula=RUN_FORMULA, memory_bound=lambda pp, n, v, r: min(pp - r, n),
     doc="PipeDream 1F1B (asynchronous): an update after every micro-batch, weight stashing",
     asynchronous=AsyncRule(version_of=version_1f1b, updates_per_step=lambda m: m, microbatch_weight=lambda m: 1.0)))
 register(Schedule(
     name="2bw", generate=lambda pp, m, v=1, steps=1: _async(pp, m, steps, lambda j: (j + 1) % m == 0),
-    ops=frozenset({Op.F, Op.B, Op.U}), bubble=_bubble, memory_bound=lambda pp, n, v, r: min(pp - r, n),
+    ops=frozenset({Op.F, Op.B, Op.U}), bubble=_bubble, bubble_formula=RUN_FORMULA, memory_bound=lambda pp, n, v, r: min(pp - r, n),
     doc="PipeDream-2BW (asynchronous): one update per step from two weight versions",
     asynchronous=AsyncRule(version_of=version_2bw, updates_per_step=lambda m: 1, microbatch_weight=lambda m: 1.0 / m),
     constraint=lambda pp, m, v: None if m >= pp else Violation(

@@ -7,7 +7,7 @@ T_F = T_I = T_W.
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, register
+from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, modelled, register
 from framework.parallel.pipeline.schedules.zero_bubble import simulated
 
 
@@ -57,4 +57,4 @@ def zbv(pp: int, m: int, v: int = 2, steps: int = 1) -> dict[int, list[Action]]:
 register(Schedule(
     name="zbv", generate=zbv, ops=frozenset({Op.F, Op.I, Op.W}), placement="v", chunks=2, preset_chunks=2,
     doc="ZB-V: 2 chunks per rank in a V, split backward; zero bubble at p micro-batches when T_F=T_I=T_W",
-    bubble=simulated(zbv, "v"), memory_bound=lambda pp, m, v, r: min(2 * pp, 2 * m)))
+    bubble=simulated(zbv, "v"), bubble_source=modelled, memory_bound=lambda pp, m, v, r: min(2 * pp, 2 * m)))

@@ -3,20 +3,22 @@
 The backward is split into I (the stage input's gradient, sent at once) and W (the weight
 gradients, which nothing downstream waits for), so W can fill 1F1B's bubble.
 - zbh1: 1F1B's warm-up and activation memory (p micro-batches on rank 0); rank r defers
-  its first r W's, filling the cool-down. Paper, Table 2: idle (p-1)(T_F+T_I-T_W) per rank
-  (here floored by the flush's fill, (p-1)T_F: `flushed_idle`).
+  its first r W's, filling the cool-down. Paper, Table 2: idle (p-1)(T_F+T_B-T_W) per rank,
+  its T_B our T_I (`zbh1_idle`; here floored by the flush's fill, (p-1)T_F: `flushed_idle`).
 - zbh2: up to 2p-1 micro-batches alive, more forwards in the warm-up; built by the paper's
   greedy rule in unit time (at each free moment: I if its gradient is there, else F if
-  the memory limit allows, else the oldest pending W). Paper: idle (p-1)(T_F+T_I-2T_W),
-  floored likewise; the order is the same for any times (it is built once, in unit time).
-Both flush: one synchronous update per step.
+  the memory limit allows, else the oldest pending W). Paper: idle (p-1)(T_F+T_B-2T_W)
+  (`zbh2_idle`), floored likewise; the order is the same for any times (built once, in unit time).
+Both flush: one synchronous update per step. Their declared bubble is that closed form for
+m >= p (ZB-H1) or 2p-1 (ZB-H2), where it equals the schedule model; below, the schedule model.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, Schedule, StageMap, register
+from framework.parallel.pipeline.schedules.base import (CLOSED_FORM, SCHEDULE_MODEL, Action, Op, OpTimes, Schedule,
+                                                      StageMap, register)
 
 
 def zbh1(pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
@@ -112,42 +114,62 @@ def zbh2(pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]
 
 
 def simulated(generate, placement: str = "loop"):
-    """An analytic bubble from the schedule's own dependency graph and the given op times
-    (no communication cost): for schedules without a closed form."""
+    """The schedule model's bubble: the idle share of the schedule's own dependency graph run
+    on the unit-time clock with the given op times and no communication cost. A simulation,
+    not a formula: a schedule using it declares `bubble_source=modelled` (SCHEDULE_MODEL)."""
     def bubble(p: int, m: int, v: int = 1, times: OpTimes = OpTimes(), steps: int = 1) -> float:
         from framework.sim.clock import simulated_bubble  # simulate imports this package's base
         return simulated_bubble(generate(p, m, v, steps), StageMap(p, v, placement), times) if p > 1 else 0.0
     return bubble
 
 
-def flushed_idle(p: int, t: OpTimes, w_per_fill: int) -> float:
-    """Idle time per rank: the paper's Table 2, (p-1)(T_F + T_I - k T_W) with k = 1 (ZB-H1)
-    or 2 (ZB-H2), floored by (p-1) T_F: in a flushing step the last rank cannot start
-    before p-1 forwards, and the paper goes below that only by starting the next
-    iteration before the optimizer step (its post-validation), which a flush forbids."""
-    return (p - 1) * max(t.F + t.I - w_per_fill * t.W, t.F)
+def zbh1_idle(p: int, t: OpTimes) -> float:
+    """ZB-H1's bubble time per pipeline, Qi et al. (ICLR 2024, arXiv 2401.10241), Table 2:
+    (p-1)(T_F + T_B - T_W), the paper's T_B being the backward for the input (here T_I)."""
+    return (p - 1) * (t.F + t.I - t.W)
 
 
-def _closed_form(w_per_fill: int, min_m, generate):
-    """The closed form where it equals the schedule's dependency graph (m >= min_m(p),
-    tests/test_schedules.py), the graph itself below that."""
+def zbh2_idle(p: int, t: OpTimes) -> float:
+    """ZB-H2's, ibid.: (p-1)(T_F + T_B - 2T_W) (zero at T_F = T_B = T_W)."""
+    return (p - 1) * (t.F + t.I - 2 * t.W)
+
+
+def flushed_idle(p: int, t: OpTimes, paper) -> float:
+    """Idle time per rank of a flushing step: the paper's form (`zbh1_idle`, `zbh2_idle`),
+    floored by (p-1) T_F: the last rank cannot start before p-1 forwards, and the paper goes
+    below that only by starting the next iteration before the optimizer step (its
+    post-validation), which a flush forbids. The floor binds when T_I < k T_W (k = 1, 2)."""
+    return max(paper(p, t), (p - 1) * t.F)
+
+
+def _closed_form(paper, min_m, generate):
+    """(bubble, bubble_source): the closed form where it equals the schedule's dependency
+    graph (m >= min_m(p), tests/test_bubble_forms.py), the schedule model below that."""
     graph = simulated(generate)
+
+    def source(p: int, m: int, v: int = 1) -> str:
+        return CLOSED_FORM if p == 1 or m >= min_m(p) else SCHEDULE_MODEL
 
     def bubble(p: int, m: int, v: int = 1, times: OpTimes = OpTimes(), steps: int = 1) -> float:
         if p == 1:
             return 0.0
-        if m < min_m(p):
+        if source(p, m, v) == SCHEDULE_MODEL:
             return graph(p, m, v, times, steps)
-        idle = flushed_idle(p, times, w_per_fill)
+        idle = flushed_idle(p, times, paper)
         return idle / (m * (times.F + times.I + times.W) + idle)
-    return bubble
+    return bubble, source
 
 
+_ZBH1, _ZBH2 = _closed_form(zbh1_idle, lambda p: p, zbh1), _closed_form(zbh2_idle, lambda p: 2 * p - 1, zbh2)
 register(Schedule(
     name="zbh1", generate=zbh1, ops=frozenset({Op.F, Op.I, Op.W}),
     doc="ZB-H1: 1F1B's memory, W fills the cool-down; idle (p-1)max(T_F+T_I-T_W, T_F)",
-    bubble=_closed_form(1, lambda p: p, zbh1), memory_bound=lambda pp, m, v, r: min(pp, m)))
+    bubble=_ZBH1[0], bubble_source=_ZBH1[1], memory_bound=lambda pp, m, v, r: min(pp, m),
+    bubble_formula="idle (p-1)max(T_F+T_I-T_W, T_F) for m >= p (below, the schedule model): (p-1)(T_F+T_B-T_W) "
+                   "of Qi et al., arXiv 2401.10241, Table 2 (T_B: its input backward), floored by the flush's fill"))
 register(Schedule(
     name="zbh2", generate=zbh2, ops=frozenset({Op.F, Op.I, Op.W}),
     doc="ZB-H2: 2p-1 micro-batches alive, W fills warm-up and cool-down; idle (p-1)max(T_F+T_I-2T_W, T_F)",
-    bubble=_closed_form(2, lambda p: 2 * p - 1, zbh2), memory_bound=lambda pp, m, v, r: min(2 * pp - 1, m)))
+    bubble=_ZBH2[0], bubble_source=_ZBH2[1], memory_bound=lambda pp, m, v, r: min(2 * pp - 1, m),
+    bubble_formula="idle (p-1)max(T_F+T_I-2T_W, T_F) for m >= 2p-1 (below, the schedule model): "
+                   "(p-1)(T_F+T_B-2T_W) of Qi et al., arXiv 2401.10241, Table 2, floored by the flush's fill"))
