@@ -1,6 +1,6 @@
 """The schedule's bubble: a closed form where a paper gives one that holds here, else the
 schedule model (its own lists on the unit-time clock, framework/sim/clock.py), and every
-report says which.
+report says which; a run's `predicted_*` is a replay of its own durations, and reads so.
 
 The closed forms are tested against the schedule model's idle time per rank (the step's
 end minus a rank's compute), within the conditions they hold in (docs/schedules.md):
@@ -15,6 +15,9 @@ end minus a rank's compute), within the conditions they hold in (docs/schedules.
 """
 
 from __future__ import annotations
+
+import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -179,3 +182,52 @@ def test_the_console_and_the_dry_run_say_schedule_model_where_the_bubble_is_simu
             "bubble_fraction_analytic": 0.125, "bubble_analytic_source": SCHEDULE_MODEL, "schedule_grid": "",
             "global_batch": 4, "tokens_per_step": 64}
     assert "schedule model bubble 0.125 at T_F = T_I = T_W" in render_plan(plan)
+
+
+def test_the_timeline_and_the_dashboard_call_a_runs_own_simulation_a_replay(tmp_path, monkeypatch):
+    from framework.metrics import timeline
+    from framework.report.dashboard import Job, bubble_figure, table_html, timeline_figure
+
+    records = [[("F0", 0.0, 0.0, 1.0), ("B0", 2.0, 2.0, 4.0)], [("F0", 1.0, 1.0, 2.0), ("B0", 2.0, 2.0, 3.0)]]
+    titles = []
+    monkeypatch.setattr(timeline, "render_timeline", lambda recs, path, title, pred, pred_title: titles.extend(
+        [title, pred_title]))
+    monkeypatch.setattr("framework.sim.replay.timeline_records", lambda prediction: records)
+    run = SimpleNamespace(schedule=SimpleNamespace(name="zbv", microbatches=1, virtual_stages=2),
+                          parallelism=SimpleNamespace(pp=2))
+    summary = {"step_time_s": 0.004, "bubble_fraction": 0.3, "predicted_step_time_s": 0.0041,
+               "predicted_step_time_error": 0.025, "predicted_bubble_fraction": 0.28,
+               "bubble_analytic_source": SCHEDULE_MODEL, "bubble_fraction_analytic": 0.25,
+               "predicted_bubble_error": -0.02, "timeline_step": 1}
+    timeline.write_run_timeline(run, str(tmp_path), {1: records},
+                                [{"step": 1, "step_time_s": 0.004, "bubble_fraction": 0.3,
+                                  "bubble_fraction_analytic": 0.25}], summary, object(), None)
+    assert "measured 0.300, schedule model 0.250" in titles[0]
+    assert titles[1].startswith("replay of this run (the simulator at its own mean durations): step 4.1 ms")
+    assert "predict" not in titles[1]
+
+    job = Job({"job": "0", "status": "completed"}, "0: zbv", summary, [], tmp_path)
+    flush = Job({"job": "1", "status": "completed"}, "1: flush", {**summary, "bubble_analytic_source": CLOSED_FORM})
+    fig = bubble_figure([job, flush])
+    assert [d.name for d in fig.data] == ["measured", "replay (simulator, the run's own durations)",
+                                          "schedule's: closed form or schedule model"]
+    assert list(fig.data[2].text) == ["25.0% (schedule model)", "25.0%"]
+    assert "predict" not in fig.layout.title.text
+    fig = timeline_figure(job)
+    assert "schedule model 25.0%, replay 28.0% (step time +2.5% vs measured)" in fig.layout.title.text
+    assert {"rank 0", "rank 1", "replay rank 0", "replay rank 1"} == set(fig.layout.yaxis.categoryarray)
+    assert list(fig.layout.yaxis.categoryarray)[-1] == "replay rank 1"  # the replay's rows under the measured
+    table = table_html([job.row, flush.row], [job, flush])
+    assert "25.0% (schedule model)" in table and "bubble (the schedule&#x27;s: closed form, or schedule model)" in table
+    assert json.loads((tmp_path / "predicted_trace.json").read_text())["traceEvents"]  # the file keeps its name
+
+
+def test_the_simulate_cli_calls_the_jobs_own_layout_a_replay_and_others_predictions():
+    from framework.sim.cli import describe
+
+    result = {"schedule": "flush", "pp": 2, "microbatches": 4, "virtual_stages": 1, "source": "outputs/a",
+              "rescaled": False, "replay": True, "predicted_step_time_s": 0.1, "predicted_tokens_per_s": 1e4,
+              "predicted_bubble_fraction": 0.2, "predicted_rank_bubble_fraction": [], "predicted_activation_peak_bytes": []}
+    assert describe(result).startswith("flush pp=2 m=4 v=1 (replay of outputs/a): step 100.0 ms")
+    assert "(predicted from outputs/a): " in describe({**result, "replay": False, "microbatches": 8})
+    assert "(predicted from outputs/a, rescaled): " in describe({**result, "replay": False, "rescaled": True})

@@ -66,17 +66,18 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
     titles = re.findall(r'class="gtitle"[^>]*>([^<]*)<', dom)
     assert len(titles) == len(re.findall(r'class="plot-container plotly"', dom)) == 5, titles
     assert titles[:4] == ["Loss against step (training loss lines; held-out val_loss markers)", "Throughput per job",
-                          "Pipeline bubble per job: measured (mean over ranks), the simulator's replay, and analytic",
+                          "Pipeline bubble per job: measured (mean over ranks), the simulator's replay of each run, and "
+                          "the schedule's (closed form or schedule model)",
                           "Memory per rank: model states and the activation peak, against the formulas"]
     assert titles[4].startswith("2: parallelism=pp2: step ")  # the timeline of the pipeline job
-    assert ", predicted " in titles[4] and "vs measured)" in titles[4]  # the simulator's step under it
+    assert ", replay " in titles[4] and "vs measured)" in titles[4]  # the simulator's replay of the step under it
     legends = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
     names = ["0: parallelism=single", "1: parallelism=dp2", "2: parallelism=pp2"]
     assert set(names) <= legends and {f"{n} (val_loss)" for n in names} <= legends
     assert {"parameters", "gradients", "optimizer states", "activations (peak)", "this configuration's formula",
             "the ZeRO paper's form",
-            "forward", "backward", "predicted (simulator replay)"} <= legends
-    assert "predicted rank 1" in dom  # the predicted step's rows under the measured ones
+            "forward", "backward", "replay (simulator, the run's own durations)"} <= legends
+    assert "replay rank 1" in dom  # the replayed step's rows under the measured ones
     bar_texts = set(re.findall(r'class="bartext[^"]*"[^>]*>(?:<[^>]*>)*([^<]+)<', dom))
     table = dom[dom.index('<table id="jobs">'):dom.index("</table>")]
     for job, name in enumerate(names):

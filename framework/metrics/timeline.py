@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from framework.parallel.pipeline.schedules import Action
+from framework.metrics.bubble import analytic_label
+from framework.parallel.pipeline.schedules import CLOSED_FORM, Action
 
 Record = tuple[str, float, float, float]  # action, start, compute_start, end
 
@@ -68,8 +69,8 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str,
                     predicted: Optional[list[list[Record]]] = None, predicted_title: str = "") -> None:
     """Gantt chart of one step, coloured by micro-batch: forwards light, backwards (B) dark,
     a split backward's I dark and hatched `//`, its W light and hatched `..`; updates grey.
-    `predicted`: the simulator's replay of the step (per pipeline rank), drawn underneath
-    on the same time axis."""
+    `predicted`: a simulated step (per pipeline rank; a run's own: the simulator's replay of
+    its durations), drawn underneath on the same time axis."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a training node
@@ -107,8 +108,9 @@ def _gantt(ax, per_rank: list[list[Record]], cmap) -> None:
 def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], summary: dict, prediction,
                        wandb_run, comm: Optional[dict] = None) -> None:
     """A pipeline run's trace.json (the kept steps, `kept_steps`), predicted_trace.json (the
-    simulator's replay, when there is one) and timeline.png (of the kept measured steps, the
-    one with the median step time); both to W&B when it logs. `measured`: the rows after
+    simulator's replay of this run's own durations, when there is one: a replay, though the
+    file keeps its name) and timeline.png (of the kept measured steps, the one with the
+    median step time); both to W&B when it logs. `measured`: the rows after
     warm-up. Sets summary["timeline_step"]."""
     import os
 
@@ -121,13 +123,14 @@ def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], s
     png = os.path.join(job_dir, "timeline.png")
     title = (f"{run.schedule.name}, pp={run.parallelism.pp}, m={run.schedule.microbatches}, "
              f"v={run.schedule.virtual_stages}: step {chosen} (median step time of {len(measured)}) | bubble "
-             f"measured {median_row['bubble_fraction']:.3f}, analytic {median_row['bubble_fraction_analytic']:.3f} "
-             "(at its op times)")
+             f"measured {median_row['bubble_fraction']:.3f}, "
+             f"{analytic_label(summary.get('bubble_analytic_source', CLOSED_FORM))} "
+             f"{median_row['bubble_fraction_analytic']:.3f} (at its op times)")
     predicted = None if prediction is None else timeline_records(prediction)
     if predicted is not None:
         write_trace({chosen: predicted}, os.path.join(job_dir, "predicted_trace.json"))
     render_timeline(actions[chosen], png, title, predicted,
-                    f"predicted (replay of the run's mean durations): step "
+                    f"replay of this run (the simulator at its own mean durations): step "
                     f"{summary.get('predicted_step_time_s', 0) * 1e3:.1f} ms vs measured median "
                     f"{summary['step_time_s'] * 1e3:.1f} ms ({summary.get('predicted_step_time_error', 0):+.1%}) | "
                     f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}")

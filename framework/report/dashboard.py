@@ -8,11 +8,12 @@ attachment) and needs no server. It holds, for the jobs of the sweep:
     in work per step, model config or parameter count; then the best job);
   - loss against step, every completed job overlaid (held-out val_loss as markers);
   - tokens/s and MFU per job;
-  - measured against analytic pipeline bubble per job;
+  - measured pipeline bubble per job, beside the simulator's replay of the run's own durations
+    and the schedule's declared bubble (a closed form, or its schedule model: a simulation);
   - per-rank memory, stacked: parameters, gradients, optimizer states, activations (the peak
     of saved activations), with the ZeRO paper's formula for the rank's model states marked;
   - each pipeline job's timeline: the step `timeline_step` of summary.json (the measured
-    step with the median time), from trace.json, one row per rank;
+    step with the median time), from trace.json, one row per rank, and its replay under it;
   - MoE jobs only: expert load heat maps, load imbalance, all-to-all share (dashboard_moe.py).
 Only completed jobs are plotted; every job is in the table. Each job has one label
 everywhere: its number and overrides.
@@ -24,10 +25,13 @@ import html
 import json
 from pathlib import Path
 
+from framework.metrics.bubble import analytic_label
+from framework.parallel.pipeline.schedules import CLOSED_FORM, SCHEDULE_MODEL
 from framework.report.dashboard_moe import moe_section
 from framework.report.dashboard_parts import Job, _layout, byte_unit, fmt_bytes, fmt_number, fmt_percent  # noqa: F401 (re-exported)
 
 PAGE = "report.html"
+REPLAY_ROW = "replay rank"  # the timeline rows of the simulator's replay of the job's own durations
 LABEL_CHARS = 60
 # Forward light, backward dark (as timeline.png), updates grey, waits pale: idle shows as idle.
 ACTION_COLOURS = {"F": "#9ecae1", "B": "#2171b5", "I": "#08519c", "W": "#fd8d3c", "U": "#969696", "wait": "#f0f0f0"}
@@ -79,10 +83,11 @@ def _metrics(path: Path) -> list[dict]:
 
 def _timeline_events(job: Job) -> list[dict]:
     """trace.json's compute and wait slices of the timeline step (pipelines only), then the
-    simulator's replay of that step (predicted_trace.json), on rows named `predicted rank r`."""
+    simulator's replay of that step at the run's own durations (predicted_trace.json), on rows
+    named `replay rank r`."""
     step = job.summary.get("timeline_step")
     out = []
-    for name, prefix in (("trace.json", "rank"), ("predicted_trace.json", "predicted rank")):
+    for name, prefix in (("trace.json", "rank"), ("predicted_trace.json", REPLAY_ROW)):
         try:
             trace = json.loads((job.folder / name).read_text())
         except (OSError, ValueError):
@@ -136,12 +141,15 @@ def bubble_figure(jobs: list[Job]):
     names = [j.label for j in jobs]
     fig = go.Figure()
     for key, name, colour in (("bubble_fraction", "measured", "#31a354"),
-                              ("predicted_bubble_fraction", "predicted (simulator replay)", "#9ecae1"),
-                              ("bubble_fraction_analytic", "analytic", "#bdbdbd")):
+                              ("predicted_bubble_fraction", "replay (simulator, the run's own durations)", "#9ecae1"),
+                              ("bubble_fraction_analytic", "schedule's: closed form or schedule model", "#bdbdbd")):
         values = [j.summary.get(key) for j in jobs]
-        fig.add_trace(go.Bar(x=names, y=values, name=name, text=[fmt_percent(v) for v in values],
-                             marker_color=colour))
-    return _layout(fig, "Pipeline bubble per job: measured (mean over ranks), the simulator's replay, and analytic", barmode="group",
+        text = [fmt_percent(v) + (" (schedule model)" if key == "bubble_fraction_analytic" and
+                                  j.summary.get("bubble_analytic_source") == SCHEDULE_MODEL else "")
+                for j, v in zip(jobs, values, strict=True)]
+        fig.add_trace(go.Bar(x=names, y=values, name=name, text=text, marker_color=colour))
+    return _layout(fig, "Pipeline bubble per job: measured (mean over ranks), the simulator's replay of each run, and "
+                   "the schedule's (closed form or schedule model)", barmode="group",
                    yaxis_title="idle share of the step", yaxis_tickformat=".0%", height=460)
 
 
@@ -192,11 +200,12 @@ def timeline_figure(job: Job):
             hovertemplate="%{text} %{x:.1f} ms from %{base:.1f} ms<extra>" + ACTION_NAMES[cat] + "</extra>"))
     s = job.summary
     title = (f"{job.label}: step {s.get('timeline_step')} (median step time) | bubble measured "
-             f"{fmt_percent(s.get('bubble_fraction'))}, analytic {fmt_percent(s.get('bubble_fraction_analytic'))}"
-             + (f", predicted {fmt_percent(s['predicted_bubble_fraction'])} (step time "
+             f"{fmt_percent(s.get('bubble_fraction'))}, {analytic_label(s.get('bubble_analytic_source', CLOSED_FORM))} "
+             f"{fmt_percent(s.get('bubble_fraction_analytic'))}"
+             + (f", replay {fmt_percent(s['predicted_bubble_fraction'])} (step time "
                 f"{s['predicted_step_time_error']:+.1%} vs measured)" if s.get("predicted_step_time_error") is not None
                 else ""))
-    rows = sorted({e["row"] for e in events}, key=lambda r: (r.startswith("predicted"), int(r.split()[-1])))
+    rows = sorted({e["row"] for e in events}, key=lambda r: (r.startswith(REPLAY_ROW), int(r.split()[-1])))
     return _layout(fig, title, barmode="overlay", xaxis_title="ms from the step's first action",
                    yaxis=dict(autorange="reversed", categoryorder="array",
                               categoryarray=rows),
@@ -211,7 +220,7 @@ TABLE = (("job", "job", str), ("own_overrides", "overrides (beyond the common on
          ("loss", "loss", fmt_number),
          ("val_loss", "val_loss", fmt_number), ("tokens_per_s", "tokens/s", fmt_number), ("mfu", "MFU", fmt_percent),
          ("bubble_fraction", "bubble (measured)", fmt_percent),
-         ("bubble_fraction_analytic", "bubble (analytic)", fmt_percent),
+         ("bubble_schedule", "bubble (the schedule's: closed form, or schedule model)", str),
          ("memory_peak_bytes", "peak memory", fmt_bytes), ("reason", "reason", str))
 
 
@@ -223,6 +232,9 @@ def table_html(rows: list[dict], jobs: list[Job]) -> str:
     for row in rows:
         own = " ".join(o for o in (row.get("overrides") or "").split() if o not in common)
         values = {**row, **summaries.get(row["job"], {}), "own_overrides": own}
+        if values.get("bubble_fraction_analytic") is not None:
+            values["bubble_schedule"] = fmt_percent(values["bubble_fraction_analytic"]) + (
+                " (schedule model)" if values.get("bubble_analytic_source") == SCHEDULE_MODEL else "")
         cells = "".join(f"<td>{html.escape(fmt(values[key]) if values.get(key) is not None else '')}</td>"
                         for key, _, fmt in TABLE)
         body.append(f'<tr class="status-{html.escape(str(row.get("status")))}">{cells}</tr>')

@@ -9,9 +9,10 @@ link latency, time outside the pipeline, activation bytes; framework/sim/calibra
 is rescaled to the target partition (framework/sim/whatif.py) and the target schedule's
 real plan is run through the clock (framework/sim/clock.py). Prints the
 predicted step time, bubble and activation peak per rank; `--png` draws the predicted
-Gantt chart. With no override it replays the job itself (its own prediction, beside its
-measurement). `dry_run=true sim.from=<job dir>` puts the same prediction in the dry-run
-plan; `search.mode=simulate` ranks a sweep's candidates by it (docs/simulator.md).
+Gantt chart. With no override it replays the job itself (`replay: true`: its own durations
+on its own layout, beside its measurement; a prediction is of a layout not run).
+`dry_run=true sim.from=<job dir>` puts the same prediction in the dry-run plan;
+`search.mode=simulate` ranks a sweep's candidates by it (docs/simulator.md).
 
 `parallelism.ep` (MoE models): each stage's forward and backward move by the all-to-all of
 the target ep minus the job's (framework/sim/alltoall.py: its volume, and its time from
@@ -130,12 +131,14 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
     if a2a["changed"]:  # another ep: each stage's F and backward carry its MoE layers' all-to-all change
         used = shift_stages(used, tmap.stage, blocks, a2a["delta"])
     pred = replay(used, sched, p, m, v, dst.trainer.steps, rules_for(summary.get("device", "cpu")))
-    return _result(job_dir, dst, pred, not same or a2a["changed"], a2a)
+    own = same and m == src.schedule.microbatches and not a2a["changed"]  # the job's own layout: a replay
+    return _result(job_dir, dst, pred, not same or a2a["changed"], a2a, own)
 
 
-def _result(job_dir: str, dst: RunConfig, pred: Predicted, rescaled: bool, a2a: dict) -> dict:
+def _result(job_dir: str, dst: RunConfig, pred: Predicted, rescaled: bool, a2a: dict, replay: bool) -> dict:
+    """`replay`: the job's own layout at its own durations (a replay of it, not a prediction)."""
     p = dst.parallelism
-    return {"source": job_dir, "schedule": dst.schedule.name, "pp": p.pp, "ep": p.ep,
+    return {"source": job_dir, "replay": replay, "schedule": dst.schedule.name, "pp": p.pp, "ep": p.ep,
             "microbatches": dst.schedule.microbatches, "virtual_stages": dst.schedule.virtual_stages,
             "tokens_per_step": dst.tokens_per_step, **pred.keys(),
             "predicted_tokens_per_s": dst.tokens_per_step / pred.step_time_s,
@@ -168,7 +171,7 @@ def _flat_what_if(job_dir: str, src: RunConfig, cal: Calibration, dst: RunConfig
     m_src, m = src.schedule.microbatches, dst.schedule.microbatches
     extra = moe_layers(dst) * m * (a2a["delta"]["F"] + a2a["delta"]["B"])
     pred = flat_replay(cal, m / m_src, extra)
-    return _result(job_dir, dst, pred, m != m_src or a2a["changed"], a2a)
+    return _result(job_dir, dst, pred, m != m_src or a2a["changed"], a2a, m == m_src and not a2a["changed"])
 
 
 def auto_op_times(job_dir: str, target: RunConfig) -> dict:
@@ -203,7 +206,8 @@ def fill_measured_times(run: RunConfig, job_dir: str) -> None:
 def describe(result: dict) -> str:
     ep = f" ep={result['ep']}" if result.get("ep", 1) > 1 or "a2a_model" in result else ""
     lines = [f"{result['schedule']} pp={result['pp']}{ep} m={result['microbatches']} v={result['virtual_stages']} "
-             f"(from {result['source']}{', rescaled' if result['rescaled'] else ', replayed'}): "
+             f"({'replay of' if result.get('replay') else 'predicted from'} {result['source']}"
+             f"{', rescaled' if result['rescaled'] else ''}): "
              f"step {result['predicted_step_time_s'] * 1e3:.1f} ms | {result['predicted_tokens_per_s']:,.0f} tokens/s "
              f"| bubble {result['predicted_bubble_fraction']:.3f}"]
     if "a2a_model" in result:
@@ -238,7 +242,8 @@ def main(argv: list[str]) -> int:
         print("config error: --png: a pp = 1 prediction has no pipeline timeline to draw", file=sys.stderr)
         return 2
     if args.png:
-        draw(pred, args.png, f"predicted: {result['schedule']} pp={result['pp']} m={result['microbatches']} "
+        draw(pred, args.png, f"{'replay' if result['replay'] else 'predicted'}: {result['schedule']} pp={result['pp']} "
+             f"m={result['microbatches']} "
              f"v={result['virtual_stages']}, step {result['predicted_step_time_s'] * 1e3:.1f} ms, "
              f"bubble {result['predicted_bubble_fraction']:.3f}")
     return 0
