@@ -156,7 +156,7 @@ def test_dualpipes_formula_is_its_paired_execution_and_the_schedule_model_idles_
     # T_F = T_I = T_W: the model idles p-1 units, the paper's form (no overlap) 2(p-1)
     for p in range(2, 7):
         assert _model_idle("dualpipev", p, 3 * p, 2, OpTimes())[0] == p - 1 == dualpipe_idle(p, OpTimes()) / 2
-    # outside the condition the paired execution leaves the form too (W > I: the W's stop fitting)
+    # outside the condition (here T_W > T_I) the paired execution idles more than the form
     t = OpTimes(1, 1, 2)
     lists = build_schedule("dualpipev", 4, 8, 2)
     assert _idle(_pair_clock(lists, StageMap(4, 2, "v"), t, t.F + t.B), 16 * t.B)[0] > dualpipe_idle(4, t)
