@@ -2,6 +2,7 @@
 sweep's jobs on one machine report the same peak (framework/metrics/peak.py)."""
 
 import json
+import math
 import warnings
 from types import SimpleNamespace
 
@@ -129,10 +130,21 @@ def test_mfu_above_one_is_reported_loudly(capsys):
     info = RunInfo(None, 256, 64, flops_per_token=1e6, peak_flops_per_rank=1e9, peak_source="table",
                    bubble_fraction_analytic=0.0)
     logger = SimpleNamespace(info=info, run=SimpleNamespace(world_size=2))
-    assert RunLogger._mfu(logger, 3, tokens_per_s=1000) == (5e-4, 0.5)  # 1e9 FLOP/s over 2 ranks of 1e9
+    assert RunLogger._mfu(logger, 3, tokens_per_s=1000, dropped=0.0) == (5e-4, 0.5)  # 1e9 FLOP/s over 2 ranks of 1e9
     assert capsys.readouterr().err == ""
-    assert RunLogger._mfu(logger, 7, tokens_per_s=3000)[1] == 1.5
+    assert RunLogger._mfu(logger, 7, tokens_per_s=3000, dropped=0.0)[1] == 1.5
     assert "WARNING: step 7: mfu 1.500 > 1 against a peak of 0.001 TFLOP/s per rank (table)" in capsys.readouterr().err
+
+
+def test_mfu_counts_only_the_expert_assignments_a_step_executed():
+    """A MoE step that dropped half its assignments is credited half the routed experts' FLOPs:
+    1e6 per token of which 4e5 are the experts', so 8e5 executed."""
+    info = RunInfo(None, 256, 64, flops_per_token=1e6, peak_flops_per_rank=1e9, peak_source="table",
+                   bubble_fraction_analytic=0.0, expert_flops_per_token=4e5)
+    logger = SimpleNamespace(info=info, run=SimpleNamespace(world_size=2))
+    tflops, achieved = RunLogger._mfu(logger, 3, tokens_per_s=1000, dropped=0.5)
+    assert math.isclose(tflops, 4e-4, rel_tol=1e-12) and math.isclose(achieved, 0.4, rel_tol=1e-12)
+    assert RunLogger._mfu(logger, 3, tokens_per_s=1000, dropped=0.0) == (5e-4, 0.5)
 
 
 def test_fp64_reports_no_mfu(tmp_path, capfd):
