@@ -14,6 +14,7 @@ everything: one line, exit 130 / 143. The job's console also goes to its run.log
 
 import importlib.util
 import math
+import os
 import sys
 
 import hydra
@@ -29,6 +30,7 @@ from framework.launch.diagnosis import RankFailure
 from framework.report.progress import console_to_run_log
 from framework.launch.signals import StopSignals, Stopped
 from framework.sim.sweep import OBJECTIVES as SIMULATED_OBJECTIVES
+from framework.validate.overrides import check_command_line
 
 
 def name_run(run: RunConfig, hc) -> None:
@@ -107,6 +109,17 @@ def sweeper_installed(argv: list[str]) -> bool:
     return False
 
 
+def overrides_known(argv: list[str]) -> bool:
+    """Every key and group option on the command line exists (framework/validate/overrides.py):
+    told before Hydra composes, which would word it its own way."""
+    try:
+        check_command_line(argv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def _finished(cfg: DictConfig, job_dir: str) -> bool:
     """A finished job relaunched as it was with trainer.resume=auto keeps its files
     (framework.launch.job says so and runs nothing)."""
@@ -128,7 +141,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    if not sweeper_installed(sys.argv[1:]):
+    if not sweeper_installed(sys.argv[1:]) or not overrides_known(sys.argv[1:]):
         sys.exit(1)
     StopSignals().install()  # Ctrl-C and SIGTERM raise Stopped, wherever this process is
     try:

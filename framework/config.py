@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, problem: str, fix: str):
         self.key, self.value = key, value
-        super().__init__(f"{key}={value!r}: {problem}. Fix: {fix}")
+        end = " " if problem.endswith("?") else ". "  # "no such key. Did you mean x? Fix: ..."
+        super().__init__(f"{key}={value!r}: {problem}{end}Fix: {fix}")
 
 
 @dataclass
@@ -237,6 +238,8 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         value = getattr(e, "value", None)
+        if value is None and key != "config":  # an unknown key's error carries no value: show the given one
+            value = OmegaConf.select(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, key, default=None)
         reason = str(e).splitlines()[0]  # OmegaConf appends full_key / object_type lines
         raise ConfigError(key, value, f"does not fit the schema ({reason})",
                           "see docs/configuration.md for the keys and their types") from None

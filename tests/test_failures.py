@@ -202,6 +202,53 @@ def test_diagnose_orders_causes():
     assert diagnose(ends, []).reason == "rank 3 killed by SIGKILL"
 
 
+# What ranks blocked in a collective raise under NCCL when a peer failed (PyTorch's texts from
+# ProcessGroupNCCL.cpp / NCCLUtils.cpp, as torch 2.1-2.6 print them; a CPU wheel has none of them).
+FRAMES = ('Traceback (most recent call last):\n  File "/work/framework/train/worker.py", line 66, in rank_main\n'
+          '    trainer.run()\n  File "/venv/torch/distributed/c10d_logger.py", line 83, in wrapper\n'
+          '    return func(*args, **kwargs)\n           ^^^^^^^^^^^^^^^^^^^^^\n')
+NCCL_VICTIMS = {
+    "timeout": FRAMES + "torch.distributed.DistBackendError: [Rank 0] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=57, OpType=ALLREDUCE, NumelIn=16777216, NumelOut=16777216, Timeout(ms)=600000) ran for 600031 "
+    "milliseconds before timing out.\nException raised from checkTimeout at ../torch/csrc/distributed/c10d/"
+    "ProcessGroupNCCL.cpp:565 (most recent call first):\nframe #0: c10::Error::Error(c10::SourceLocation, "
+    "std::string) + 0x57 (0x7f1c2c581897 in /venv/torch/lib/libc10.so)\n",
+    "aborted": FRAMES + "torch.distributed.DistBackendError: NCCL communicator was aborted on rank 1.  Original "
+    "reason for failure was: [Rank 1] Some NCCL operations have failed or timed out. Due to the asynchronous nature "
+    "of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.\n",
+    "remote": FRAMES + "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+    "NCCLUtils.hpp:275, remote process exited or there was a network error, NCCL version 2.20.5\nncclRemoteError: "
+    "A call failed possibly due to a network error or a remote process exiting prematurely.\nLast error:\n"
+    "socketProgress: Connection closed by remote peer gpu-node2<43210>\n",
+    "stuck": FRAMES + "RuntimeError: [PG ID 0 PG GUID 0(default_pg) Rank 3] ProcessGroupNCCL's watchdog got stuck "
+    "for 480 seconds without making progress in monitoring enqueued collectives.\n",
+    "store": FRAMES + "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely "
+    "closed. Did the remote server shutdown or crash?\n",
+}
+OOM = FRAMES + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 2 has a total capacity " \
+    "of 79.10 GiB of which 1.02 GiB is free.\n"
+
+
+def test_nccl_victims_are_consequences_of_the_rank_that_failed():
+    """Rank 2 runs out of memory; ranks 0, 1 and 3, blocked in its collective, end with NCCL's
+    watchdog timeout, an aborted communicator, a remote error: recorded earlier or not, they
+    are consequences, each told by its exception's first line."""
+    rec = lambda t, tb: {"time": t, "traceback": tb, "peers_dead": []}  # noqa: E731
+    for victims in (("timeout", "aborted", "remote"), ("stuck", "store", "timeout")):
+        ends = {r: RankEnd(r, 1, rec(1.0 + r, NCCL_VICTIMS[v])) for r, v in zip((0, 1, 3), victims)}
+        ends[2] = RankEnd(2, 1, rec(9.0, OOM))
+        e = diagnose(ends, [])
+        assert e.reason == "rank 2 failed: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. " \
+                           "GPU 2 has a total capacity of 79.10 GiB of which 1.02 GiB is free.", e.reason
+        tail = str(e).splitlines()[-1]
+        assert tail.startswith("then, as a consequence: rank 0 failed: torch.distributed.DistBackendError: ") \
+            or tail.startswith("then, as a consequence: rank 0 failed: RuntimeError: [PG ID 0"), tail
+        assert "frame #0" not in tail and "socketProgress" not in tail, tail
+    # only victims: the earliest is told (nothing better is known)
+    e = diagnose({r: RankEnd(r, 1, rec(5.0 - r, NCCL_VICTIMS[v])) for r, v in enumerate(NCCL_VICTIMS)}, [])
+    assert e.reason.startswith("rank 4 failed: torch.distributed.DistNetworkError: Failed to recv"), e.reason
+
+
 def test_failure_files_survive_an_unwritable_job_dir(tmp_path, capsys):
     (tmp_path / "summary.json").mkdir()  # writing summary.json fails, as on a full disk
     write_outcome(str(tmp_path), "failed", "rank 0 failed: X")  # reports, never raises

@@ -30,6 +30,7 @@ from framework.launch.node import check_node, combine
 from framework.report.compare import collect
 
 from .conftest import FP64, ROOT, TINY, assert_same_training, final_params, read_metrics, run_local
+from .test_failures import NCCL_VICTIMS, OOM
 from .test_run import _processes_with
 
 HOST = socket.gethostname()
@@ -225,6 +226,23 @@ def test_a_closed_connection_is_a_consequence_even_if_recorded_first(tmp_path):
                {"host": "b", "ranks": [2, 3], "exitcodes": {"3": 1}, "first_seen": [3]}]
     e = combine(str(tmp_path), reports, 2, 4)
     assert e.reason == "rank 3 (host b) failed: ValueError: boom"
+
+
+def test_an_nccl_timeout_on_one_node_is_a_consequence_of_a_fault_on_the_other(tmp_path):
+    """Rank 2 (node b) runs out of memory; ranks 0, 1 (node a) and 3 (node b) end with NCCL's
+    watchdog timeout, an aborted communicator and a remote error, node a's clock ahead."""
+    for rank, victim, host in ((0, "timeout", "a"), (1, "aborted", "a"), (3, "remote", "b")):
+        (tmp_path / "rank_failures").mkdir(exist_ok=True)
+        (tmp_path / "rank_failures" / f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "time": 50.0 + rank, "traceback": NCCL_VICTIMS[victim], "peers_dead": [], "host": host}))
+    (tmp_path / "rank_failures" / "rank2.json").write_text(json.dumps(
+        {"rank": 2, "time": 60.0, "traceback": OOM, "peers_dead": [], "host": "b"}))
+    reports = [{"host": "a", "ranks": [0, 1], "exitcodes": {"0": 1, "1": 1}, "first_seen": [0]},
+               {"host": "b", "ranks": [2, 3], "exitcodes": {"2": 1, "3": 1}, "first_seen": [3]}]
+    e = combine(str(tmp_path), reports, 2, 4)
+    assert e.reason.startswith("rank 2 (host b) failed: torch.OutOfMemoryError: CUDA out of memory"), e.reason
+    assert str(e).splitlines()[-1].startswith("then, as a consequence: rank 0 (host a) failed: "
+                                              "torch.distributed.DistBackendError: [Rank 0] Watchdog caught")
 
 
 def test_a_node_refuses_what_would_mislead(tmp_path):

@@ -8,9 +8,11 @@ A failed job is told (`diagnose`, printed once by framework.launch.job) as:
 
 The inputs are the ranks' failure records (`read_records`: `rank_failures/` in the job
 directory, written by framework/train/worker.py) and each rank's exit code as its launcher saw it.
-On several nodes (`hosts` given, launch/node.py) each rank is named with its host, and a
-record that only says a connection closed is a consequence wherever it falls in time: its
-writer saw only its own node's dead peers, and wall clocks of two hosts differ a little.
+A record that says a peer failed first (a closed connection under gloo; an NCCL watchdog
+timeout, abort or remote error: worker.CONNECTION_ERRORS) is a consequence wherever it falls
+in time: another rank's own error is the cause. On several nodes (`hosts` given,
+launch/node.py) each rank is named with its host, and such a record's writer saw only its own
+node's dead peers, and wall clocks of two hosts differ a little.
 Nothing here starts, watches or signals a process.
 """
 
@@ -83,9 +85,24 @@ def peek_records(job_dir: str) -> tuple[dict[int, dict], list[str]]:
     return records, notes
 
 
-def _last_line(traceback_text: str) -> str:
-    lines = [ln for ln in traceback_text.strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else "unknown error"
+def _exception(traceback_text: str) -> str:
+    """The exception a traceback ends with, every line of it: what follows the last frame
+    (an NCCL error spans several: `DistBackendError: NCCL error in: ...`, `ncclRemoteError:
+    ...`, `Last error:`, ...)."""
+    lines = traceback_text.rstrip().splitlines()
+    start = 0
+    for i, line in enumerate(lines):
+        if line.startswith(("Traceback", "  File ")):
+            start = i + 1
+    while start < len(lines) and (lines[start].startswith(" ") or not lines[start].strip()):
+        start += 1  # the last frame's source line and its ^^^ markers
+    return "\n".join(lines[start:]).strip() or "unknown error"
+
+
+def _headline(traceback_text: str) -> str:
+    """The exception's first line: its type and message (the last line of a multi-line
+    message would be a detail, e.g. NCCL's `Last error:`)."""
+    return _exception(traceback_text).splitlines()[0].strip()
 
 
 def _signal_name(exitcode: int) -> str:
@@ -96,19 +113,21 @@ def _signal_name(exitcode: int) -> str:
 
 
 def _victim(record: dict) -> bool:
-    """The record of a rank that failed because a peer's connection closed."""
-    return any(c in _last_line(record["traceback"]) for c in CONNECTION_ERRORS)
+    """The record of a rank that failed because a peer failed first (its connection closed,
+    a collective it never joined timed out, its communicator was aborted)."""
+    text = _exception(record["traceback"])
+    return any(c in text for c in CONNECTION_ERRORS)
 
 
 def _root(ends: dict[int, RankEnd], nodes: bool = False) -> Optional[int]:
     """The earliest record (written before the recording rank's peers could fail) is the
     cause, unless a peer had already died without a record when it was written: then that
     rank is (the recorder failed because its connection to it closed); a rank the agent had
-    stopped is never that peer unless nothing else is. With no record at all: the failure
-    elastic saw first, then a signal other than the agent's, then any failed exit.
-    `nodes` (several nodes): a victim's record comes after any other, and a victim's dead
+    stopped is never that peer unless nothing else is. A victim's record (`_victim`) comes
+    after any other. With no record at all: the failure elastic saw first, then a signal
+    other than the agent's, then any failed exit. `nodes` (several nodes): a victim's dead
     peer may be one another node's record names, or one that node's agent saw die first."""
-    recorded = sorted(((nodes and _victim(e.record)), e.record["time"], r) for r, e in ends.items() if e.record)
+    recorded = sorted((_victim(e.record), e.record["time"], r) for r, e in ends.items() if e.record)
     if recorded:
         first = recorded[0][2]
         named = list(ends[first].record.get("peers_dead", []))
@@ -131,7 +150,7 @@ def _describe(end: RankEnd, hosts: Optional[dict[int, str]] = None) -> tuple[str
     who = f"rank {end.rank}" + (f" (host {hosts.get(end.rank) or 'unknown'})" if hosts is not None else "")
     if end.record:
         tb = end.record["traceback"]
-        return f"{who} failed: {_last_line(tb)}", tb
+        return f"{who} failed: {_headline(tb)}", tb
     if end.exitcode == -signal.SIGABRT:
         return (f"{who} killed by SIGABRT",
                 "no Python traceback: aborted in native code (an NCCL watchdog timeout or a C++ assertion)")

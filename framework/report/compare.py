@@ -54,7 +54,10 @@ def planned_jobs(sweep: Path) -> list[str]:
     f = sweep / "multirun.yaml"
     if not f.exists():
         return []
-    hydra = (yaml.safe_load(f.read_text()) or {}).get("hydra", {})
+    try:
+        hydra = (yaml.safe_load(f.read_text()) or {}).get("hydra", {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []  # a truncated multirun.yaml: the jobs on disk are still reported
     if not str(hydra.get("sweeper", {}).get("_target_", "")).endswith("BasicSweeper") \
             or str(hydra.get("sweep", {}).get("subdir")) != "${hydra.job.num}":
         return []  # other sweepers decide trials as they go; other subdirs are not job numbers
@@ -75,7 +78,11 @@ def _overrides(job: Path) -> str:
     f = job / ".hydra" / "overrides.yaml"
     if not f.exists():
         return ""
-    return " ".join(o for o in (yaml.safe_load(f.read_text()) or []) if not o.startswith("hydra"))
+    try:
+        overrides = yaml.safe_load(f.read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return "(.hydra/overrides.yaml unreadable)"  # one job's broken file must not hide the others
+    return " ".join(str(o) for o in overrides if not str(o).startswith("hydra"))
 
 
 def _row(sweep: Path, job: Path) -> dict:
@@ -218,24 +225,42 @@ def headline(sweep: Path, rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not os.path.isdir(argv[0]):
-        print("usage: python -m framework.report <sweep dir>", file=sys.stderr)
-        return 2
-    sweep = Path(argv[0])
-    rows = collect(sweep)
-    if not rows:
-        print(f"no job directories (with config.yaml) under {sweep}", file=sys.stderr)
-        return 1
-    notes = headline(sweep, rows)
-    print("\n".join([*notes, ""]) if notes else "", end="")
-    print(markdown(rows), end="")
-    write(rows, sweep, notes)
-    from framework.report.dashboard import write_dashboard  # plotly: only when a page is written
+USAGE = "python -m framework.report <sweep dir>"
+WHICH = "give a sweep directory (hydra.sweep.dir, e.g. multirun/<date>/<time>) or one job's directory"
 
-    page = write_dashboard(sweep, rows, notes)
+
+def main(argv: list[str]) -> int:
+    """Bad arguments (none or several, a missing path, a file, a directory without jobs) are
+    one `error:` line and exit 2; an unreadable or unwritable file one line and exit 1."""
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {USAGE}\n\n{__doc__.split(chr(10) * 2)[0]}")
+        return 0
+    if len(argv) != 1:
+        return _error(f"{USAGE} takes one directory, not {len(argv)} arguments", WHICH, 2)
+    sweep = Path(argv[0])
+    if not sweep.is_dir():
+        return _error(f"{sweep}: {'is a file, not a directory' if sweep.exists() else 'no such directory'}",
+                      WHICH, 2)
+    try:
+        rows = collect(sweep)
+        if not rows:
+            return _error(f"{sweep}: no job directories (config.yaml, summary.json or .hydra/) under it", WHICH, 2)
+        notes = headline(sweep, rows)
+        print("\n".join([*notes, ""]) if notes else "", end="")
+        print(markdown(rows), end="")
+        write(rows, sweep, notes)
+        from framework.report.dashboard import write_dashboard  # plotly: only when a page is written
+
+        page = write_dashboard(sweep, rows, notes)
+    except OSError as e:  # a read-only sweep directory, a full disk
+        return _error(f"{sweep}: {e.strerror or e}: {e.filename}", "make the sweep directory writable", 1)
     print(f"wrote {sweep / 'report.csv'}, {sweep / 'report.md'} and {page}")
     return 0
+
+
+def _error(problem: str, fix: str, code: int) -> int:
+    print(f"error: {problem}. Fix: {fix}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import sys
 from dataclasses import replace
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import ConfigError, RunConfig, check_overrides, load_config, read_config
 from framework.sim.alltoall import A2ACost, cost_of, moe_layers, shift_stages, step_bytes
@@ -39,8 +40,9 @@ from framework.sim.calibrate import Calibration
 from framework.sim.replay import Predicted, flat_replay, replay, rules_for, timeline_records
 from framework.sim.whatif import rescale
 from framework.models import meta_hf_model
-from framework.parallel.pipeline.schedules import get, names, resolve
+from framework.parallel.pipeline.schedules import get, load_modules, names, resolve
 from framework.validate import validate_model
+from framework.validate.common import positive, suggest
 from framework.validate.expert import check_expert_parallel
 
 KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_stages", "parallelism.pp",
@@ -49,20 +51,27 @@ KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_
 
 def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
     """(config, run_info, calibration, summary) of a finished pipeline (or pp = 1, ep > 1) job."""
+    fix = "give the directory of a completed run with parallelism.pp > 1 or parallelism.ep > 1"
+    if not os.path.isdir(job_dir):
+        raise ConfigError("sim.from", job_dir, "is a file, not a job directory" if os.path.exists(job_dir)
+                          else "no such directory", fix)
     paths = {name: os.path.join(job_dir, name) for name in ("config.yaml", "run_info.json", "calibration.json",
                                                             "summary.json")}
     missing = [n for n, p in paths.items() if not os.path.exists(p)]
     if missing:
         raise ConfigError("sim.from", job_dir, f"has no {', '.join(missing)}: not a finished pipeline job (pp > 1) "
-                          "(or pp = 1 with ep > 1) of this framework's version",
-                          "give the directory of a completed run with parallelism.pp > 1 or parallelism.ep > 1")
-    with open(paths["run_info.json"]) as f:
-        info = json.load(f)
-    with open(paths["calibration.json"]) as f:
-        cal = Calibration.from_json(json.load(f))
-    with open(paths["summary.json"]) as f:
-        summary = json.load(f)
+                          "(or pp = 1 with ep > 1) of this framework's version", fix)
+    try:
+        info, cal, summary = (_json(paths[n]) for n in ("run_info.json", "calibration.json", "summary.json"))
+        cal = Calibration.from_json(cal)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # truncated, or of another version
+        raise ConfigError("sim.from", job_dir, f"a file is unreadable ({type(e).__name__}: {e})", fix) from None
     return read_config(paths["config.yaml"]), info, cal, summary
+
+
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def predicts(job_dir: str, run: RunConfig) -> bool:
@@ -80,22 +89,44 @@ def target_config(src: RunConfig, overrides: list[str], check: bool = True) -> R
     dot = []
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or key not in KEYS:
-            raise ConfigError(key, value or None, "is not a layout key the simulator rescales",
+        if key not in KEYS:
+            close = suggest(key, list(KEYS))
+            raise ConfigError(key, value or None, "is not a layout key the simulator rescales"
+                              + (f". Did you mean {' or '.join(close)}?" if close else ""),
                               f"use key=value with one of {', '.join(KEYS)}")
+        if not sep:
+            raise ConfigError(key, None, "has no value", f"write {key}=<value>")
         if key in ("schedule", "schedule.name"):
+            _known_schedule(key, value, src)
             dot.append(f"schedule.name={value}")
             if not any(o.startswith("schedule.virtual_stages=") for o in overrides):
                 dot.append(f"schedule.virtual_stages={get(value).preset_chunks}")
         else:
             dot.append(item)
-    cfg = OmegaConf.merge(OmegaConf.structured(src), OmegaConf.from_dotlist(dot))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(src), OmegaConf.from_dotlist(dot))
+    except OmegaConfBaseException as e:  # a value of the wrong type (schedule.microbatches=abc)
+        key = getattr(e, "full_key", None) or "overrides"
+        raise ConfigError(key, next((v for k, _, v in (o.partition("=") for o in dot) if k == key), None),
+                          f"does not fit the schema ({str(e).splitlines()[0]})",
+                          "give the key a value of its type (docs/configuration.md)") from None
     dst = load_config(cfg)
+    for key, n in (("schedule.microbatches", dst.schedule.microbatches),
+                   ("schedule.virtual_stages", dst.schedule.virtual_stages), ("parallelism.ep", dst.parallelism.ep)):
+        positive(key, n)
     if check:
         check_overrides(dst, dot)
     if (dst.parallelism.pp, dst.parallelism.partition) != (src.parallelism.pp, src.parallelism.partition):
         dst.schedule.op_times = None  # per-rank times of another pipeline: measured again (fill_measured_times)
     return dst
+
+
+def _known_schedule(key: str, name: str, src: RunConfig) -> None:
+    load_modules(src.schedule.modules)  # the job's own schedules may register more
+    if name not in names():
+        close = suggest(name, names())
+        raise ConfigError(key, name, "no such schedule" + (f". Did you mean {' or '.join(close)}?" if close else ""),
+                          f"use one of {', '.join(names())} (python -m framework.schedules list)")
 
 
 def _blocks(run: RunConfig, vocab: int) -> list[int]:
@@ -225,11 +256,14 @@ def draw(pred: Predicted, path: str, title: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Bad arguments (an unknown key or schedule, a value of the wrong type, a directory that
+    is not a finished job) are one `config error:` / `error:` line and exit 2, no traceback."""
     parser = argparse.ArgumentParser(prog="python -m framework.simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("job_dir")
     parser.add_argument("overrides", nargs="*", help=f"key=value with a key in {', '.join(KEYS)}")
     parser.add_argument("--png", help="write the predicted Gantt chart here")
     parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    parser.error = _usage_error
     args = parser.parse_args(argv)
     try:
         result = what_if(args.job_dir, args.overrides)
@@ -242,11 +276,23 @@ def main(argv: list[str]) -> int:
         print("config error: --png: a pp = 1 prediction has no pipeline timeline to draw", file=sys.stderr)
         return 2
     if args.png:
-        draw(pred, args.png, f"{'replay' if result['replay'] else 'predicted'}: {result['schedule']} pp={result['pp']} "
-             f"m={result['microbatches']} "
-             f"v={result['virtual_stages']}, step {result['predicted_step_time_s'] * 1e3:.1f} ms, "
-             f"bubble {result['predicted_bubble_fraction']:.3f}")
+        try:
+            draw(pred, args.png, f"{'replay' if result['replay'] else 'predicted'}: {result['schedule']} pp={result['pp']} "
+                 f"m={result['microbatches']} "
+                 f"v={result['virtual_stages']}, step {result['predicted_step_time_s'] * 1e3:.1f} ms, "
+                 f"bubble {result['predicted_bubble_fraction']:.3f}")
+        except OSError as e:
+            print(f"error: --png {args.png}: cannot be written ({e.strerror or e}). Fix: give a writable path",
+                  file=sys.stderr)
+            return 2
     return 0
+
+
+def _usage_error(message: str) -> None:
+    """argparse's complaint as one line (its default prints the usage block above it)."""
+    print(f"error: {message}. Fix: python -m framework.simulate <job dir> [key=value ...] [--png FILE] [--json] "
+          "(--help lists the keys)", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -115,10 +115,28 @@ def pg_timeout(run: RunConfig) -> timedelta:
 
 # A peer killed by a signal has closed its sockets a little before it is a zombie (a CUDA
 # process: after its driver context is torn down, which can take longer); this rank's error
-# arrives through those sockets. So when the error is a closed connection, the peers are
+# arrives through those sockets. So when the error says a peer failed, the peers are
 # looked at until one shows as dead (at most this long), and the launcher blames that one.
 PEER_DEATH_SETTLE_S = 2.0
-CONNECTION_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# What a rank raises when a peer failed first, not a fault of its own: the launcher tells its
+# record as a consequence (framework/launch/diagnosis.py). Matched anywhere in the exception's
+# text (an NCCL error spans lines). The NCCL texts are PyTorch's (ProcessGroupNCCL.cpp,
+# NCCLUtils.cpp, torch 2.1 to 2.6) and NCCL's own ncclGetErrorString; a CPU wheel has none of them.
+CONNECTION_ERRORS = (
+    # gloo's and TCPStore's sockets: the peer's end closed
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+    "Connection was likely closed",  # TCPStore: "Failed to recv, got 0 bytes. Connection was likely closed. ..."
+    # NCCL: a collective the peer never joined timed out; the watchdog then aborts the communicators
+    "Watchdog caught collective operation timeout",  # "[Rank 0] Watchdog caught ...: WorkNCCL(SeqNum=..."
+    "Some NCCL operations have failed or timed out",  # "... Due to the asynchronous nature of CUDA kernels, ..."
+    "NCCL communicator was aborted on rank",  # an op on a communicator the watchdog aborted
+    "ProcessGroupNCCL's watchdog got stuck",  # torch's heartbeat monitor, and its older wording:
+    "Heartbeat monitor timed out",
+    "remote process exited or there was a network error",  # ncclRemoteError: the peer's process is gone
+    "timed out in blocking wait",  # TORCH_NCCL_BLOCKING_WAIT=1: "[Rank 0] Work WorkNCCL(...) timed out in ..."
+    "DistBackendError",  # torch.distributed.DistBackendError: how every one of these reaches Python
+    "DistNetworkError",  # the same for the store's sockets
+)
 
 
 def record_failure(job_dir: str, rank: int) -> None:

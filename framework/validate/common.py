@@ -4,6 +4,7 @@ comparison, so a check written `x < 0` would let it through."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,3 +32,9 @@ def number(key: str, value: Any, ok: Callable[[float], bool], problem: str, fix:
 def first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def suggest(word: str, names: list[str]) -> list[str]:
+    """The names closest to a mistyped one (difflib), best first: the "Did you mean" of an
+    unknown key, group option or schedule."""
+    return difflib.get_close_matches(word, names, n=3, cutoff=0.6)
