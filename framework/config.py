@@ -169,6 +169,10 @@ class DebugConfig:
     # past it they fail with ENOSPC, as a full disk would. null = the real disk.
     checkpoint_disk_bytes: Optional[int] = None
     inf_grad_step: Optional[int] = None  # fp16-mixed: an inf loss on one head-holding rank at this step (1-based)
+    # With inf_grad_step: instead of the inf loss, this global rank alone puts one inf into one
+    # of its gradients after every reduction, just before the overflow flag (tests that the
+    # flag is reduced over every rank: framework/train/update.py).
+    inf_grad_rank: Optional[int] = None
 
 
 @dataclass

@@ -176,9 +176,10 @@ def test_a_skipped_step_equals_a_run_without_its_batch(tmp_path, data_cache):
 
 
 def test_every_rank_skips_and_the_scale_halves_once_hysteresis_is_spent(tmp_path, data_cache):
-    """dp 2 x pp 2 (the inf enters on the last rank only), hysteresis 1: at step 2 no rank
-    moves a weight or a state (checkpoints after steps 1 and 2 are equal), the scale halves,
-    and the run trains on."""
+    """dp 2 x pp 2 (the inf loss enters on the last rank only), hysteresis 1: at step 2 no
+    rank moves a weight or a state (checkpoints after steps 1 and 2 are equal), the scale
+    halves, and the run trains on. The inf loss reaches every rank's gradients through the dp
+    reduction, so this cannot show the flag's own reduction: tests/test_overflow_skip.py does."""
     import torch.distributed.checkpoint as dcp
 
     job = tmp_path / "ranks"

@@ -108,3 +108,29 @@ def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None) -> Non
     step, after the last micro-batch's backward; DDP and the dp all-reduce leave them out)."""
     if ctx.dims.ep > 1:
         all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype)
+
+
+def nonfinite(params: list[nn.Parameter]) -> torch.Tensor:
+    """Whether this rank's own gradients hold an inf or a nan (a bool tensor, no host sync):
+    the local half of the loss scaler's overflow flag (framework/train/update.py reduces it over every
+    rank). Read from the gradients, not from the global norm: a norm reduced over some groups
+    only (DDP's replicas are not in it) would hide an inf held by a rank outside them. The max
+    |g| (one fused read per device and dtype, torch's own grouping) is non-finite iff an
+    element is: max propagates nan, and no sum can overflow."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [g for g in grads if g.numel() > 0]
+    if not grads:
+        return torch.zeros((), dtype=torch.bool, device=params[0].device if params else None)
+    return ~torch.isfinite(torch.nn.utils.get_total_norm(grads, float("inf")))
+
+
+def inject_inf(params: list[nn.Parameter]) -> nn.Parameter:
+    """debug.inf_grad_rank: one inf, in the first element of one gradient this rank holds after
+    the reductions; only this rank sees it. The gradient is one no other rank holds a copy of
+    where the layout has such: an expert's (ep), else a tp shard's, else the first (a ZeRO
+    slice or FSDP2 chunk is this rank's alone; under DDP every replica holds the same)."""
+    held = [p for p in params if p.grad is not None and _local(p.grad).numel() > 0]
+    pick = ([p for p in held if is_expert(p)] + [p for p in held if is_tp_sharded(p)] + held)[0]
+    g = _local(pick.grad)
+    g[(0,) * g.dim()] = float("inf")
+    return pick

@@ -125,8 +125,8 @@ class RunLogger:
             "step": r0.step, "loss": sum(losses) / len(losses), "lr": r0.lr,
             # null on a step skipped for overflow (its norm is inf or nan: no JSON number)
             "grad_norm": None if r0.overflow else max(r.grad_norm for r in per_rank),
-            # fp16-mixed's loss scaler: the same on every rank (the overflow flag comes from
-            # the global norm); absent in the modes without one
+            # fp16-mixed's loss scaler: the same on every rank (the overflow flag is all-reduced
+            # over every rank, framework/train/update.py); absent in the modes without one
             **({"loss_scale": r0.loss_scale, "overflow": r0.overflow, "skipped_steps": r0.skipped_steps}
                if r0.loss_scale is not None else {}),
             "step_time_s": step_time, "tokens_per_s": tps,

@@ -57,7 +57,7 @@ class AccumulationRunner:
             self.params = list(model.parameters())
             self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
         c, d = ctx.coords, ctx.dims
-        self.update = Update(run, self.optimizer, injects=c.dp == d.dp - 1 and c.tp == d.tp - 1)
+        self.update = Update(run, self.optimizer, injects=c.dp == d.dp - 1 and c.tp == d.tp - 1, rank=ctx.rank)
         # Final storages: ZeRO's flat buffers, if any. FSDP2's shards are never saved for
         # backward; it names its gathered weights to the tracker itself.
         tracker.set_params([] if isinstance(self.zero, FSDP2) else model.parameters())

@@ -82,7 +82,7 @@ class PipelineRunner:
             self.optimizer = build_master(run.optimizer, self.params, self.policy)
         c, d = ctx.coords, ctx.dims  # the last dp and tp rank of a stage holding the head (V: pp rank 0)
         self.update = Update(run, self.optimizer, injects=any(ch.head is not None for ch in self.chunks)
-                             and c.dp == d.dp - 1 and c.tp == d.tp - 1)
+                             and c.dp == d.dp - 1 and c.tp == d.tp - 1, rank=ctx.rank)
         self.is_last = any(ch.head is not None for ch in self.chunks)
         self.tracker = tracker
         tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened

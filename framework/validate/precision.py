@@ -38,6 +38,19 @@ def check_precision(run: RunConfig) -> None:
                               f"scaler; under trainer.precision={run.trainer.precision} it would corrupt the weights",
                               "set trainer.precision=fp16-mixed, or debug.inf_grad_step=null")
         positive("debug.inf_grad_step", k)
+    _inf_grad_rank(run)
+
+
+def _inf_grad_rank(run: RunConfig) -> None:
+    r = run.debug.inf_grad_rank
+    if r is None:
+        return
+    if run.debug.inf_grad_step is None:
+        raise ConfigError("debug.inf_grad_rank", r, "names the rank that injects an inf gradient, and "
+                          "debug.inf_grad_step (the step it does so at) is null", "set debug.inf_grad_step=<k> too")
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < run.world_size:
+        raise ConfigError("debug.inf_grad_rank", r, f"no such rank in world size {run.world_size}",
+                          f"a global rank in 0..{run.world_size - 1}")
 
 
 def _power_of_two(x: float) -> bool:
