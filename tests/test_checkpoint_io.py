@@ -48,32 +48,91 @@ def test_flat_ranges_become_contiguous_boxes_of_the_tensor():
 
 # ---- ZeRO-3: each rank writes and reads only its own part ----
 
-MEDIUMISH = ["model.n_layer=4", "model.n_embd=512", "model.n_head=8", "data.seq_len=32", "logger=none",
-             "data=synthetic", "trainer.micro_batch_size=1", "metrics.skip_first=0", "metrics.peak_tflops=1.0",
-             "parallelism=zero3", "parallelism.dp=4", "schedule.microbatches=1", "trainer.checkpoint_interval=1"]
+SMALLISH = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "data.seq_len=32", "logger=none",
+            "data=synthetic", "data.vocab_size=1000", "trainer.micro_batch_size=1", "metrics.skip_first=0",
+            "metrics.peak_tflops=1.0", "parallelism=zero3", "parallelism.dp=4", "schedule.microbatches=1",
+            "trainer.checkpoint_interval=1"]
 
 
 def test_a_zero3_rank_saves_and_loads_only_its_part(tmp_path, data_cache):
-    """dp 4, ZeRO-3, a 12.7M-parameter model (AdamW: 152 MB of parameters and states in
-    all). Every element is written exactly once over the ranks (the boxes' bytes sum to the
-    whole), each rank's boxes are a quarter, and the resident memory a save or a load adds
-    to a rank (sampled) stays far below the whole model's state: a gather would add all of it."""
+    """dp 4, ZeRO-3, real ranks: every element is written exactly once over the ranks (the
+    boxes' bytes sum to the whole state: fp32 parameters and AdamW's two states), each rank's
+    boxes are a quarter, staged as such (asynchronous), and a resume reads a quarter per rank.
+    What a save or load holds in memory is counted in `test_a_zero3_save_and_load_allocate_a_part`
+    (resident memory moves with the machine's load: measured in experiments/checkpoint_memory)."""
     save_job, load_job = tmp_path / "save", tmp_path / "load"
-    summary = run_local(save_job, *MEDIUMISH, f"data.cache_dir={data_cache}", "trainer.steps=1")
+    summary = run_local(save_job, *SMALLISH, f"data.cache_dir={data_cache}", "trainer.steps=1")
     whole = summary["model_params"] * 4 * 3  # fp32 parameters, exp_avg, exp_avg_sq
     saves = [r["checkpoint_save"] for r in summary["ranks"]]
     assert sum(s["rank_bytes"] for s in saves) == whole
     assert all(abs(s["rank_bytes"] - whole / 4) < 0.01 * whole for s in saves)
     assert all(s["staged_bytes"] == s["rank_bytes"] and s["write_s"] > 0 for s in saves)  # asynchronous
-    for s in saves:
-        assert s["peak_rss_bytes"] - s["rss_before_bytes"] < 0.4 * whole, s
+    assert all(s["peak_rss_bytes"] >= s["rss_before_bytes"] > 0 for s in saves)  # reported (the bound: below)
 
-    summary = run_local(load_job, *MEDIUMISH, f"data.cache_dir={data_cache}", "trainer.steps=2",
+    summary = run_local(load_job, *SMALLISH, f"data.cache_dir={data_cache}", "trainer.steps=2",
                         f"trainer.resume={save_job / 'checkpoints' / 'step_1'}")
     loads = [r["checkpoint_load"] for r in summary["ranks"]]
     assert sum(ld["rank_bytes"] for ld in loads) == whole and all(ld["step"] == 1 for ld in loads)
+    assert all(abs(ld["rank_bytes"] - whole / 4) < 0.01 * whole for ld in loads)
+
+
+def _count_rank(rank: int, world: int, run, info, job: str, resume) -> dict:
+    """Save after one step (resume None) or load `resume`, counting the bytes of tensors the
+    save or load allocates and holds at once (tests/live_bytes.py: this thread's torch ops;
+    checkpoint_async=false keeps DCP's write in it)."""
+    from framework import checkpoint
+    from framework.checkpoint.shards import rank_parts
+    from framework.topology import ParallelContext, ParallelDims
+    from framework.train.trainer import Batches, build_runner, train_step
+
+    from .live_bytes import LiveBytes
+
+    torch.set_num_threads(1)
+    p = run.parallelism
+    ctx = ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, torch.device("cpu"))
+    runner, full = build_runner(run, info, ctx)
+    if resume is not None:
+        with LiveBytes() as live:
+            out = checkpoint.load(resume, runner, full, ctx, run)
+        return {"peak": live.peak, "rank_bytes": out["rank_bytes"]}
+    train_step(0, runner, Batches(run, info, ctx), run, ctx)
+    saver = checkpoint.Saver(run, ctx, job, None)
+    parts, _ = rank_parts(runner, full, ctx, writers_only=True)
+    box = max(v.numel() * v.element_size() for part in parts.values() for _, v in part.boxes)
+    with LiveBytes() as live:
+        saver.save(runner, full, 1, info.vocab_size, None)
+        saver.wait()
+    return {"peak": live.peak, "rank_bytes": saver.last["rank_bytes"], "box": box}
+
+
+def test_a_zero3_save_and_load_allocate_a_part(tmp_path, data_cache):
+    """dp 4, ZeRO-3, on 4 gloo ranks in this test (no RSS: counted). A synchronous save
+    allocates at most the rank's part plus one box (DCP copies boxes that are views into
+    ZeRO's flat buffers before it serialises them), and a load at most the rank's part plus
+    the largest box stored (it allocates AdamW's states, reads the parameters in place, and
+    DCP reads one stored box at a time): about a quarter of the whole state, where a gather
+    would hold all of it."""
+    import torch.distributed.checkpoint as dcp
+
+    from framework.data import prepare
+    from framework.launch.job import run_info
+
+    from .distributed import run_ranks
+
+    run = compose(*SMALLISH, f"data.cache_dir={data_cache}", "trainer.checkpoint_async=false")
+    prepare(run)
+    info = run_info(run, "cpu")
+    saves = run_ranks(_count_rank, 4, run, info, str(tmp_path), None, timeout=300)
+    whole = sum(s["rank_bytes"] for s in saves)
+    for s in saves:
+        assert s["peak"] <= s["rank_bytes"] + s["box"] < 0.3 * whole, (s, whole)
+    path = tmp_path / "checkpoints" / "step_1"
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = max(math.prod(c.sizes) * m.properties.dtype.itemsize for m in md.values() if hasattr(m, "chunks")
+                 for c in m.chunks)
+    loads = run_ranks(_count_rank, 4, run, info, str(tmp_path), str(path), timeout=300)
     for ld in loads:
-        assert ld["peak_rss_bytes"] - ld["rss_before_bytes"] < 0.4 * whole, ld
+        assert ld["peak"] <= ld["rank_bytes"] + stored < 0.3 * whole, (ld, stored, whole)
 
 
 # ---- one lineage; a finished job; a stop at the last step ----
