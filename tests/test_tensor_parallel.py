@@ -2,12 +2,14 @@
 
 Each check (tests/tp_checks.py) runs on every rank of a gloo tp group and compares the
 rank's outputs and gradients with the single-device module's, including a vocabulary
-that tp does not divide (padding rows stay out of the loss and get no gradient).
+that tp does not divide (padding rows stay out of the loss and get no gradient). In fp64
+at tests/conftest.py's FP64_TOL: the split sums in another order than the unsplit module.
 """
 
 import pytest
 import torch
 
+from .conftest import FP64_TOL
 from .distributed import run_ranks
 from .tp_checks import all_checks
 
@@ -36,4 +38,5 @@ def test_matches_the_unsplit_computation(results, check):
         assert len(pairs) >= 2
         for i, (ours, expected) in enumerate(pairs):
             assert ours.shape == expected.shape, (rank, i)
-            torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5, msg=f"tp={tp} rank {rank} item {i}")
+            assert ours.dtype == expected.dtype == torch.float64, (rank, i)
+            torch.testing.assert_close(ours, expected, **FP64_TOL, msg=f"tp={tp} rank {rank} item {i}")
