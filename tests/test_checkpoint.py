@@ -36,6 +36,9 @@ def _fail(job: Path, *overrides: str) -> None:
 
 
 # ---- same layout: bit for bit (fp32) ----
+# Bitwise is right here: the resumed run restores every state bit for bit and then runs the
+# same kernels in the same order (same layout, same ranks, same reduction order) as the
+# uninterrupted run did. Across layouts the order changes: those resumes are compared in fp64.
 
 SAME = {"dp2": ["parallelism=dp2", "schedule.microbatches=2"],
         "pp2_flush": ["parallelism=pp2", "schedule=flush", "schedule.microbatches=4"],

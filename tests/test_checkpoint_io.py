@@ -208,6 +208,7 @@ def test_a_full_disk_is_told_and_the_earlier_checkpoint_resumes(tmp_path, data_c
 
     summary = run_local(cut, *args, "trainer.resume=auto")
     assert summary["first_step"] == 5
+    # bitwise: the same layout resumes every state and runs the same kernels in the same order
     ref, got = read_metrics(whole), read_metrics(cut)
     assert [m["loss"] for m in got] == [m["loss"] for m in ref] and len(got) == 6
     a, b = final_params(whole), final_params(cut)
@@ -235,6 +236,7 @@ def test_zero_offload_resumes_bit_exact(tmp_path, data_cache):
         run_local(cut, *args, "debug.fail_rank=1", "debug.fail_step=4")
     summary = run_local(cut, *args, "trainer.resume=auto")
     assert summary["first_step"] == 3
+    # bitwise: the same layout resumes every state and runs the same kernels in the same order
     assert [m["loss"] for m in read_metrics(cut)] == [m["loss"] for m in read_metrics(whole)]
     a, b = final_params(whole), final_params(cut)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -168,6 +168,10 @@ def test_a_skipped_step_equals_a_run_without_its_batch(tmp_path, data_cache):
     losses, params = _reference(job, args, skip=2)
     got = [r["loss"] for i, r in enumerate(rows) if i != 1]
     assert got == pytest.approx(losses, rel=1e-6)  # the step's loss summed in fp32 there, in Python floats here
+    # Bit for bit although the update is written twice: both paths run the same model kernels
+    # in the same order, and where they differ they only scale by the loss scale, a power of two
+    # (exact: g * (coef / s) and (g / s) * coef round once, alike; the norm of the scaled
+    # gradients over s is the norm of the unscaled ones, sqrt of x * 4^k being 2^k sqrt(x)).
     final = final_params(job)
     assert params.keys() <= final.keys() and all(torch.equal(final[k], v) for k, v in params.items())  # bit for bit
     _, unskipped = _reference(job, args, skip=0)

@@ -1,4 +1,8 @@
-"""embedding | blocks | head composes to exactly the transformers model's forward and loss."""
+"""embedding | blocks | head composes to exactly the transformers model's forward and loss.
+
+Bitwise in fp32, and rightly: the split model calls transformers' own modules (the same
+kernels in the same order, on the same shapes), and `lm_loss` is the one cross-entropy
+call transformers' loss makes; activation checkpointing recomputes the same kernels."""
 
 import pytest
 import torch

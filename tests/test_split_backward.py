@@ -4,7 +4,11 @@ order: the stage input's gradient and every weight gradient, on a middle stage, 
 stage (from the loss), the first stage (no input gradient: its I does nothing, its W runs
 the whole backward), with activation checkpointing, and with a tied embedding whose two
 uses sit in two chunks of one rank (a V's rank 0). All in one process: the stages are
-slices of one GPT-2 or Llama, fed recorded inputs and output gradients."""
+slices of one GPT-2 or Llama, fed recorded inputs and output gradients.
+
+Bitwise is the right check: I and W run the very matmuls autograd's fused backward runs,
+and with W's in I's order each weight gradient is accumulated in the same order; reordered
+W's change that order, so they are compared to fp32 round-off instead."""
 
 import pytest
 import torch
