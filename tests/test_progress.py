@@ -4,7 +4,8 @@ ETA and elapsed follow the steps' times, and run.log gets the lines that stay.
 
 The printed times come from a fake clock (Progress's `now`), moved by hand: the exact
 strings do not depend on how loaded the machine is. Only the redraw thread's period is real
-time, and the tests wait (up to 5 s) for the line they expect rather than for a duration."""
+time, and the tests wait (up to 30 s, far beyond what load delays a 50 ms redraw by) for the
+line they expect rather than for a duration."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Terminal(io.StringIO):
         return True
 
 
-def _wait_for(predicate, timeout: float = 5.0) -> None:
+def _wait_for(predicate, timeout: float = 30.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and not predicate():
         time.sleep(0.02)
