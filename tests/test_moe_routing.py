@@ -35,6 +35,9 @@ def _by_logits(logits: torch.Tensor):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("norm", [True, False])
 def test_defaults_reproduce_qwen3_moe_router_bit_for_bit(dtype, norm):
+    # Bitwise in fp32 too: the defaults run transformers' router ops (linear, softmax, top-k,
+    # the normalisation) in its order, which is the claim; the choices then come from
+    # bit-identical logits, so no tie can fall differently.
     weight, hidden = _random(48, 16, 8, dtype)
     cfg = MoEConfig(experts=8, top_k=2, norm_topk_prob=norm)
     ref_logits, ref_top, ref_index = _router(types.SimpleNamespace(hidden_dim=16, weight=weight, top_k=2,
@@ -192,6 +195,12 @@ def test_sigmoid_weights_are_unbiased_scores_of_the_biased_choice(norm):
         w = scores.gather(-1, index)
         return w / w.sum(-1, keepdim=True) if norm else w
 
+    # The choice is compared across two computations of the scores (route's and this one), so
+    # the data keeps a margin from every tie (2nd against 3rd score: 2.4e-4 at least, 0.05 with
+    # the bias below) that round-off (~1e-16 in fp64) cannot cross.
+    for b in (0.0, torch.tensor([0.0, 0.0, 0.0, 10.0], dtype=torch.float64)):
+        top3 = (scores + b).topk(3, dim=-1).values
+        assert (top3[:, 1] - top3[:, 2]).min() > 1e-9
     plain = route(weight, hidden, cfg, seq_len=20)
     assert torch.equal(plain.index, torch.topk(scores, 2, dim=-1).indices)
     torch.testing.assert_close(plain.weights, expected(plain.index), rtol=1e-15, atol=0)
