@@ -76,10 +76,13 @@ def test_a_zero3_rank_saves_and_loads_only_its_part(tmp_path, data_cache):
     assert all(abs(ld["rank_bytes"] - whole / 4) < 0.01 * whole for ld in loads)
 
 
-def _count_rank(rank: int, world: int, run, info, job: str, resume) -> dict:
-    """Save after one step (resume None) or load `resume`, counting the bytes of tensors the
-    save or load allocates and holds at once (tests/live_bytes.py: this thread's torch ops;
-    checkpoint_async=false keeps DCP's write in it)."""
+def _count_rank(rank: int, world: int, run, info, job: str) -> dict:
+    """One step, a save, then a fresh model and optimizer that load it back, counting the
+    bytes of tensors the save and the load each allocate and hold at once
+    (tests/live_bytes.py: this thread's torch ops; checkpoint_async=false keeps DCP's write
+    in it)."""
+    import os
+
     from framework import checkpoint
     from framework.checkpoint.shards import rank_parts
     from framework.topology import ParallelContext, ParallelDims
@@ -91,18 +94,19 @@ def _count_rank(rank: int, world: int, run, info, job: str, resume) -> dict:
     p = run.parallelism
     ctx = ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, torch.device("cpu"))
     runner, full = build_runner(run, info, ctx)
-    if resume is not None:
-        with LiveBytes() as live:
-            out = checkpoint.load(resume, runner, full, ctx, run)
-        return {"peak": live.peak, "rank_bytes": out["rank_bytes"]}
     train_step(0, runner, Batches(run, info, ctx), run, ctx)
     saver = checkpoint.Saver(run, ctx, job, None)
     parts, _ = rank_parts(runner, full, ctx, writers_only=True)
     box = max(v.numel() * v.element_size() for part in parts.values() for _, v in part.boxes)
-    with LiveBytes() as live:
-        saver.save(runner, full, 1, info.vocab_size, None)
+    with LiveBytes() as saving:
+        path = saver.save(runner, full, 1, info.vocab_size, None)
         saver.wait()
-    return {"peak": live.peak, "rank_bytes": saver.last["rank_bytes"], "box": box}
+    runner, full = build_runner(run, info, ctx)  # a fresh rank state to load into
+    with LiveBytes() as loading:
+        loaded = checkpoint.load(path, runner, full, ctx, run)
+    assert os.path.samefile(path, os.path.join(job, "checkpoints", "step_1"))
+    return {"save_peak": saving.peak, "load_peak": loading.peak, "rank_bytes": saver.last["rank_bytes"],
+            "loaded_bytes": loaded["rank_bytes"], "box": box}
 
 
 def test_a_zero3_save_and_load_allocate_a_part(tmp_path, data_cache):
@@ -121,18 +125,14 @@ def test_a_zero3_save_and_load_allocate_a_part(tmp_path, data_cache):
 
     run = compose(*SMALLISH, f"data.cache_dir={data_cache}", "trainer.checkpoint_async=false")
     prepare(run)
-    info = run_info(run, "cpu")
-    saves = run_ranks(_count_rank, 4, run, info, str(tmp_path), None, timeout=300)
-    whole = sum(s["rank_bytes"] for s in saves)
-    for s in saves:
-        assert s["peak"] <= s["rank_bytes"] + s["box"] < 0.3 * whole, (s, whole)
-    path = tmp_path / "checkpoints" / "step_1"
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    ranks = run_ranks(_count_rank, 4, run, run_info(run, "cpu"), str(tmp_path), timeout=300)
+    whole = sum(r["rank_bytes"] for r in ranks)
+    md = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_1")).read_metadata().state_dict_metadata
     stored = max(math.prod(c.sizes) * m.properties.dtype.itemsize for m in md.values() if hasattr(m, "chunks")
                  for c in m.chunks)
-    loads = run_ranks(_count_rank, 4, run, info, str(tmp_path), str(path), timeout=300)
-    for ld in loads:
-        assert ld["peak"] <= ld["rank_bytes"] + stored < 0.3 * whole, (ld, stored, whole)
+    for r in ranks:
+        assert r["save_peak"] <= r["rank_bytes"] + r["box"] < 0.3 * whole, (r, whole)
+        assert r["load_peak"] <= r["loaded_bytes"] + stored < 0.3 * whole, (r, stored, whole)
 
 
 # ---- one lineage; a finished job; a stop at the last step ----
