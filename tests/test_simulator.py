@@ -160,7 +160,7 @@ def test_dry_run_with_sim_from_puts_the_prediction_in_the_plan(delayed_flush, tm
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["simulated"]["schedule"] == "zbh1" and plan["simulated"]["predicted_step_time_s"] > 0
-    assert "zbh1 pp=2 m=4 v=1 (from" in r.stdout
+    assert "zbh1 pp=2 m=4 v=1 (predicted from" in r.stdout
 
 
 def test_search_mode_simulate_runs_only_the_best_candidate(delayed_flush, tmp_path):
