@@ -31,11 +31,13 @@ MODE_CHOICE = re.compile(r"precision\s*(==|!=|in\b)|torch\.(float64|bfloat16|flo
 
 
 def test_no_dtype_is_chosen_by_the_mode_outside_the_policy():
-    """The issue's acceptance grep: parallel/, the trainer, the master optimizer, the update,
-    the checkpoints and the memory formulas ask the policy."""
+    """The issue's acceptance grep: parallel/, the trainer, both runners, the master
+    optimizer, the update, the checkpoints and the memory formulas ask the policy."""
     fw = ROOT / "framework"
     files = [*sorted((fw / "parallel").rglob("*.py")), *sorted((fw / "checkpoint").rglob("*.py")),
-             *(fw / f for f in ("trainer.py", "master.py", "update.py", "loss_scale.py", "metrics/model_states.py"))]
+             *(fw / "train" / f for f in ("trainer.py", "pipeline_runner.py", "accumulation.py", "master.py", "update.py",
+                                         "loss_scale.py")), fw / "metrics" / "model_states.py"]
+    assert all(p.exists() for p in files)
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
              for i, line in enumerate(Path(p).read_text().splitlines(), 1) if MODE_CHOICE.search(line)]
     assert found == []
