@@ -165,12 +165,16 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data_c
 
 def test_a_stop_at_the_last_step_finishes_the_job(tmp_path, data_cache):
     """SIGTERM reaches the launcher during the last step: the ranks agree on it after that
-    step, which is the last, so the job completes (exit 0, summary completed), not 143."""
+    step, which is the last, so the job completes (exit 0, summary completed), not 143.
+    The last step is made long on purpose (pp rank 0 sleeps 0.5 s in each of its 4 forward and
+    backward computes: at least 2 s after both ranks noted it) so that the signal, sent within
+    10 ms of the note, lands inside it on a loaded machine too: the window is injected, not
+    hoped for."""
     job = tmp_path / "job"
     steps = 3
-    args = [*_base(data_cache, steps), "parallelism=dp2", "schedule.microbatches=2", "trainer.log_interval=1",
-            "trainer.checkpoint_interval=100", "model.n_embd=256", "model.n_head=4", "data.seq_len=128",
-            "trainer.micro_batch_size=8", f"hydra.run.dir={job}"]
+    args = [*_base(data_cache, steps), "parallelism=pp2", "schedule.microbatches=2", "trainer.log_interval=1",
+            "trainer.checkpoint_interval=100", "debug.stage_delay_ms=500", "debug.delay_pp_rank=0",
+            f"hydra.run.dir={job}"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     def in_last_step(r: int) -> bool:  # its flight recorder: the last step started (step 2's agreement done)
