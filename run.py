@@ -51,7 +51,7 @@ def job(cfg: DictConfig, hc, job_dir: str) -> float:
         raise
     name_run(run, hc)
     try:
-        result = run_job(run, job_dir)
+        result = run_job(run, job_dir, set_aside=False)  # main() set earlier files aside before run.log began
     except (ConfigError, RankFailure):
         raise  # their summary.json is written
     except Exception as e:  # the launching process itself (an I/O error preparing data, ...)

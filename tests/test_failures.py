@@ -153,6 +153,20 @@ def test_a_reused_run_directory_never_mixes_results(tmp_path):
     assert [r["status"] for r in collect(tmp_path)] == ["completed"]  # set-aside runs are not jobs
 
 
+def test_a_fresh_run_keeps_its_own_run_log(tmp_path):
+    """A note printed before the job starts (the skip_first clamp) reaches run.log; the job must
+    not then take that run.log for an earlier run's and move it aside. A reused directory's
+    run.log still is."""
+    job = tmp_path / "job"
+    args = ["trainer.steps=3", "dry_run=true", f"hydra.run.dir={job}"]
+    first = run_cli(args)
+    assert first.returncode == 0, first.stderr
+    assert "held an earlier run's files" not in first.stdout and not (job / ".previous").exists()
+    assert "metrics.skip_first=3 would leave none" in (job / "run.log").read_text()
+    second = run_cli(args)
+    assert second.stdout.count("held an earlier run's files") == 1 and len(list((job / ".previous").iterdir())) == 1
+
+
 def test_set_aside_keeps_hydra_files_and_says_where(tmp_path, capsys):
     (tmp_path / ".hydra").mkdir()
     (tmp_path / "run.log").write_text("step    1/40 | loss 5.0\n")  # an earlier run's console

@@ -228,15 +228,17 @@ def _percent(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.2%}"
 
 
-def run_job(run: RunConfig, job_dir: str) -> Optional[dict]:
+def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[dict]:
     """Validate, then dry-run, prepare for an external launcher, or launch locally.
     However it ends, the job directory says so (`write_outcome`) and holds no earlier
-    run's results (`set_aside_previous`)."""
+    run's results (`set_aside_previous`). `set_aside=False`: the caller did that already
+    (run.py, before its console went to run.log: a run.log found now is this run's own)."""
     if (done := checkpoint.finished(run, job_dir)) is not None:
         print(f"{job_dir}: finished already ({done['steps']} of trainer.steps={run.trainer.steps} steps, "
               "summary.json completed): nothing to run", flush=True)
         return done
-    set_aside_previous(job_dir)
+    if set_aside:
+        set_aside_previous(job_dir)
     try:
         check_job_dir(job_dir)
         sim_inputs(run)
