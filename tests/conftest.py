@@ -52,6 +52,17 @@ def run_local(job_dir: Path, *overrides: str) -> dict:
     return run_job(compose(*overrides), str(job_dir))
 
 
+def run_layouts(tmp_path_factory, prefix: str, layouts: dict[str, list[str]], *common: str) -> dict:
+    """Each layout's run with the common overrides, in its own directory: name -> (metrics
+    rows, final parameters), what an equivalence test compares against the single process."""
+    out = {}
+    for name, layout in layouts.items():
+        job = tmp_path_factory.mktemp(f"{prefix}_{name}")
+        run_local(job, *common, *layout)
+        out[name] = (read_metrics(job), final_params(job))
+    return out
+
+
 def read_metrics(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
 

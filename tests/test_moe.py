@@ -11,7 +11,7 @@ from framework.config import ModelConfig, MoEConfig
 from framework.metrics.flops import active_expert_params, executed_flops_per_token, flops_per_token, matmul_params
 from framework.models import build_model
 
-from .conftest import FP64, TINY, assert_config_error, assert_same_training, final_params, read_metrics, run_local
+from .conftest import FP64, TINY, assert_config_error, assert_same_training, run_layouts
 
 SMALL = ModelConfig(arch="qwen3_moe", n_layer=2, n_embd=32, n_head=2, n_kv_head=1, max_positions=64,
                     tie_embeddings=False, moe=MoEConfig(experts=4, top_k=2, expert_inner=16))
@@ -78,12 +78,7 @@ LAYOUTS = {"single": ["parallelism=single", "schedule.microbatches=4"],
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory, data_cache):
-    out = {}
-    for name, layout in LAYOUTS.items():
-        job = tmp_path_factory.mktemp(f"moe_{name}")
-        run_local(job, *MOE, f"data.cache_dir={data_cache}", *layout)
-        out[name] = (read_metrics(job), final_params(job))
-    return out
+    return run_layouts(tmp_path_factory, "moe", LAYOUTS, *MOE, f"data.cache_dir={data_cache}")
 
 
 @pytest.mark.parametrize("layout", ["dp2", "pp2", "zero3"])

@@ -21,7 +21,7 @@ import framework.models.moe_routing as moe_routing
 from framework.config import MoEConfig
 from framework.models.moe_routing import _within_capacity, expert_capacity, route
 
-from .conftest import assert_same_training, final_params, read_metrics, run_local
+from .conftest import assert_same_training, run_layouts
 from .test_moe import MOE
 
 # fp64 layouts differ in the router's scores by summation-order round-off, ~1e-16 relative per
@@ -157,12 +157,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    out = {}
-    for name, layout in LAYOUTS.items():
-        job = tmp_path_factory.mktemp(f"cap_{name}")
-        run_local(job, *CAPACITY, f"data.cache_dir={data_cache}", *layout)
-        out[name] = (read_metrics(job), final_params(job))
-    return out
+    return run_layouts(tmp_path_factory, "cap", LAYOUTS, *CAPACITY, f"data.cache_dir={data_cache}")
 
 
 @pytest.mark.parametrize("layout", ["dp2_tp2_ep2_sp", "dp2_pp2_ep2"])
