@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import ConfigError, RunConfig, check_overrides, load_config
+from framework.config import ConfigError, RunConfig, load_config
 from framework.checkpoint import finished
 from framework.launch.job import run_job
 from framework.launch.jobdir import set_aside_previous, write_outcome
@@ -30,7 +30,10 @@ from framework.launch.diagnosis import RankFailure
 from framework.report.progress import console_to_run_log
 from framework.launch.signals import StopSignals, Stopped
 from framework.sim.sweep import OBJECTIVES as SIMULATED_OBJECTIVES
-from framework.validate.overrides import check_command_line
+from framework.validate import configure
+from framework.validate.overrides import add_absent_keys, check_command_line
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 def name_run(run: RunConfig, hc) -> None:
@@ -39,13 +42,12 @@ def name_run(run: RunConfig, hc) -> None:
     if run.logger.group is None and hc.mode == RunMode.MULTIRUN:
         run.logger.group = hc.sweep.dir.rstrip("/").replace("/", "_")
     if run.logger.run_name is None:
-        run.logger.run_name = " ".join(overrides) or "default"
+        run.logger.run_name = " ".join(o.removeprefix("++") for o in overrides) or "default"
 
 
 def job(cfg: DictConfig, hc, job_dir: str) -> float:
     try:
-        run = load_config(cfg)
-        check_overrides(run, list(hc.overrides.task))
+        run = configure(cfg, list(hc.overrides.task))
     except ConfigError as e:
         write_outcome(job_dir, "rejected", str(e))
         raise
@@ -113,7 +115,7 @@ def overrides_known(argv: list[str]) -> bool:
     """Every key and group option on the command line exists (framework/validate/overrides.py):
     told before Hydra composes, which would word it its own way."""
     try:
-        check_command_line(argv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
+        check_command_line(argv, CONF_DIR)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return False
@@ -143,6 +145,7 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     if not sweeper_installed(sys.argv[1:]) or not overrides_known(sys.argv[1:]):
         sys.exit(1)
+    sys.argv[1:] = add_absent_keys(sys.argv[1:], CONF_DIR)
     StopSignals().install()  # Ctrl-C and SIGTERM raise Stopped, wherever this process is
     try:
         main()

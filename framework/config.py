@@ -2,25 +2,29 @@
 
 Hydra composes YAML groups into a DictConfig in the launching process only. `load_config`
 merges that into these dataclasses (OmegaConf type checks, unknown keys are errors) and
-returns plain dataclass instances, so `framework/` never indexes a raw dict. Semantic
-checks live in `framework/validate/`.
+returns plain dataclass instances, so `framework/` never indexes a raw dict. Each key
+states its Rule (`key(default, ge=..., choices=..., when=...)`): its range, its choices and
+the condition under which it acts, enforced for every key by framework/validate/ranges.py
+and fuzzed key by key by tests/test_schema_fuzz.py; the checks a rule cannot say live in
+`framework/validate/`.
 
 One file past ~300 lines on purpose: it is the whole schema, one dataclass per config group
-(the precision group's live beside the policy, framework/precision.py); split further, a
-reader would lose the one place that lists every key.
+with each key's rule; split further, a reader would lose the one place that lists every key
+and what it accepts.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
-from framework.precision import PrecisionConfig
+from framework.precision import PRECISIONS
 
 
 class ConfigError(ValueError):
@@ -32,147 +36,239 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value!r}: {problem}{end}Fix: {fix}")
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What one key accepts and when it acts: the schema's half of validation. The generic
+    check (framework/validate/ranges.py) enforces it on every run before launch, and
+    tests/test_schema_fuzz.py fuzzes every key from it, so a new key is checked and fuzzed
+    once it states its rule. A bound is a number or another key's path ("trainer.steps",
+    "world_size"); `when` is the condition under which the key has any effect: a key given
+    on the command line while it does not hold is refused (it would be silently ignored)."""
+
+    ge: Any = None
+    gt: Any = None
+    le: Any = None
+    lt: Any = None
+    inf: bool = False  # a float key to which inf means something (capacity_factor: dropless)
+    choices: tuple = ()  # the names a string key accepts
+    nonempty: bool = False  # a string key that must not be ""
+    when: Optional[Callable[[Any], bool]] = None  # run -> does this key act?
+    when_text: str = ""  # the condition as the user would set it ("trainer.precision=fp16-mixed")
+    base: tuple = ()  # overrides under which the key acts (the fuzz runs this key's cases there)
+    free: str = ""  # no range or choice to state: why, and which check owns the value
+
+
+def key(default: Any = None, *, factory: Optional[Callable[[], Any]] = None, **rule: Any) -> Any:
+    """A schema field with its Rule."""
+    meta = {"rule": Rule(**rule)}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+def rule_of(f) -> Rule:
+    return f.metadata.get("rule", Rule())
+
+
+# Counts past these are typos, and a dry run would allocate in proportion to them.
+MAX_RANKS = 1 << 17  # ~131k ranks per dimension and in all (the largest runs use ~100k GPUs)
+MAX_COUNT = 1 << 20
+MAX_WIDTH = 1 << 20
+MAX_MICROBATCHES = 1 << 16
+MAX_GLOBAL_BATCH = 1 << 30
+_MOE = dict(when=lambda r: r.model.arch == "qwen3_moe", when_text="model.arch=qwen3_moe", base=("model=moe-tiny",))
+_FP16 = dict(when=lambda r: r.trainer.precision == "fp16-mixed", when_text="trainer.precision=fp16-mixed",
+             base=("trainer.precision=fp16-mixed",))
+_SYNTHETIC = dict(when=lambda r: r.data.name == "synthetic", when_text="data=synthetic")
+_PYCODE = dict(when=lambda r: r.data.name == "pycode", when_text="data=pycode", base=("data=pycode",))
+_HF = dict(when=lambda r: r.data.name == "hf", when_text="data=hf", base=("data=hf", "data.path=json"))
+_ZB_AUTO = dict(when=lambda r: r.schedule.name == "zb-auto", when_text="schedule=zb-auto", base=("schedule=zb-auto",))
+_CHECKPOINTS = dict(when=lambda r: r.trainer.checkpoint_interval > 0, when_text="trainer.checkpoint_interval > 0",
+                    base=("trainer.checkpoint_interval=2",))
+_WANDB = dict(when=lambda r: r.logger.name == "wandb", when_text="logger=wandb",
+              base=("logger=wandb", "logger.mode=disabled"))
+_LABEL = "a free label (only shown)"
+
+
 @dataclass
 class MoEConfig:
     """Routed experts (model.arch=qwen3_moe; docs/moe.md). Ignored by dense architectures."""
 
-    experts: int = 4  # routed experts per MoE layer
-    top_k: int = 2  # experts each token is sent to
-    expert_inner: Optional[int] = None  # an expert's MLP width; null = n_embd
-    norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1 (Qwen3-MoE, Mixtral)
+    experts: int = key(4, ge=1, le=MAX_COUNT, **_MOE)  # routed experts per MoE layer
+    top_k: int = key(2, ge=1, le="model.moe.experts", **_MOE)  # experts each token is sent to
+    expert_inner: Optional[int] = key(None, ge=1, le=MAX_WIDTH, **_MOE)  # an expert's MLP width; null = n_embd
+    # renormalise the k routing weights to sum to 1 (Qwen3-MoE, Mixtral)
+    norm_topk_prob: bool = key(True, **_MOE)
     # Routing and balancing (framework/models/moe_routing.py; docs/moe.md "Routing and balancing").
-    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): how logits become routing scores
-    capacity_factor: Optional[float] = None  # null (or .inf) = dropless; else ceil(cf * seq_len * k / E) per sequence and expert
-    drop_policy: str = "probs"  # over capacity, keep the highest-score (probs) or earliest (position) tokens
-    aux_losses: list[dict[str, Any]] = field(default_factory=list)  # [{type: aux | seq_aux | z, coeff: 0.01}]
-    experts_impl: str = "auto"  # auto (grouped on CUDA when it can) | loop (per-expert matmuls) | grouped
-    bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing: expert bias step; 0 = off
+    score: str = key("softmax", choices=("softmax", "sigmoid"), **_MOE)  # sigmoid: DeepSeek-V3
+    # null (or .inf) = dropless; else ceil(cf * seq_len * k / E) per sequence and expert
+    capacity_factor: Optional[float] = key(None, gt=0, inf=True, **_MOE)
+    # over capacity, keep the highest-score (probs) or earliest (position) tokens
+    drop_policy: str = key("probs", choices=("probs", "position"), **_MOE)
+    # [{type: aux | seq_aux | z, coeff: 0.01}]
+    aux_losses: list[dict[str, Any]] = key(factory=list, free="a list of dicts: framework/validate/expert.py",
+                                           **_MOE)
+    # auto (grouped on CUDA when it can) | loop (per-expert matmuls) | grouped
+    experts_impl: str = key("auto", choices=("auto", "loop", "grouped"), **_MOE)
+    bias_update_rate: float = key(0.0, ge=0, **_MOE)  # DeepSeek-V3 auxiliary-loss-free balancing: expert bias step; 0 = off
 
 
 @dataclass
 class ModelConfig:
-    name: str = "gpt2-tiny"
-    arch: str = "gpt2"  # gpt2 | llama | qwen3_moe
-    n_layer: int = 2
-    n_embd: int = 64
-    n_head: int = 4
-    n_kv_head: Optional[int] = None  # llama grouped-query attention; null = n_head
-    n_inner: Optional[int] = None  # MLP width; null = 4 * n_embd (gpt2) / llama default
-    max_positions: int = 128
-    vocab_size: Optional[int] = None  # null = the data's tokenizer vocabulary
-    dropout: float = 0.0
+    name: str = key("gpt2-tiny", free=_LABEL)
+    arch: str = key("gpt2", choices=("gpt2", "llama", "qwen3_moe"))
+    n_layer: int = key(2, ge=1, le=4096)
+    n_embd: int = key(64, ge=1, le=MAX_WIDTH)
+    n_head: int = key(4, ge=1, le="model.n_embd")
+    n_kv_head: Optional[int] = key(None, ge=1, le="model.n_head")  # llama grouped-query attention; null = n_head
+    n_inner: Optional[int] = key(None, ge=1, le=MAX_WIDTH)  # MLP width; null = 4 * n_embd (gpt2) / llama default
+    max_positions: int = key(128, ge=1, le=MAX_WIDTH)
+    vocab_size: Optional[int] = key(None, ge=1, le=1 << 24)  # null = the data's tokenizer vocabulary
+    dropout: float = key(0.0, ge=0, lt=1)
     tie_embeddings: bool = True
-    pretrained: Optional[str] = None  # hub name or local path; weights replace random init
+    # hub name or local path; weights replace random init
+    pretrained: Optional[str] = key(None, nonempty=True, free="a hub name or a directory: framework/validate/paths.py")
     moe: MoEConfig = field(default_factory=MoEConfig)  # qwen3_moe: the routed experts
 
 
 @dataclass
 class DataConfig:
-    name: str = "pycode"  # pycode | synthetic | hf
-    seq_len: int = 64
-    tokenizer: str = "bytes"  # "bytes" (no download) or a transformers tokenizer name / path
-    max_files: Optional[int] = 400  # pycode: first N stdlib files (sorted); null = all
-    path: Optional[str] = None  # hf: dataset name, local dir, or loader ("json", "text")
-    data_files: Optional[str] = None  # hf: local file(s) for a loader
-    text_field: str = "text"  # hf: column holding the text
-    split: str = "train"
-    num_samples: int = 4096  # synthetic: number of sequences
-    vocab_size: int = 256  # synthetic: token ids drawn from [0, vocab_size)
-    cache_dir: Optional[str] = None  # packed-token cache; null = ~/.cache/framework
+    name: str = key("pycode", choices=("pycode", "synthetic", "hf"))
+    seq_len: int = key(64, ge=1, le="model.max_positions")
+    # "bytes" (no download) or a transformers tokenizer name / path
+    tokenizer: str = key("bytes", nonempty=True, free="a tokenizer name: loaded when the data is prepared")
+    max_files: Optional[int] = key(400, ge=1, le=MAX_COUNT, **_PYCODE)  # pycode: first N stdlib files (sorted); null = all
+    # hf: dataset name, local dir, or loader ("json", "text")
+    path: Optional[str] = key(None, nonempty=True, free="a dataset name or loader: framework/validate/paths.py", **_HF)
+    # hf: local file(s) for a loader
+    data_files: Optional[str] = key(None, nonempty=True, free="local files: framework/validate/paths.py", **_HF)
+    text_field: str = key("text", nonempty=True, free="a column: checked on the loaded dataset", **_HF)
+    split: str = key("train", nonempty=True, free="a split name: checked when the dataset loads", **_HF)
+    num_samples: int = key(4096, ge=1, le=MAX_COUNT, **_SYNTHETIC)  # synthetic: number of sequences
+    vocab_size: int = key(256, ge=1, le=1 << 24, **_SYNTHETIC)  # synthetic: token ids drawn from [0, vocab_size)
+    # packed-token cache; null = ~/.cache/framework
+    cache_dir: Optional[str] = key(None, nonempty=True, free="a directory: framework/validate/paths.py")
     # Held-out data for trainer.eval_interval (val_loss); no training step ever sees it.
-    val_files: int = 20  # pycode: the last N stdlib files (sorted), never trained on
-    val_split: Optional[str] = None  # hf: a split of the dataset to evaluate on (e.g. validation) ...
-    val_fraction: float = 0.0  # ... or this last fraction of the training split's documents, held out
+    val_files: int = key(20, ge=0, le=MAX_COUNT, **_PYCODE)  # pycode: the last N stdlib files (sorted), never trained on
+    # hf: a split of the dataset to evaluate on (e.g. validation) ...
+    val_split: Optional[str] = key(None, nonempty=True, free="a split name: checked when the dataset loads", **_HF)
+    val_fraction: float = key(0.0, ge=0, lt=1, **_HF)  # ... or this last fraction of the training split's documents, held out
 
 
 @dataclass
 class ParallelismConfig:
-    name: str = "single"
-    dp: Optional[int] = 1  # null = world_size / (tp * pp) (a layout search fixes the world size)
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks carved out of dp (docs/moe.md)
-    zero: int = 0
-    zero_impl: str = "ours"  # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
+    name: str = key("single", free=_LABEL)
+    dp: Optional[int] = key(1, ge=1, le=MAX_RANKS)  # null = world_size / (tp * pp) (a layout search fixes the world size)
+    tp: int = key(1, ge=1, le=MAX_RANKS)
+    pp: int = key(1, ge=1, le=MAX_RANKS)
+    # expert parallel: each MoE layer's experts split over ep ranks carved out of dp (docs/moe.md)
+    ep: int = key(1, ge=1, le="parallelism.dp")
+    zero: int = key(0, ge=0, le=3)
+    # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
+    zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
-    world_size: Optional[int] = None  # null = dp * tp * pp; set it to assert the launch size (or to derive dp)
-    partition: Any = "uniform"  # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]
+    # null = dp * tp * pp; set it to assert the launch size (or to derive dp)
+    world_size: Optional[int] = key(None, ge=1, le=MAX_RANKS)
+    # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]
+    partition: Any = key("uniform", free="a method or a list: checked on the meta model (validate_model)")
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = DEFAULT_SCHEDULE  # a name in the schedule registry (framework/parallel/pipeline/schedules/)
-    microbatches: Optional[int] = 1  # per step per dp rank; with pp = 1 accumulation steps (csv: null = the file's)
-    virtual_stages: Optional[int] = 1  # model chunks per pipeline rank (as the schedule declares; csv: null = file's)
-    csv: Optional[str] = None  # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)
-    modules: list = field(default_factory=list)  # Python files / modules that register more schedules
-    memory_limit_microbatches: Optional[int] = None  # zb-auto: most micro-batches alive per rank (null = pp)
-    op_times: Optional[dict] = None  # zb-auto: {F, I, W: seconds (or a list per pp rank), comm}; null = sim.from's
+    # a name in the schedule registry (framework/parallel/pipeline/schedules/)
+    name: str = key(DEFAULT_SCHEDULE, free="the registry's names: framework/validate/schedule.py")
+    # per step per dp rank; with pp = 1 accumulation steps (csv: null = the file's)
+    microbatches: Optional[int] = key(1, ge=1, le=MAX_MICROBATCHES)
+    # model chunks per pipeline rank (as the schedule declares; csv: null = file's)
+    virtual_stages: Optional[int] = key(1, ge=1, le=1 << 10)
+    # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)
+    csv: Optional[str] = key(None, nonempty=True, free="a file: read by framework/parallel/pipeline/schedules/"
+                             "csv_format.py", when=lambda r: r.schedule.name == "csv", when_text="schedule=csv",
+                             base=("schedule=csv",))
+    # Python files / modules that register more schedules
+    modules: list = key(factory=list, free="files or modules: imported by framework/validate/schedule.py")
+    # zb-auto: most micro-batches alive per rank (null = pp)
+    memory_limit_microbatches: Optional[int] = key(None, ge=1, le="schedule.microbatches", **_ZB_AUTO)
+    # zb-auto: {F, I, W: seconds (or a list per pp rank), comm}; null = sim.from's
+    op_times: Optional[dict] = key(None, free="a dict of durations: framework/validate/schedule.py", **_ZB_AUTO)
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 30
-    micro_batch_size: Optional[int] = 4  # null = derived from global_batch_size (then microbatches is fixed)
+    steps: int = key(30, ge=1, le=1 << 40)
+    # null = derived from global_batch_size (then microbatches is fixed)
+    micro_batch_size: Optional[int] = key(4, ge=1, le=MAX_COUNT)
     # Sequences per optimizer step: when set, schedule.microbatches is derived for each layout
     # (micro_batch_size fixed), so a sweep over layouts keeps tokens per step equal.
-    global_batch_size: Optional[int] = None
-    warmup_steps: int = 3  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
-    precision: str = "fp32"  # fp32 | bf16-autocast (alias bf16) | bf16-mixed | fp16-mixed | fp64; framework/precision.py
+    global_batch_size: Optional[int] = key(None, ge=1, le=MAX_GLOBAL_BATCH)
+    warmup_steps: int = key(3, ge=0, le=1 << 40)  # linear lr warm-up, then cosine decay to min_lr_ratio * lr
+    min_lr_ratio: float = key(0.1, ge=0, le=1)
+    grad_clip: float = key(1.0, ge=0)  # global grad-norm clip; 0 disables
+    # fp32 | bf16-autocast (alias bf16) | bf16-mixed | fp16-mixed | fp64; framework/precision.py
+    precision: str = key("fp32", choices=PRECISIONS)
     activation_checkpointing: bool = False
-    seed: int = 1234
-    log_interval: int = 5
+    seed: int = key(1234, ge=0, lt=1 << 32)  # numpy's default_rng takes [0, 2**32)
+    log_interval: int = key(5, ge=1, le=1 << 40)
     save_checkpoint: bool = False  # write final_model.pt (full state dict) in the job dir
     # A rank that makes no progress this long ends the job (launcher's watchdog, hang.txt);
     # the process-group timeout is this plus framework.train.worker.PG_TIMEOUT_MARGIN_S.
-    hang_timeout_s: float = 300.0
+    hang_timeout_s: float = key(300.0, gt=0, le=365 * 86400)
     # Distributed checkpoints (framework/checkpoint/): every N steps to checkpoints/step_<k>/; 0 = off.
-    checkpoint_interval: int = 0
-    checkpoint_async: bool = True  # the step waits for a host copy of the rank's part, not the file system
-    keep_checkpoints: Optional[int] = 2  # newest complete checkpoints kept; null = all
-    resume: Optional[str] = None  # null | auto (newest complete checkpoint in the job dir, else start) | a path
-    eval_interval: int = 0  # steps between held-out evaluations (val_loss); 0 = off
-    eval_batches: int = 4  # global batches of held-out sequences per evaluation
+    checkpoint_interval: int = key(0, ge=0, le=1 << 40)
+    # the step waits for a host copy of the rank's part, not the file system
+    checkpoint_async: bool = key(True, **_CHECKPOINTS)
+    keep_checkpoints: Optional[int] = key(2, ge=1, le=MAX_COUNT, **_CHECKPOINTS)  # newest complete checkpoints kept; null = all
+    # null | auto (newest complete checkpoint in the job dir, else start) | a path
+    resume: Optional[str] = key(None, nonempty=True, free="auto or a checkpoint: framework/checkpoint (resolve_resume)")
+    eval_interval: int = key(0, ge=0, le=1 << 40)  # steps between held-out evaluations (val_loss); 0 = off
+    eval_batches: int = key(4, ge=1, le=MAX_COUNT, when=lambda r: r.trainer.eval_interval > 0,
+                            when_text="trainer.eval_interval > 0", base=("trainer.eval_interval=2",))
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb | none
-    mode: str = "auto"  # auto | online | offline | disabled
-    project: str = "parallel-lm"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # null = sweep dir / experiment name
-    run_name: Optional[str] = None  # null = the command-line overrides
+    name: str = key("wandb", choices=("wandb", "none"))
+    mode: str = key("auto", choices=("auto", "online", "offline", "disabled"), **_WANDB)
+    project: str = key("parallel-lm", nonempty=True, free=_LABEL, **_WANDB)
+    entity: Optional[str] = key(None, free=_LABEL, **_WANDB)
+    group: Optional[str] = key(None, free=_LABEL, **_WANDB)  # null = sweep dir / experiment name
+    run_name: Optional[str] = key(None, free=_LABEL, **_WANDB)  # null = the command-line overrides
 
 
 @dataclass
 class MetricsConfig:
-    skip_first: int = 3  # warm-up steps left out of the summary medians
-    trace_steps: int = 16  # pipelines: steps whose action records are kept (trace.json, timeline, op times)
-    peak_tflops: Optional[float] = None  # per rank; null = datasheet table (CUDA) or cached matmul probe (CPU)
+    skip_first: int = key(3, ge=0, lt="trainer.steps")  # warm-up steps left out of the summary medians
+    # pipelines: steps whose action records are kept (trace.json, timeline, op times)
+    trace_steps: int = key(16, ge=1, le=MAX_COUNT)
+    # per rank; null = datasheet table (CUDA) or cached matmul probe (CPU)
+    peak_tflops: Optional[float] = key(None, gt=0)
 
 
 @dataclass
 class DebugConfig:
-    fail_rank: Optional[int] = None  # inject a fault: this rank raises ...
-    fail_step: int = 1  # ... at the start of this step (1-based, as every step number)
-    stage_delay_ms: float = 0.0  # sleep this long inside every forward and backward compute ...
-    delay_pp_rank: int = 0  # ... of this pipeline rank (tests the measured bubble)
-    coalesced_p2p: bool = False  # emulate NCCL: batch_isend_irecv returns ONE Work per batch
+    fail_rank: Optional[int] = key(None, ge=0, lt="world_size")  # inject a fault: this rank raises ...
+    # ... at the start of this step (1-based, as every step number)
+    fail_step: int = key(1, ge=1, le="trainer.steps")
+    # sleep this long inside every forward and backward compute ...
+    stage_delay_ms: float = key(0.0, ge=0, le=600_000)
+    # ... of this pipeline rank (tests the measured bubble)
+    delay_pp_rank: int = key(0, ge=0, lt="parallelism.pp", when=lambda r: r.debug.stage_delay_ms > 0,
+                             when_text="debug.stage_delay_ms > 0", base=("debug.stage_delay_ms=1",))
+    # emulate NCCL: batch_isend_irecv returns ONE Work per batch
+    coalesced_p2p: bool = key(False, when=lambda r: r.parallelism.pp > 1, when_text="parallelism.pp > 1")
     # Every rank first builds the whole model, then keeps its part: the start-up before
     # per-rank materialisation, kept to measure what that saves (experiments/startup_memory).
     materialise_whole: bool = False
     # Checkpoint writes see a file system of this many bytes (the checkpoints directory):
     # past it they fail with ENOSPC, as a full disk would. null = the real disk.
-    checkpoint_disk_bytes: Optional[int] = None
-    inf_grad_step: Optional[int] = None  # fp16-mixed: an inf loss on one head-holding rank at this step (1-based)
+    checkpoint_disk_bytes: Optional[int] = key(None, ge=1, **_CHECKPOINTS)
+    # fp16-mixed: an inf loss on one head-holding rank at this step (1-based)
+    inf_grad_step: Optional[int] = key(None, ge=1, le="trainer.steps", **_FP16)
     # With inf_grad_step: instead of the inf loss, this global rank alone puts one inf into one
     # of its gradients after every reduction, just before the overflow flag (tests that the
     # flag is reduced over every rank: framework/train/update.py).
-    inf_grad_rank: Optional[int] = None
+    inf_grad_rank: Optional[int] = key(None, ge=0, lt="world_size", when=lambda r: r.debug.inf_grad_step is not None,
+                                       when_text="debug.inf_grad_step set",
+                                       base=("trainer.precision=fp16-mixed", "debug.inf_grad_step=2"))
 
 
 @dataclass
@@ -181,13 +277,14 @@ class SearchConfig:
 
     # The dry-run planner's per-rank model-state estimate (framework.launch.plan) above this is a
     # rejected job, before any rank starts; null = no budget.
-    memory_budget_bytes: Optional[float] = None
+    memory_budget_bytes: Optional[float] = key(None, gt=0)
     # What a failed or rejected job returns to a sweeper; null = NaN (Optuna: a failed trial).
-    failed_value: Optional[float] = None
+    failed_value: Optional[float] = key(None, free="any finite score")
     # run: launch every candidate | simulate: predict each from sim.from (no launch), then
     # launch only the top_k by predicted step time (framework/sim/sweep.py)
-    mode: str = "run"
-    top_k: int = 1
+    mode: str = key("run", choices=("run", "simulate"))
+    top_k: int = key(1, ge=1, le=MAX_COUNT, when=lambda r: r.search.mode == "simulate",
+                     when_text="search.mode=simulate")
 
 
 @dataclass
@@ -195,7 +292,33 @@ class SimConfig:
     """The simulator (docs/simulator.md). The command-line key is `sim.from`, stored as
     `source` (a Python keyword cannot name a field)."""
 
-    source: Optional[str] = None  # a finished pipeline (or pp 1, ep > 1) job whose calibration.json predicts this run
+    # a finished pipeline (or pp 1, ep > 1) job whose calibration.json predicts this run
+    source: Optional[str] = key(None, nonempty=True, free="a job directory: its calibration.json is read before launch")
+
+
+@dataclass
+class LossScaleConfig:
+    """fp16-mixed's dynamic loss scaler (framework/train/loss_scale.py). Defaults: DeepSpeed's
+    (initial 2**16; Megatron starts at 2**32, ~17 skipped steps before the first update);
+    the rest are both libraries' (x2 after 1000 clean steps, x0.5 on overflow, hysteresis 2,
+    minimum 1). Powers of two by hand (framework/validate/precision.py)."""
+
+    initial: float = key(65536.0, gt=0, **_FP16)
+    growth_factor: float = key(2.0, ge=1, **_FP16)
+    backoff_factor: float = key(0.5, gt=0, lt=1, **_FP16)
+    growth_interval: int = key(1000, ge=1, le=1 << 40, **_FP16)  # clean steps before the scale grows
+    # the hysteresis-th overflow since the scale last grew backs off (2: one is tolerated)
+    hysteresis: int = key(2, ge=1, le=1 << 20, **_FP16)
+    min_scale: float = key(1.0, gt=0, le="precision.loss_scale.initial", **_FP16)  # an overflow at this scale stops the run
+
+
+@dataclass
+class PrecisionConfig:
+    """Keys beside trainer.precision (framework/precision.py)."""
+
+    # gradient collectives: null = the mode's (fp32 when mixed) | fp32 | param
+    reduce_dtype: Optional[str] = key(None, choices=("fp32", "param"))
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
 
 @dataclass
@@ -204,7 +327,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    optimizer: dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.optim.AdamW", "lr": 3e-4})
+    optimizer: dict[str, Any] = key(factory=lambda: {"_target_": "torch.optim.AdamW", "lr": 3e-4},
+                                    free="torch's arguments: framework/validate/optimizer.py builds it")
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -212,10 +336,13 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     sim: SimConfig = field(default_factory=SimConfig)
-    device: str = "auto"  # auto | cpu | cuda; resolved once in framework/device.py
-    launcher: str = "local"  # local: start the ranks here | external: write the job dir for torchrun
+    device: str = key("auto", choices=("auto", "cpu", "cuda"))  # resolved once in framework/device.py
+    # local: start the ranks here | external: write the job dir for torchrun
+    launcher: str = key("local", choices=("local", "external"))
     dry_run: bool = False  # print and write plan.json; start no rank
-    objective: str = "loss"  # summary.json key returned to a Hydra sweeper
+    # summary.json key returned to a Hydra sweeper (framework/report/sinks.py says what each means)
+    objective: str = key("loss", choices=("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes",
+                                          "bubble_fraction"))
 
     @property
     def world_size(self) -> int:
@@ -234,7 +361,7 @@ class RunConfig:
 
 def load_config(cfg: DictConfig | dict) -> RunConfig:
     """Merge a composed config into the schema; a wrong key or type is a ConfigError."""
-    schema = OmegaConf.structured(RunConfig)
+    schema = _schema()
     cfg = _sim_from(cfg)
     try:
         merged = OmegaConf.merge(schema, cfg)
@@ -250,6 +377,12 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     assert isinstance(run, RunConfig)
     derive_layout(run)
     return run
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    """The schema as an OmegaConf node, built once (merge copies it, never changes it)."""
+    return OmegaConf.structured(RunConfig)
 
 
 def _sim_from(cfg):
@@ -284,14 +417,18 @@ def derive_layout(run: RunConfig) -> None:
             raise ConfigError("trainer.micro_batch_size", None, "null derives it from trainer.global_batch_size, "
                               "which is null too", "set trainer.micro_batch_size, or trainer.global_batch_size")
         return
-    if g < 1 or p.dp < 1:
-        return  # validate names it
+    if not 1 <= g <= MAX_GLOBAL_BATCH or p.dp < 1:
+        return  # framework.validate names it
     if t.micro_batch_size is None:
         t.micro_batch_size = _share(g, s.microbatches, p.dp, "microbatches", "trainer.micro_batch_size",
                                     "set trainer.micro_batch_size")
     else:
         s.microbatches = _share(g, t.micro_batch_size, p.dp, "micro_batch_size", "schedule.microbatches",
                                 "change trainer.micro_batch_size")
+        if s.microbatches > MAX_MICROBATCHES:
+            raise ConfigError("trainer.global_batch_size", g, f"derives schedule.microbatches={s.microbatches} "
+                              f"(micro_batch_size {t.micro_batch_size} x dp {p.dp}), above its limit "
+                              f"{MAX_MICROBATCHES}", "a smaller global batch, or a larger trainer.micro_batch_size")
 
 
 def _sizes_from_csv(s: ScheduleConfig) -> None:

@@ -30,7 +30,7 @@ beside each parameter (Megatron's `main_grad`) is not built (docs/precision.md).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -72,29 +72,6 @@ class Policy:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
-
-
-@dataclass
-class LossScaleConfig:
-    """fp16-mixed's dynamic loss scaler (framework/train/loss_scale.py). Defaults: DeepSpeed's
-    (initial 2**16; Megatron starts at 2**32, ~17 skipped steps before the first update);
-    the rest are both libraries' (x2 after 1000 clean steps, x0.5 on overflow, hysteresis 2,
-    minimum 1)."""
-
-    initial: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000  # clean steps before the scale grows
-    hysteresis: int = 2  # the hysteresis-th overflow since the scale last grew backs off (2: one is tolerated)
-    min_scale: float = 1.0  # an overflow at this scale stops the run with an error
-
-
-@dataclass
-class PrecisionConfig:
-    """Keys beside trainer.precision (framework/precision.py)."""
-
-    reduce_dtype: Optional[str] = None  # gradient collectives: null = the mode's (fp32 when mixed) | fp32 | param
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
 
 def bytes_of(dtype: torch.dtype) -> int:

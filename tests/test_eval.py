@@ -122,11 +122,11 @@ def test_synthetic_held_out_tokens_differ_from_training():
 # ---- (b) rejections ----
 
 REJECTED = [
-    (["trainer.eval_interval=-1"], "trainer.eval_interval=-1", "must be an integer >= 0"),
-    (["trainer.eval_batches=0"], "trainer.eval_batches=0", "must be a positive integer"),
-    (["data.val_files=-1"], "data.val_files=-1", "must be an integer >= 0"),
-    (["data.val_fraction=1.0"], "data.val_fraction=1.0", "must be a finite number in [0, 1)"),
-    (["data.val_fraction=-0.1"], "data.val_fraction=-0.1", "must be a finite number in [0, 1)"),
+    (["trainer.eval_interval=-1"], "trainer.eval_interval=-1", "must be >= 0"),
+    (["trainer.eval_batches=0"], "trainer.eval_batches=0", "must be >= 1"),
+    (["data.val_files=-1"], "data.val_files=-1", "must be >= 0"),
+    (["data.val_fraction=1.0"], "data.val_fraction=1.0", "must be < 1"),
+    (["data.val_fraction=-0.1"], "data.val_fraction=-0.1", "must be >= 0"),
     (["data=pycode", "data.val_files=0", "trainer.eval_interval=5"], "data.val_files=0", "needs held-out"),
     (["data=hf", "data.path=json", "trainer.eval_interval=5"], "trainer.eval_interval=5", "holds nothing out"),
     (["data=hf", "data.path=json", "data.val_split=validation", "data.val_fraction=0.1"], "data.val_fraction=0.1",
@@ -139,11 +139,7 @@ REJECTED = [
 
 @pytest.mark.parametrize("overrides,head,problem", REJECTED)
 def test_bad_eval_settings_are_rejected(overrides, head, problem):
-    with pytest.raises(ConfigError) as e:
-        check_eval(compose(*overrides))
-    msg = str(e.value)
-    assert msg.startswith(head + ":") and problem in msg and "Fix: " in msg, msg
-    assert_config_error(overrides, head, problem)  # and validate() (before launch) rejects it with the same message
+    assert_config_error(overrides, head, problem)  # validate(), before launch: the schema's rules, then check_eval
 
 
 def test_eval_settings_that_are_fine_pass():

@@ -121,7 +121,7 @@ def test_a_config_error_in_a_sweep_is_rejected_and_the_sweep_goes_on(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = collect(tmp_path)
     assert [(x["job"], x["status"]) for x in rows] == [("0", "rejected"), ("1", "rejected")]
-    assert rows[1]["reason"].startswith("trainer.steps=-1: must be a positive integer. Fix:")
+    assert rows[1]["reason"].startswith("trainer.steps=-1: must be >= 1. Fix:")
     assert r.stderr.count("config error: trainer.steps=") == 2
 
 

@@ -6,7 +6,7 @@ counter. An overflow at the minimum scale stops the run."""
 
 import pytest
 
-from framework.precision import LossScaleConfig
+from framework.config import LossScaleConfig
 from framework.train.loss_scale import LossScaleError, LossScaler
 
 

@@ -88,7 +88,7 @@ def test_moe_layouts_reproduce_the_single_process_in_fp64(moe_runs, layout):
 
 
 def test_bad_moe_and_ep_keys_are_rejected_before_launch():
-    assert_config_error(["model=moe-tiny", "model.moe.top_k=5"], "model.moe.top_k=5", "must lie in [1,")
+    assert_config_error(["model=moe-tiny", "model.moe.top_k=5"], "model.moe.top_k=5", "must be <= model.moe.experts (model.moe.experts=4)")
     assert_config_error(["model=llama-tiny", "parallelism=dp2", "parallelism.ep=2"], "parallelism.ep=2",
                         "has none")
     assert_config_error(["model=moe-tiny", "parallelism=dp4", "parallelism.ep=3"], "parallelism.ep=3",

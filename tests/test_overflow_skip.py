@@ -124,7 +124,7 @@ def test_the_moe_bias_update_skips_the_overflowed_step(runs):
 @pytest.mark.parametrize("overrides, head, problem", [
     (["trainer.precision=fp16-mixed", "debug.inf_grad_rank=0"], "debug.inf_grad_rank=0", "debug.inf_grad_step"),
     (["trainer.precision=fp16-mixed", "parallelism=dp2", "debug.inf_grad_step=1", "debug.inf_grad_rank=2"],
-     "debug.inf_grad_rank=2", "no such rank in world size 2"),
+     "debug.inf_grad_rank=2", "must be < world_size (world_size=2)"),
     (["trainer.precision=bf16-mixed", "debug.inf_grad_step=1", "debug.inf_grad_rank=0"], "debug.inf_grad_step=1",
      "corrupt the weights"),
 ])

@@ -31,7 +31,7 @@ import yaml
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction",
            "bubble_fraction_analytic", "world_size", "global_batch", "tokens_per_step")
-# Objectives a larger value of which is better (framework.validate.OBJECTIVES has them all).
+# Objectives a larger value of which is better (RunConfig.objective's choices in framework/config.py has them all).
 MAXIMISED = ("tokens_per_s", "mfu")
 COLUMNS = ("job", "overrides", "status") + METRICS + ("reason",)
 MARKERS = ("config.yaml", "summary.json", ".hydra/overrides.yaml")

@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 
 
-from framework.config import ConfigError, DataConfig, RunConfig
+from framework.config import ConfigError, DataConfig, RunConfig, check_overrides, load_config
 from framework.parallel.pipeline.partition import PartitionError
 from framework.parallel.pipeline.schedules import never_flushes
-from framework.validate.common import choice, first_line, number, positive
+from framework.validate.common import first_line
 from framework.validate.expert import check_expert_parallel, check_moe
-from framework.validate.fsdp2 import ZERO_IMPLS, check_fsdp2
+from framework.validate.fsdp2 import check_fsdp2
 from framework.validate.environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from framework.validate.heldout import check_eval, flushing
 from framework.validate.optimizer import check_optimizer
@@ -26,21 +26,27 @@ from framework.validate.precision import check_precision
 from framework.validate.schedule import check_schedule, load_schedule_modules
 from framework.models.checks import check_model_type, check_tp_sizes
 from framework.validate.paths import check_job_dir, check_paths, local_data_files, safetensors_problem
+from framework.validate.ranges import check_effect, check_ranges
 
-__all__ = ["validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
+__all__ = ["configure", "validate", "validate_model", "validate_prepared", "check_tp_sizes", "check_text_field",
            "check_model_type", "local_data_files", "check_rank_env", "check_job_dir", "cpu_rank_limit",
            "safetensors_problem", "first_line"]
 
-ARCHS = ("gpt2", "llama", "qwen3_moe")
-DATASETS = ("pycode", "synthetic", "hf")
-DEVICES = ("auto", "cpu", "cuda")
-LAUNCHERS = ("local", "external")
-# Summary keys a sweeper may optimise (see framework/report/sinks.py for their meaning).
-OBJECTIVES = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction")
+# Ranges, choices and finiteness of single keys are the schema's (framework/config.py, each
+# key's Rule, enforced by ranges.check_ranges first); what follows is what a rule cannot say.
+
+
+def configure(cfg, overrides: list[str]) -> RunConfig:
+    """The composed config as the typed schema, with what the command line asked checked
+    against it: a derived size it contradicts, a key it sets that has no effect here."""
+    run = load_config(cfg)
+    check_overrides(run, overrides)
+    check_effect(run, overrides)
+    return run
 
 
 def validate(run: RunConfig) -> None:
-    for check in (load_schedule_modules, _parallelism, _model, check_schedule, _trainer, check_precision, _data,
+    for check in (check_ranges, load_schedule_modules, _parallelism, _model, check_schedule, check_precision, _data,
                   check_eval,
                   check_optimizer, check_logger, _misc, check_node_capacity, check_paths):
         check(run)
@@ -48,10 +54,6 @@ def validate(run: RunConfig) -> None:
 
 def _parallelism(run: RunConfig) -> None:
     p = run.parallelism
-    for k in ("dp", "tp", "pp"):
-        positive(f"parallelism.{k}", getattr(p, k))
-    if p.zero not in (0, 1, 2, 3):
-        raise ConfigError("parallelism.zero", p.zero, "ZeRO stage must be 0, 1, 2 or 3", "pick a stage in 0..3")
     if p.world_size is not None and p.world_size != run.world_size:
         raise ConfigError("parallelism.world_size", p.world_size,
                           f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
@@ -64,7 +66,6 @@ def _parallelism(run: RunConfig) -> None:
 
 def _zero(run: RunConfig) -> None:
     p = run.parallelism
-    choice("parallelism.zero_impl", p.zero_impl, ZERO_IMPLS)
     if p.zero_impl == "fsdp2":  # torch's back end: its own rules
         check_fsdp2(run)
         return
@@ -107,111 +108,33 @@ def _tensor_parallel(run: RunConfig) -> None:
                           f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
 
 
-def _trainer(run: RunConfig) -> None:
-    t = run.trainer
-    positive("trainer.steps", t.steps)
-    positive("trainer.micro_batch_size", t.micro_batch_size)
-    positive("trainer.log_interval", t.log_interval)
-    if t.global_batch_size is not None:  # schedule.microbatches is derived from it (framework.config)
-        positive("trainer.global_batch_size", t.global_batch_size)
-    if t.warmup_steps < 0:
-        raise ConfigError("trainer.warmup_steps", t.warmup_steps, "must be >= 0", "set 0 for no warm-up")
-    number("trainer.min_lr_ratio", t.min_lr_ratio, lambda x: 0 <= x <= 1, "must be a finite number in [0, 1]",
-            "e.g. 0.1")
-    # nan would turn clipping off silently (nan comparisons are False), inf means no clipping
-    number("trainer.grad_clip", t.grad_clip, lambda x: x >= 0, "must be a finite number >= 0",
-            "set 0 to disable clipping, e.g. trainer.grad_clip=1.0")
-    number("trainer.hang_timeout_s", t.hang_timeout_s, lambda x: x > 0, "must be a finite number of seconds > 0",
-            "e.g. trainer.hang_timeout_s=300 (it also sets the collectives' timeout)")
-    if not 0 <= t.seed < 2**32:  # numpy's default_rng rejects the rest inside the ranks
-        raise ConfigError("trainer.seed", t.seed, "must lie in [0, 2**32)", "e.g. trainer.seed=1234")
-    _checkpointing(t)
-
-
-def _checkpointing(t) -> None:
-    """The keys; the checkpoint trainer.resume names is checked against the run in
-    framework.checkpoint (resolve_resume, check_compatible) once the job directory is known."""
-    if t.checkpoint_interval < 0:
-        raise ConfigError("trainer.checkpoint_interval", t.checkpoint_interval, "must be >= 0",
-                          "steps between checkpoints, e.g. trainer.checkpoint_interval=100; 0 = off")
-    if t.keep_checkpoints is not None and t.keep_checkpoints < 1:
-        raise ConfigError("trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1 or null",
-                          "e.g. trainer.keep_checkpoints=2 (null keeps all)")
-    if t.resume is not None and not str(t.resume).strip():
-        raise ConfigError("trainer.resume", t.resume, "empty", "use auto, a checkpoint path, or null")
-
-
 def _model(run: RunConfig) -> None:
     m = run.model
-    choice("model.arch", m.arch, ARCHS)
-    for k in ("n_layer", "n_embd", "n_head", "max_positions"):
-        positive(f"model.{k}", getattr(m, k))
     if m.n_embd % m.n_head:
         raise ConfigError("model.n_head", m.n_head, f"does not divide model.n_embd={m.n_embd}",
                           "pick n_head that divides n_embd")
     if m.n_kv_head is not None:
-        positive("model.n_kv_head", m.n_kv_head)
         if m.arch == "gpt2" or m.n_head % m.n_kv_head:
             raise ConfigError("model.n_kv_head", m.n_kv_head,
                               f"key-value heads need arch=llama or qwen3_moe and must divide n_head={m.n_head}",
                               "pick a divisor of n_head, or null")
-    if m.vocab_size is not None:
-        positive("model.vocab_size", m.vocab_size)
     if m.arch == "qwen3_moe":
         check_moe(run)
-    number("model.dropout", m.dropout, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
-            "use 0 for exact runs")
 
 
 def _data(run: RunConfig) -> None:
     d = run.data
-    choice("data.name", d.name, DATASETS)
-    positive("data.seq_len", d.seq_len)
-    if d.seq_len > run.model.max_positions:
-        raise ConfigError("data.seq_len", d.seq_len,
-                          f"above the model's positions (model.max_positions={run.model.max_positions})",
-                          f"use data.seq_len <= {run.model.max_positions}")
-    positive("data.num_samples", d.num_samples)
-    positive("data.vocab_size", d.vocab_size)
-    if d.max_files is not None:
-        positive("data.max_files", d.max_files)
     if d.name == "hf" and not d.path:
         raise ConfigError("data.path", d.path, "data=hf needs a dataset",
                           "set data.path to a hub name or a loader such as json with data.data_files")
 
 
 def _misc(run: RunConfig) -> None:
-    choice("device", run.device, DEVICES)
-    choice("launcher", run.launcher, LAUNCHERS)
-    choice("objective", run.objective, OBJECTIVES)
-    positive("metrics.trace_steps", run.metrics.trace_steps)
-    if not 0 <= run.metrics.skip_first < run.trainer.steps:
-        raise ConfigError("metrics.skip_first", run.metrics.skip_first,
-                          f"must leave at least one of trainer.steps={run.trainer.steps} to summarise",
-                          f"use 0 <= metrics.skip_first < {run.trainer.steps}")
-    if run.metrics.peak_tflops is not None:
-        number("metrics.peak_tflops", run.metrics.peak_tflops, lambda x: x > 0, "must be a finite positive number",
-                "set the per-rank peak, or null to measure it")
-    if run.search.memory_budget_bytes is not None:
-        number("search.memory_budget_bytes", run.search.memory_budget_bytes, lambda x: x > 0,
-               "must be a finite number of bytes > 0", "e.g. search.memory_budget_bytes=8e9, or null for no budget")
-    if run.search.failed_value is not None:
-        number("search.failed_value", run.search.failed_value, lambda x: True, "must be a finite number",
-               "e.g. 0.0 for a maximised objective, or null (NaN: Optuna marks the trial failed)")
     _search_and_sim(run)
-    fr = run.debug.fail_rank
-    if fr is not None and not 0 <= fr < run.world_size:
-        raise ConfigError("debug.fail_rank", fr, f"no such rank in world size {run.world_size}",
-                          f"use 0..{run.world_size - 1} or null")
-    if fr is not None and not 1 <= run.debug.fail_step <= run.trainer.steps:
-        raise ConfigError("debug.fail_step", run.debug.fail_step, f"steps are numbered 1..{run.trainer.steps}",
-                          "e.g. debug.fail_step=1 (the fault is raised at the start of that step)")
     _debug_delay(run)
 
 
 def _search_and_sim(run: RunConfig) -> None:
-    choice("search.mode", run.search.mode, ("run", "simulate"))
-    positive("search.top_k", run.search.top_k)
     src = run.sim.source
     if run.search.mode == "simulate" and not src:
         raise ConfigError("sim.from", src, "search.mode=simulate ranks candidates by a prediction from a measured job",
@@ -224,12 +147,10 @@ def _search_and_sim(run: RunConfig) -> None:
 
 def _debug_delay(run: RunConfig) -> None:
     d, pp = run.debug, run.parallelism.pp
-    number("debug.stage_delay_ms", d.stage_delay_ms, lambda x: x >= 0, "must be a finite duration >= 0",
-            "set it to 0 (off) or to the milliseconds one stage should be slower")
-    if d.stage_delay_ms > 0 and not (pp > 1 and 0 <= d.delay_pp_rank < pp):
-        raise ConfigError("debug.delay_pp_rank", d.delay_pp_rank,
-                          f"the delay slows one pipeline rank, and parallelism.pp={pp} has ranks 0..{pp - 1}",
-                          "use a pipeline layout (pp > 1) and a pipeline rank below pp")
+    if d.stage_delay_ms > 0 and pp == 1:
+        raise ConfigError("debug.stage_delay_ms", d.stage_delay_ms,
+                          "the delay slows one pipeline rank, and parallelism.pp=1 has no pipeline",
+                          "use a pipeline layout (pp > 1), or debug.stage_delay_ms=0")
 
 
 def validate_model(run: RunConfig, hf_model) -> list[range]:

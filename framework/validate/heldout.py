@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from framework.config import ConfigError, RunConfig
 from framework.parallel.pipeline.schedules import get, names, never_flushes
-from framework.validate.common import number, positive
+
 
 
 def flushing() -> list[str]:
@@ -19,15 +19,7 @@ def flushing() -> list[str]:
 
 def check_eval(run: RunConfig) -> None:
     t, d = run.trainer, run.data
-    if isinstance(t.eval_interval, bool) or not isinstance(t.eval_interval, int) or t.eval_interval < 0:
-        raise ConfigError("trainer.eval_interval", t.eval_interval, "must be an integer >= 0",
-                          "0 turns evaluation off; e.g. trainer.eval_interval=100 evaluates every 100 steps")
-    positive("trainer.eval_batches", t.eval_batches)
-    if isinstance(d.val_files, bool) or not isinstance(d.val_files, int) or d.val_files < 0:
-        raise ConfigError("data.val_files", d.val_files, "must be an integer >= 0",
-                          "e.g. data.val_files=20 (the last 20 stdlib files are held out)")
-    number("data.val_fraction", d.val_fraction, lambda x: 0 <= x < 1, "must be a finite number in [0, 1)",
-           "e.g. data.val_fraction=0.05 (the last 5% of the documents), or 0.0 to hold none out")
+    # Their ranges are the schema's rules (framework/config.py); what follows joins keys.
     evaluating = t.eval_interval > 0
     if evaluating and run.parallelism.pp > 1 and never_flushes(run.schedule):
         # Never flushed: between steps, activations of the next step's micro-batches are in
