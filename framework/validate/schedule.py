@@ -5,6 +5,7 @@ file's error names its row (pipeline rank), its cell and the rule broken."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from framework.config import ConfigError, RunConfig
@@ -74,8 +75,9 @@ def _auto_keys(run: RunConfig) -> None:
         values = list(x) if isinstance(x, (list, tuple)) else [x]
         if key != "comm" and isinstance(x, (list, tuple)) and len(values) != pp:
             raise ConfigError(f"schedule.op_times.{key}", values, f"lists one time per pipeline rank, and pp={pp}", fix)
-        if not all(isinstance(v, (int, float)) and (v >= 0 if key == "comm" else v > 0) for v in values):
-            raise ConfigError(f"schedule.op_times.{key}", x, "must be seconds > 0 (comm: >= 0)", fix)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                   and (v >= 0 if key == "comm" else v > 0) for v in values):
+            raise ConfigError(f"schedule.op_times.{key}", x, "must be finite seconds > 0 (comm: >= 0)", fix)
 
 
 def _csv(run: RunConfig) -> dict:
