@@ -80,7 +80,7 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
     sched, pp = resolve(s), run.parallelism.pp
     bubble = analytic_bubble(sched, pp, s.microbatches, s.virtual_stages, run.trainer.steps)
     if resume is not None:
-        checkpoint.check_compatible(run, resume, vocab)
+        checkpoint.check_compatible(run, resume, vocab, model)  # every recorded size, every stored shape
     if job_dir:
         set_aside_checkpoints(job_dir, resume)
     return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble,
