@@ -22,7 +22,8 @@ def job(tmp_path_factory) -> Path:
     job = tmp_path_factory.mktemp("pp2_job")
     (job / "config.yaml").write_text(to_yaml(compose("parallelism=pp2")))
     (job / "run_info.json").write_text(json.dumps({"vocab_size": 257}))
-    (job / "calibration.json").write_text(json.dumps(Calibration().to_json()))
+    times = {f"{r},0,{op}": 1e-3 for r in range(2) for op in "FB"}  # a calibration holds op times
+    (job / "calibration.json").write_text(json.dumps(Calibration(compute=times).to_json()))
     (job / "summary.json").write_text("{}")
     return job
 

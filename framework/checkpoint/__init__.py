@@ -20,13 +20,15 @@ and the lr schedule a function of the step, so neither is stored.
 
 Files: `shards.py` (what a rank holds, as boxes; DCP's protocol and planners), `save.py`
 (staging, the background write, failures), `load.py`, `store.py` (finding, pruning, one
-lineage, what a resume may load).
+lineage, whether a job is done), `resume.py` (what a resume may load: the path, meta.json, every
+recorded size and stored shape against the run).
 """
 
 from framework.checkpoint.load import load
 from framework.checkpoint.save import CheckpointWriteError, Saver, layout_of
-from framework.checkpoint.store import (CHECKPOINTS_DIR, MARKER, META, METRICS, check_compatible, checkpoints, finished, history,
-                    is_complete, latest, prune, read_meta, resolve_resume, set_aside_newer, step_dir)
+from framework.checkpoint.resume import check_compatible, read_meta, resolve_resume
+from framework.checkpoint.store import (CHECKPOINTS_DIR, MARKER, META, METRICS, checkpoints, finished, history,
+                    is_complete, latest, prune, set_aside_newer, step_dir)
 
 __all__ = ["CHECKPOINTS_DIR", "MARKER", "META", "METRICS", "CheckpointWriteError", "Saver", "check_compatible",
            "checkpoints", "finished", "history", "is_complete", "latest", "layout_of", "load", "prune", "read_meta",

@@ -27,7 +27,7 @@ from framework.metrics.memory import RssSampler, current_rss_bytes
 from framework.train.master import MasterOptimizer
 from framework.checkpoint.save import layout_of
 from framework.checkpoint.shards import LoadPlanner, rank_parts, slots
-from framework.checkpoint.store import read_meta
+from framework.checkpoint.resume import read_meta
 
 UPDATE_KEYS = ("update/", "scaler/", "moe/")  # framework/train/update.py's state; MoE expert biases
 

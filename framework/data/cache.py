@@ -15,7 +15,11 @@ if the mtime was set back, by the sampled one when they fall in a sampled block 
 warning either way: "does not match its sha256 checksum").
 Any failure prints one warning naming the file and the reason, deletes the cache and
 rebuilds it; so does a cache without metadata (an older version's, or a build cut off before
-its metadata). Jobs preparing the same cache at once serialize on a flock'ed
+its metadata), or with metadata that is not what this module writes (garbage, over
+`MAX_META_BYTES`, offsets outside the file): nothing in a cache's files is trusted before it is
+checked, and no number read there sizes an allocation. A cache directory that cannot be
+written (validate.paths checks it before launch) or a cache that cannot be removed is a
+ConfigError naming data.cache_dir. Jobs preparing the same cache at once serialize on a flock'ed
 `<name>-<key>.lock`: they verify under a shared lock, and rebuild under an exclusive one after
 checking again (another job may have rebuilt it meanwhile). The packing does not depend on
 `data.seq_len` (one token stream, cut into sequences at load time), so seq_len is neither in
@@ -38,11 +42,13 @@ from typing import Optional
 
 import numpy as np
 
-from framework.config import DataConfig
+from framework.config import ConfigError, DataConfig
 from framework.data.sources import sources
+from framework.validate.paths import CACHE_DIR_FIX
 
 CACHE_FORMAT = 2  # bump when the metadata or the packing changes: old caches then rebuild (2: mtime, sampled)
 SAMPLED_BLOCKS, SAMPLED_BLOCK_BYTES = 16, 1 << 16  # the sampled checksum reads 1 MiB
+MAX_META_BYTES = 16 << 20  # a metadata file (its sources list included) is far smaller
 
 
 def cache_dir(d: DataConfig) -> Path:
@@ -80,7 +86,12 @@ def lock_path(path: Path) -> Path:
 def _locked(path: Path, mode: int):
     """flock the cache's lock file. The lock file itself is never deleted: removing it while
     another job waits on it would let a third job lock a fresh file and build concurrently."""
-    with open(lock_path(path), "a") as f:
+    try:
+        f = open(lock_path(path), "a")
+    except OSError as e:
+        raise ConfigError("data.cache_dir", str(path.parent), f"cannot hold the cache's lock file "
+                          f"{lock_path(path).name} ({e.strerror or e})", CACHE_DIR_FIX) from None
+    with f:
         fcntl.flock(f, mode)
         try:
             yield
@@ -103,7 +114,11 @@ def verified_or_built(path: Path, inputs: dict, build: Callable[[], dict]) -> di
         # With the exclusive lock no other job is writing, so per-pid temporaries left here are
         # from builds that died: remove them with the bad cache.
         for p in [path, meta_path(path), *path.parent.glob(f"{path.stem}.tmp*")]:
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as e:  # a directory of that name, a read-only directory
+                raise ConfigError("data.cache_dir", str(path.parent), f"the bad cache file {p.name} cannot be "
+                                  f"removed ({e.strerror or e})", f"remove it by hand, or {CACHE_DIR_FIX}") from None
         return build()
 
 
@@ -112,9 +127,12 @@ def _verify(path: Path, inputs: dict) -> tuple[Optional[dict], Optional[str]]:
     if not path.exists():
         return None, "does not exist"
     meta, problem = _read_meta(path)
-    if problem is None:
-        problem = (_mismatch(meta, inputs) or _check_fields(path, meta) or _size_problem(path, meta)
-                   or _load_problem(path, meta) or _content_problem(path, meta))
+    try:
+        if problem is None:
+            problem = (_mismatch(meta, inputs) or _check_fields(path, meta) or _size_problem(path, meta)
+                       or _load_problem(path, meta) or _content_problem(path, meta))
+    except OSError as e:  # unreadable (permissions, a directory of that name): rebuilt like any bad cache
+        problem = f"cannot be read ({e.strerror or e})"
     return (meta, None) if problem is None else (None, problem)
 
 
@@ -148,9 +166,13 @@ def _read_meta(path: Path) -> tuple[Optional[dict], Optional[str]]:
     if not m.exists():
         return None, f"has no metadata file {m.name} (an older version's cache, or an interrupted build)"
     try:
-        meta = json.loads(m.read_text())
-    except (OSError, ValueError) as e:
-        return None, f"has an unreadable metadata file {m.name} ({e})"
+        with open(m, "rb") as f:
+            data = f.read(MAX_META_BYTES + 1)
+        if len(data) > MAX_META_BYTES:
+            return None, f"has a metadata file {m.name} over {MAX_META_BYTES >> 20} MiB (not one this module wrote)"
+        meta = json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"has an unreadable metadata file {m.name} ({str(e).splitlines()[0] if str(e) else e!r})"
     bad = [k for k, t in _META_FIELDS.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
     if bad:
         return None, f"has an invalid metadata file {m.name} (missing or mistyped: {', '.join(bad)})"
@@ -173,9 +195,21 @@ def _check_fields(path: Path, meta: dict) -> Optional[str]:
     bad = [k for k, t in _CHECK_FIELDS.items() if not isinstance(meta.get(k), t)]
     bad += [f"sampled.{k}" for k, t in _SAMPLED_FIELDS.items()
             if "sampled" not in bad and not isinstance(meta["sampled"].get(k), t)]
+    if not bad and not _sane_sample(meta):
+        bad = ["sampled.offsets", "sampled.block_bytes"]
     if bad:
         return f"has an invalid metadata file {meta_path(path).name} (missing or mistyped: {', '.join(bad)})"
     return None
+
+
+def _sane_sample(meta: dict) -> bool:
+    """The sampled checksum's record is one this module writes: at most SAMPLED_BLOCKS int
+    offsets inside the recorded size, blocks of at most SAMPLED_BLOCK_BYTES (or the whole
+    small file), so reading them never allocates what a damaged number says."""
+    s, size = meta["sampled"], meta["bytes"]
+    offsets, block = s["offsets"], s["block_bytes"]
+    return (0 < len(offsets) <= SAMPLED_BLOCKS and all(type(o) is int and 0 <= o < max(size, 1) for o in offsets)
+            and type(block) is int and 0 <= block <= max(SAMPLED_BLOCK_BYTES, size if offsets == [0] else 0))
 
 
 def _size_problem(path: Path, meta: dict) -> Optional[str]:

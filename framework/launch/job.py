@@ -35,6 +35,7 @@ from framework.launch.jobdir import completed_summary, set_aside_checkpoints, se
 from framework.launch.signals import Stopped
 from framework.sim.sweep import finish as finish_simulated_search
 from framework.sim.sweep import predict_job
+from framework.sim.calibrate import read_calibration
 from framework.sim.cli import describe, fill_measured_times, predicts, what_if
 from framework.validate import check_job_dir, validate, validate_model
 
@@ -79,7 +80,7 @@ def run_info(run: RunConfig, device_type: str, job_dir: Optional[str] = None) ->
     sched, pp = resolve(s), run.parallelism.pp
     bubble = analytic_bubble(sched, pp, s.microbatches, s.virtual_stages, run.trainer.steps)
     if resume is not None:
-        checkpoint.check_compatible(run, resume, vocab)
+        checkpoint.check_compatible(run, resume, vocab, model)  # every recorded size, every stored shape
     if job_dir:
         set_aside_checkpoints(job_dir, resume)
     return RunInfo(prepared.tokens_path, prepared.vocab_size, prepared.num_samples, fpt, peak, source, bubble,
@@ -143,8 +144,11 @@ def write_job_files(run: RunConfig, info: RunInfo, job_dir: str) -> None:
 
 def sim_inputs(run: RunConfig) -> None:
     """sim.from feeds a schedule that builds from measured times (zb-auto) before validation
-    proves its lists; a bad sim.from is a ConfigError here, before any rank starts."""
+    proves its lists; a bad sim.from is a ConfigError here, before any rank starts. Its
+    calibration.json is read (bounded, checked) first, so no later reader of it (zb-auto's
+    times, the dry run's prediction, search.mode=simulate) meets a bad one."""
     if run.sim.source:
+        read_calibration(run.sim.source)
         fill_measured_times(run, run.sim.source)
 
 

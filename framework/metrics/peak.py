@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -173,11 +174,17 @@ def cached_probe(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def _read_cache(path: str) -> dict:
+    """The cached probes; a file that is unreadable, not JSON or not an object of positive
+    finite numbers counts as empty (probed again and rewritten), never as a result."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+        with open(path, "rb") as f:
+            cache = json.loads(f.read(1 << 20))  # a few hundred bytes per key; more is not this file
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(cache, dict):
+        return {}
+    return {k: v for k, v in cache.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v) and v > 0}
 
 
 def _write_atomic(path: str, data: dict) -> None:

@@ -36,18 +36,26 @@ executor's records (action, start, compute start, end) in unix seconds:
   2-core CPU (moe-tiny, dp 2, ep 2, 12 measured steps, three runs) the sum of their medians
   was -0.3 %, -1.0 % and -4.4 % off the median step time, the sum of their means +4.3 %,
   +4.4 % and +14.6 % (one or two steps of 2x the median pull a mean of 12 steps).
-Keys added later default to None, so an older calibration.json still loads.
+Keys added later default to None, so an older calibration.json still loads. Read back
+(`read_calibration`, `Calibration.from_json`) it is checked before anything uses it: a JSON
+object of known fields, the first version's present, every time and byte count a finite
+number >= 0, some op times; anything else is a ConfigError naming sim.from.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import statistics
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
 
+from framework.config import ConfigError
 from framework.parallel.pipeline.messages import needs, produces, receiver_of
-from framework.parallel.pipeline.schedules import Action, StageMap
+from framework.parallel.pipeline.schedules import Action, Op, StageMap
 from framework.sim.clock import Costs
+from framework.validate.paths import read_json
 
 WAITED_S = 2e-4  # a receive wait longer than this: the message was not there yet
 
@@ -103,8 +111,76 @@ class Calibration:
         return asdict(self)
 
     @staticmethod
-    def from_json(d: dict) -> Calibration:
+    def from_json(d: Any) -> Calibration:
+        """A calibration.json's content, checked (CalibrationError: the first thing wrong)."""
+        problem = _shape_problem(d)
+        if problem is not None:
+            raise CalibrationError(f"{CALIBRATION} {problem}")
         return Calibration(**d)
+
+
+class CalibrationError(ValueError):
+    """A calibration.json of the wrong shape or with impossible values."""
+
+
+CALIBRATION = "calibration.json"
+MAX_CALIBRATION_BYTES = 16 << 20  # a pp = 64 job's is well under 1 MiB
+_REQUIRED = ("compute", "gap_s", "alpha_s", "message_bytes", "flush_s", "outside_s", "act_bytes")  # since version 1
+_RANK = re.compile(r"^\d+$")
+_MAPS = {"compute": re.compile(rf"^\d+,\d+,[{''.join(o.value for o in Op)}]$"), "gap_s": _RANK, "outside_s": _RANK,
+         "act_bytes": _RANK}  # key -> the form of its keys ("rank,chunk,op" or "rank")
+_NULLABLE = ("beta_Bps", "alpha_late_s", "a2a_bytes", "a2a_s", "fwd_bwd_s")
+
+
+def _short(x: Any, n: int = 40) -> str:
+    text = repr(x)
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def _finite(x: Any) -> bool:
+    """A finite number >= 0 (a time or a byte count; json reads NaN and Infinity too)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _shape_problem(d: Any) -> Optional[str]:
+    """Why `d` is not a calibration, as a phrase after the file's name; None when it is."""
+    if not isinstance(d, dict):
+        return f"is a JSON {type(d).__name__}, not an object of calibration fields"
+    unknown = sorted(set(d) - {f.name for f in fields(Calibration)})
+    missing = [k for k in _REQUIRED if k not in d]
+    if unknown or missing:
+        return (f"has unknown fields {_short(unknown, 80)} (another version's file?)" if unknown
+                else f"lacks {', '.join(missing)}")
+    for key, form in _MAPS.items():
+        if not isinstance(d[key], dict):
+            return f"{key} is {_short(d[key])}, not an object"
+        for k, x in d[key].items():
+            if not form.match(k) or not _finite(x):
+                return f"{key}[{_short(k)}] = {_short(x)}: not a finite number >= 0 under a key like " \
+                       f"{'0,0,F' if key == 'compute' else '0'}"
+    for key in ("alpha_s", "flush_s", "message_bytes", "latency_samples", "steps", *_NULLABLE):
+        x = d.get(key)
+        if not (_finite(x) or (x is None and key in _NULLABLE)) or (key == "beta_Bps" and x == 0):
+            return f"{key} = {_short(x)}: not a finite number >= 0" + (" (or null)" if key in _NULLABLE else "")
+    if not d["compute"] and d.get("fwd_bwd_s") is None:
+        return "holds no op times (compute is empty and fwd_bwd_s null)"
+    return None
+
+
+def read_calibration(job_dir: str) -> Calibration:
+    """`sim.from`'s calibration.json, read defensively (bounded, checked): anything wrong with
+    it is a ConfigError naming sim.from, before any rank starts."""
+    fix = ("give the directory of a finished pipeline job (parallelism.pp > 1) or expert-parallel job "
+           "(parallelism.ep > 1): its run writes calibration.json")
+    path = os.path.join(job_dir, CALIBRATION)
+    if not os.path.isfile(path):
+        raise ConfigError("sim.from", job_dir, f"has no {CALIBRATION}: not the directory of a finished pipeline job",
+                          fix)
+    d = read_json("sim.from", job_dir, path, fix, MAX_CALIBRATION_BYTES)
+    try:
+        return Calibration.from_json(d)
+    except CalibrationError as e:
+        raise ConfigError("sim.from", job_dir, str(e), fix) from None
 
 
 class RunningCalibration:

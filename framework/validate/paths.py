@@ -1,6 +1,8 @@
 """Paths a run reads or writes, checked for existence, readability and format before any
-rank starts: the pretrained checkpoint, the tokenizer, the data files and the job
-directory (also as a Hydra callback, since Hydra creates that directory before run.py)."""
+rank starts: the pretrained checkpoint, the tokenizer, the data files, the token cache's
+directory and the job directory (also as a Hydra callback, since Hydra creates that directory
+before run.py). `read_json` reads any JSON file a launch reads, bounded where asked, as a
+ConfigError naming the key that points at it when it is unreadable or not JSON."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ PRETRAINED_FIX = ("use a local directory with config.json and weights (as save_p
 TOKENIZER_FIX = ("use a local directory with tokenizer files (as save_pretrained writes it), data.tokenizer=bytes, "
                  "or a hub name with network access or in the HF cache (huggingface-cli download <name>)")
 HUB_PROBE_TIMEOUT_S = 5.0
+CACHE_DIR_FIX = "give a writable directory, e.g. data.cache_dir=/tmp/token_cache (or null: ~/.cache/framework)"
 
 
 def check_paths(run: RunConfig) -> None:
@@ -29,6 +32,15 @@ def check_paths(run: RunConfig) -> None:
         _tokenizer(run.data.tokenizer)
     if run.data.name == "hf" and run.data.data_files:
         _data_files(run.data.data_files)
+    if run.data.name != "synthetic":  # synthetic data is drawn in each rank: no cache
+        _cache_dir(run.data.cache_dir)
+
+
+def _cache_dir(cache_dir: Optional[str]) -> None:
+    """data.cache_dir (null: ~/.cache/framework, where the token cache goes) can be created
+    and written: the cache, its metadata and its lock file are written there."""
+    path = os.path.expanduser(cache_dir or "~/.cache/framework")
+    writable_dir("data.cache_dir", cache_dir, path, CACHE_DIR_FIX)
 
 
 def _is_local(name: str) -> bool:
@@ -49,15 +61,22 @@ def _directory(key: str, name: str, fix: str) -> str:
     return path
 
 
-def _read_json(key: str, name: str, path: str, fix: str) -> Any:
+def read_json(key: str, name: Any, path: str, fix: str, max_bytes: Optional[int] = None) -> Any:
+    """The JSON file at `path`, or a ConfigError naming `key`: unreadable, over `max_bytes`
+    (None: no limit), not UTF-8, not JSON or nested past the parser's depth. Its shape is the
+    caller's to check."""
     label = os.path.basename(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
     except OSError as e:
-        raise ConfigError(key, name, f"{label} is not readable ({e.strerror})", fix) from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(key, name, f"{label} is not valid JSON ({e})", fix) from None
+        raise ConfigError(key, name, f"{label} is not readable ({e.strerror or e})", fix) from None
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ConfigError(key, name, f"{label} is over {max_bytes >> 20} MiB: not the file this expects", fix)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; '[[[[...' past the depth
+        raise ConfigError(key, name, f"{label} is not valid JSON ({first_line(e)})", fix) from None
 
 
 def _pretrained(run: RunConfig) -> None:
@@ -69,7 +88,7 @@ def _pretrained(run: RunConfig) -> None:
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ConfigError(key, name, "has no config.json", PRETRAINED_FIX)
-    hf = _read_json(key, name, config, PRETRAINED_FIX)
+    hf = read_json(key, name, config, PRETRAINED_FIX)
     if not isinstance(hf, dict) or not hf.get("model_type"):
         raise ConfigError(key, name, "config.json has no model_type", PRETRAINED_FIX)
     check_model_type(run.model, hf["model_type"])
@@ -83,7 +102,7 @@ def _weights(key: str, name: str, path: str) -> None:
     safetensors = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     bins = [f for f in [os.path.join(path, "pytorch_model.bin")] if os.path.isfile(f)]
     for index in sorted(glob.glob(os.path.join(glob.escape(path), "*.index.json"))):
-        shards = _read_json(key, name, index, PRETRAINED_FIX)
+        shards = read_json(key, name, index, PRETRAINED_FIX)
         files = sorted(set(shards.get("weight_map", {}).values())) if isinstance(shards, dict) else []
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if not files:
@@ -143,7 +162,7 @@ def _tokenizer(name: str) -> None:
         raise ConfigError(key, name, "has no tokenizer files (tokenizer.json, vocab.json + merges.txt, or "
                           "tokenizer_config.json)", TOKENIZER_FIX)
     for f in sorted(has & {"tokenizer.json", "tokenizer_config.json", "vocab.json"}):
-        _read_json(key, name, os.path.join(path, f), TOKENIZER_FIX)
+        read_json(key, name, os.path.join(path, f), TOKENIZER_FIX)
 
 
 def _hub_name(key: str, name: str, cache_files: tuple[str, ...], loader: str, fix: str) -> None:
@@ -198,15 +217,22 @@ def _data_files(data_files: Any) -> None:
 def check_job_dir(job_dir: str) -> None:
     """The job directory can be created and written (config, metrics, summary go there):
     checked with a probe file before anything is prepared or launched."""
-    fix = "choose a writable directory, e.g. hydra.run.dir=/tmp/runs/run1 (hydra.sweep.dir for -m)"
+    writable_dir("hydra.run.dir", job_dir, job_dir,
+                 "choose a writable directory, e.g. hydra.run.dir=/tmp/runs/run1 (hydra.sweep.dir for -m)")
+
+
+def writable_dir(key: str, value: Any, path: str, fix: str) -> None:
+    """`path` is a directory (created if missing) where a file can be written: a probe file
+    is written and removed. Else a ConfigError naming `key`."""
     try:
-        os.makedirs(job_dir, exist_ok=True)
+        os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ConfigError("hydra.run.dir", job_dir, f"cannot be created ({e.strerror})", fix) from None
-    probe = os.path.join(job_dir, f".write-probe-{uuid.uuid4().hex}")
+        why = "is a file, not a directory" if os.path.isfile(path) else f"cannot be created ({e.strerror or e})"
+        raise ConfigError(key, value, why, fix) from None
+    probe = os.path.join(path, f".write-probe-{uuid.uuid4().hex}")
     try:
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError("hydra.run.dir", job_dir, f"is not writable ({e.strerror})", fix) from None
+        raise ConfigError(key, value, f"is not writable ({e.strerror or e})", fix) from None

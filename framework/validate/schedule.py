@@ -86,10 +86,12 @@ def _csv(run: RunConfig) -> dict:
     if not s.csv:
         raise ConfigError("schedule.csv", s.csv, "schedule=csv reads its schedule from a file",
                           "set schedule.csv=<path> (torch's compute-only CSV: one row per pipeline rank)")
+    m = s.microbatches if isinstance(s.microbatches, int) and s.microbatches > 0 else None
     try:
-        sched, where = csv_schedule(s.csv)
+        sched, where = csv_schedule(s.csv, m)  # CsvError: anything wrong with the file, its reading included
     except (CsvError, OSError) as e:
-        raise ConfigError("schedule.csv", s.csv, str(e), "fix that cell (python -m framework.schedules dump "
+        what = "fix that cell" if getattr(e, "cell", None) is not None else "give a schedule file"
+        raise ConfigError("schedule.csv", s.csv, str(e), f"{what} (python -m framework.schedules dump "
                           "writes any registered schedule in this format)") from None
     for key, have, want in (("parallelism.pp", run.parallelism.pp, sched.extra["pp"]),
                             ("schedule.microbatches", s.microbatches, sched.extra["microbatches"]),

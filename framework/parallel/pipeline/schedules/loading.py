@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import os
 import sys
+from typing import Optional
 
 from framework.parallel.pipeline.schedules.base import REGISTRY, Schedule, get
 from framework.parallel.pipeline.schedules.csv_format import load_csv
@@ -40,11 +41,13 @@ def load_modules(modules) -> None:
             importlib.import_module(name)
 
 
-def csv_schedule(path: str) -> tuple[Schedule, dict]:
-    """The CSV file's schedule and where each action was written (cached by path and mtime)."""
+def csv_schedule(path: str, microbatches: Optional[int] = None) -> tuple[Schedule, dict]:
+    """The CSV file's schedule and where each action was written (cached by path and mtime).
+    `microbatches`: the run's, a bound on the file's micro-batch indices while reading it (a
+    file read before is the same file: its sizes are compared with the run's by the caller)."""
     key = (os.path.abspath(path), os.path.getmtime(path) if os.path.exists(path) else None)
     if key not in _csv_cache:
-        _csv_cache[key] = load_csv(path)
+        _csv_cache[key] = load_csv(path, microbatches)
     return _csv_cache[key]
 
 
