@@ -487,5 +487,17 @@ def to_yaml(run: RunConfig) -> str:
 
 
 def read_config(path: str) -> RunConfig:
-    """Workers load the resolved config the launching process wrote (no Hydra here)."""
-    return load_config(OmegaConf.load(path))
+    """Workers load the resolved config the launching process wrote (no Hydra here). A file
+    that is not YAML (a damaged job directory given to sim.from or the simulator) is a
+    ConfigError naming the file."""
+    import yaml
+
+    try:
+        cfg = OmegaConf.load(path)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(path, None, f"is not a YAML config ({type(e).__name__})",
+                          "give a job directory whose config.yaml this framework wrote") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(path, None, "is not a YAML mapping of config keys",
+                          "give a job directory whose config.yaml this framework wrote")
+    return load_config(cfg)

@@ -71,7 +71,7 @@ def completed_summary(job_dir: str) -> Optional[dict]:
             summary = json.load(f)
     except (OSError, ValueError):
         return None
-    return summary if summary.get("status") == "completed" else None
+    return summary if isinstance(summary, dict) and summary.get("status") == "completed" else None
 
 
 def set_aside_checkpoints(job_dir: str, resume: Optional[str]) -> None:
