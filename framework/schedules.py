@@ -1,4 +1,4 @@
-"""`python -m framework.schedules list | show | dump ...`: the schedule registry's CLI
+"""`python -m framework.schedules list | dump | grid ...`: the schedule registry's CLI
 (framework/parallel/pipeline/schedules/cli.py)."""
 
 import sys

@@ -154,6 +154,33 @@ def moe_sweep(tmp_path_factory):
     return sweep
 
 
+# The pp 2 flush job of `pipeline_job_files`: TINY on synthetic data, 4 micro-batches.
+PIPELINE_JOB = [*TINY, "parallelism=pp2", "schedule=flush", "schedule.microbatches=4", "data=synthetic"]
+
+
+@pytest.fixture(scope="session")
+def pipeline_job_files(tmp_path_factory) -> Path:
+    """The files `python -m framework.simulate` and `sim.from` read from a finished pp 2 job
+    (PIPELINE_JOB), written without running it: its resolved config.yaml, run_info.json's
+    vocabulary, and a calibration.json of the shape such a run writes, at the durations one
+    run of it measured on this machine. For the commands' argument checks and the what-if's
+    refusals, which read no measured number; the simulator's accuracy is tested on real runs
+    (test_simulator.py). Launching the job instead costs ~13 s here."""
+    from framework.config import to_yaml
+
+    job = tmp_path_factory.mktemp("pipeline_job")
+    (job / "config.yaml").write_text(to_yaml(compose(*PIPELINE_JOB)))
+    (job / "run_info.json").write_text(json.dumps({"vocab_size": 256}))
+    calibration = {
+        "compute": {"0,0,F": 1.72e-3, "0,0,B": 0.98e-3, "1,0,F": 1.56e-3, "1,0,B": 1.06e-3},
+        "gap_s": {"0": 1.68e-3, "1": 1.11e-3}, "alpha_s": 1.67e-3, "beta_Bps": None, "alpha_late_s": 5.19e-3,
+        "message_bytes": 8192, "flush_s": 0.61e-3, "outside_s": {"0": 7.67e-3, "1": 11.26e-3},
+        "act_bytes": {"0": 231680.0, "1": 313860.0}, "latency_samples": 13, "steps": 3}
+    (job / "calibration.json").write_text(json.dumps(calibration))
+    (job / "summary.json").write_text(json.dumps({"status": "completed", "device": "cpu"}))
+    return job
+
+
 def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})

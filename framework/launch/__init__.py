@@ -5,6 +5,8 @@
 - plan.py       the dry run (`dry_run=true`): groups, stages, schedule grid, memory estimate
 - signals.py    SIGINT / SIGTERM -> Stopped: the one stop path (also the ranks')
 - search_space.py the layout search's custom_search_space (parallelism.ep for MoE models)
+- commands.py   the argument errors of `python -m framework.simulate / report / schedules`: one
+                `config error:` line, exit 2 (it imports nothing of the framework: the report stays light)
 - local.py      the local launch: the torch elastic agent starts world_size ranks on this node
 - watchdog.py   the hang watchdog: reads the ranks' flight recorders, ends a stalled job
 - diagnosis.py  how the ranks ended: root cause first, then the consequences, in one block

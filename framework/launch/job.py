@@ -36,7 +36,8 @@ from framework.launch.signals import Stopped
 from framework.sim.sweep import finish as finish_simulated_search
 from framework.sim.sweep import predict_job
 from framework.sim.calibrate import read_calibration
-from framework.sim.cli import describe, fill_measured_times, predicts, what_if
+from framework.sim.cli import describe, fill_measured_times, what_if
+from framework.sim.source import predicts
 from framework.validate import check_job_dir, validate, validate_model
 
 
@@ -156,13 +157,20 @@ def dry_run(run: RunConfig, job_dir: str) -> dict:
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
     plan = make_plan(run, model, validate_model(run, model))
+    note = None
     if run.sim.source and predicts(run.sim.source, run):  # the simulator's prediction of this layout
-        result = what_if(run.sim.source, target=run)
+        result = what_if(run.sim.source, target=run)  # refused when the run does other work than the job
         result.pop("_predicted")
         plan["simulated"] = result
+    elif run.sim.source:
+        note = (f"note: no prediction: sim.from={run.sim.source} is a "
+                f"{'pipeline job: it predicts pipelines' if run.parallelism.pp == 1 else 'pp = 1 job: it predicts pp = 1'}"
+                f" only, and this run has parallelism.pp={run.parallelism.pp}")
     print(render_plan(plan))
     if "simulated" in plan:
         print(describe(plan["simulated"]))
+    if note:
+        print(note)
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)

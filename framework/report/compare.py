@@ -6,7 +6,10 @@ report.csv and report.md in the sweep directory. Status comes from the job's sum
 `completed`, `failed` (a rank failed or hung; error.txt / hang.txt hold the report),
 `rejected` (a config error, before any rank started) or `interrupted` (Ctrl-C, SIGTERM).
 A job directory without summary.json is `incomplete` (the job is running, or its process
-was killed). A job of a basic sweep (multirun.yaml) that has no directory is `not run`.
+was killed). A job of a basic sweep (multirun.yaml) that has no directory is `not run`. A
+summary.json that is not JSON, or whose fields the report reads have other types, is no
+result: one warning line names the file and the job is left out of the table (when no job
+is left, the command fails with one line).
 Earlier runs set aside in `.previous/` (framework.launch.job) are not jobs of this sweep.
 
 A fair comparison of layouts holds the work per step and the model fixed: the report warns
@@ -22,12 +25,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 import yaml
+
+from framework.launch.commands import Directory, Parser, command, reject
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction",
            "bubble_fraction_analytic", "world_size", "global_batch", "tokens_per_step")
@@ -85,14 +89,52 @@ def _overrides(job: Path) -> str:
     return " ".join(str(o) for o in overrides if not str(o).startswith("hydra"))
 
 
+STATUSES = ("completed", "failed", "rejected", "interrupted")  # what a job writes (framework.launch.jobdir)
+UNREADABLE = "unreadable"  # a summary.json that is not JSON, or whose fields have other types: not in the table
+# summary.json's fields the report and its dashboard read, by type (None: not measured)
+NUMBERS = (*METRICS, "model_params", "val_loss", "measured_steps", "timeline_step", "predicted_step_time_s",
+           "predicted_bubble_fraction", "predicted_step_time_error")
+TEXTS = ("reason", "bubble_analytic_source", "layout", "schedule")
+
+
+def read_summary(path: Path) -> dict:
+    """A job's summary.json; ValueError saying what is wrong when it is not JSON, not an
+    object, or a field the report reads has another type (a status "completed" beside
+    tokens_per_s "abc" is no result)."""
+    try:
+        s = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (bytes that are no text)
+        raise ValueError(f"not JSON: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(s, dict):
+        raise ValueError(f"a JSON {type(s).__name__}, not an object")
+    if s.get("status", "completed") not in STATUSES:
+        raise ValueError(f"status {s['status']!r} is none of {', '.join(STATUSES)}")
+    for key in NUMBERS:
+        if not _number(s.get(key)):
+            raise ValueError(f"{key} is {s[key]!r}, not a number")
+    for key in TEXTS:
+        if s.get(key) is not None and not isinstance(s[key], str):
+            raise ValueError(f"{key} is {s[key]!r}, not a string")
+    ranks = s.get("ranks", [])  # the dashboard's memory plot: each rank's position and bytes
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) and all(
+            _number(v) for k, v in r.items() if k in ("rank", "pp", "dp", "tp") or k.endswith("_bytes")) for r in ranks):
+        raise ValueError("ranks is not a list of objects whose rank, pp, dp, tp and *_bytes are numbers")
+    return s
+
+
+def _number(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
 def _row(sweep: Path, job: Path) -> dict:
     row = {"job": str(job.relative_to(sweep)) or ".", "overrides": _overrides(job)}
     try:
-        s = json.loads((job / "summary.json").read_text())
+        s = read_summary(job / "summary.json")
     except FileNotFoundError:
         return {**row, "status": "incomplete", "reason": "no summary.json: running, or its process was killed"}
     except (OSError, ValueError) as e:
-        return {**row, "status": "incomplete", "reason": f"summary.json unreadable ({e})"}
+        return {**row, "status": UNREADABLE, "reason": f"{job / 'summary.json'} is unreadable "
+                f"({e.strerror if isinstance(e, OSError) else e})"}
     row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS},
                model_params=s.get("model_params"), model_config=_group(job, "model"),
                micro_batch_size=(_group(job, "trainer") or {}).get("micro_batch_size"))
@@ -225,27 +267,33 @@ def headline(sweep: Path, rows: list[dict]) -> list[str]:
     return lines
 
 
-USAGE = "python -m framework.report <sweep dir>"
 WHICH = "give a sweep directory (hydra.sweep.dir, e.g. multirun/<date>/<time>) or one job's directory"
 
 
+def parser() -> Parser:
+    p = Parser(prog="python -m framework.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep_dir", type=Directory(WHICH), help="a sweep's directory (hydra.sweep.dir) or one job's")
+    return p
+
+
+@command
 def main(argv: list[str]) -> int:
-    """Bad arguments (none or several, a missing path, a file, a directory without jobs) are
-    one `error:` line and exit 2; an unreadable or unwritable file one line and exit 1."""
-    if argv in (["-h"], ["--help"]):
-        print(f"usage: {USAGE}\n\n{__doc__.split(chr(10) * 2)[0]}")
-        return 0
-    if len(argv) != 1:
-        return _error(f"{USAGE} takes one directory, not {len(argv)} arguments", WHICH, 2)
-    sweep = Path(argv[0])
-    if not sweep.is_dir():
-        return _error(f"{sweep}: {'is a file, not a directory' if sweep.exists() else 'no such directory'}",
-                      WHICH, 2)
+    """Bad arguments (none or several, a missing path, a file, a directory without readable
+    jobs) are one `config error:` line and exit 2; a summary.json that cannot be read is
+    one warning line and left out of the table; an unwritable report one line and exit 1."""
+    sweep = Path(parser().parse_args(argv).sweep_dir)
     try:
         rows = collect(sweep)
         if not rows:
-            return _error(f"{sweep}: no job directories (config.yaml, summary.json or .hydra/) under it", WHICH, 2)
-        notes = headline(sweep, rows)
+            reject("sweep_dir", str(sweep), "has no job directories (config.yaml, summary.json or .hydra/) under it",
+                   WHICH)
+        bad = [r for r in rows if r["status"] == UNREADABLE]
+        rows = [r for r in rows if r["status"] != UNREADABLE]
+        if not rows:
+            reject("sweep_dir", str(sweep), f"none of its {len(bad)} summary.json files is readable "
+                   f"({bad[0]['reason']})", "give the directory of a sweep this framework wrote")
+        notes = [f"WARNING: {r['reason']}: job {r['job']} is left out of the table" for r in bad]
+        notes += headline(sweep, rows)
         print("\n".join([*notes, ""]) if notes else "", end="")
         print(markdown(rows), end="")
         write(rows, sweep, notes)
@@ -253,14 +301,11 @@ def main(argv: list[str]) -> int:
 
         page = write_dashboard(sweep, rows, notes)
     except OSError as e:  # a read-only sweep directory, a full disk
-        return _error(f"{sweep}: {e.strerror or e}: {e.filename}", "make the sweep directory writable", 1)
+        print(f"error: {sweep}: {e.strerror or e}: {e.filename}. Fix: make the sweep directory writable",
+              file=sys.stderr)
+        return 1
     print(f"wrote {sweep / 'report.csv'}, {sweep / 'report.md'} and {page}")
     return 0
-
-
-def _error(problem: str, fix: str, code: int) -> int:
-    print(f"error: {problem}. Fix: {fix}", file=sys.stderr)
-    return code
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 - replay.py    a run replayed at its own durations (`predicted_*` in metrics), and the
                replay of any plan at given durations (what the what-ifs call)
 - whatif.py    rescale a calibration to another schedule / m / v / pp
+- source.py    the job a what-if predicts from: its files checked, other work refused
 - alltoall.py  expert parallelism's all-to-all: byte model and cost
 - sweep.py     search.mode=simulate: predict a sweep's jobs, run the best top_k
 - cli.py       `python -m framework.simulate <job dir> [overrides]`

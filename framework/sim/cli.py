@@ -11,6 +11,9 @@ real plan is run through the clock (framework/sim/clock.py). Prints the
 predicted step time, bubble and activation peak per rank; `--png` draws the predicted
 Gantt chart. With no override it replays the job itself (`replay: true`: its own durations
 on its own layout, beside its measurement; a prediction is of a layout not run).
+Only the layout changes: a target whose work per op differs from the job's (another model,
+micro-batch size, sequence length, precision, tp) is refused, naming the key
+(framework/sim/source.py), since the job's durations do not carry over to it.
 `dry_run=true sim.from=<job dir>` puts the same prediction in the dry-run plan;
 `search.mode=simulate` ranks a sweep's candidates by it (docs/simulator.md).
 
@@ -25,19 +28,20 @@ A pp = 1 job (written with ep > 1) has no per-stage times: it predicts pp = 1 la
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from dataclasses import replace
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.config import ConfigError, RunConfig, check_overrides, load_config, read_config
+from framework.config import ConfigError, RunConfig, check_overrides, load_config
+from framework.launch.commands import MOST_MICROBATCHES, OutputPath, Parser, command
 from framework.sim.alltoall import A2ACost, cost_of, moe_layers, shift_stages, step_bytes
 from framework.sim.calibrate import Calibration
 from framework.sim.replay import Predicted, flat_replay, replay, rules_for, timeline_records
+from framework.sim.source import UNSCALED, check_same_work, load_job, other_work
 from framework.sim.whatif import rescale
 from framework.models import meta_hf_model
 from framework.parallel.pipeline.schedules import get, load_modules, names, resolve
@@ -49,40 +53,7 @@ KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_
         "parallelism.partition", "parallelism.ep")
 
 
-def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
-    """(config, run_info, calibration, summary) of a finished pipeline (or pp = 1, ep > 1) job."""
-    fix = "give the directory of a completed run with parallelism.pp > 1 or parallelism.ep > 1"
-    if not os.path.isdir(job_dir):
-        raise ConfigError("sim.from", job_dir, "is a file, not a job directory" if os.path.exists(job_dir)
-                          else "no such directory", fix)
-    paths = {name: os.path.join(job_dir, name) for name in ("config.yaml", "run_info.json", "calibration.json",
-                                                            "summary.json")}
-    missing = [n for n, p in paths.items() if not os.path.exists(p)]
-    if missing:
-        raise ConfigError("sim.from", job_dir, f"has no {', '.join(missing)}: not a finished pipeline job (pp > 1) "
-                          "(or pp = 1 with ep > 1) of this framework's version", fix)
-    try:
-        info, cal, summary = (_json(paths[n]) for n in ("run_info.json", "calibration.json", "summary.json"))
-        cal = Calibration.from_json(cal)
-    except (OSError, ValueError, TypeError, KeyError) as e:  # truncated, or of another version
-        raise ConfigError("sim.from", job_dir, f"a file is unreadable ({type(e).__name__}: {e})", fix) from None
-    return read_config(paths["config.yaml"]), info, cal, summary
-
-
-def _json(path: str):
-    with open(path) as f:
-        return json.load(f)
-
-
-def predicts(job_dir: str, run: RunConfig) -> bool:
-    """Whether the job's calibration can predict `run` at all: a pipeline from a pipeline job,
-    a pp = 1 layout from a pp = 1 job (the dry run predicts only then)."""
-    with open(os.path.join(job_dir, "calibration.json")) as f:
-        flat = json.load(f).get("fwd_bwd_s") is not None
-    return (run.parallelism.pp == 1) == flat
-
-
-def target_config(src: RunConfig, overrides: list[str], check: bool = True) -> RunConfig:
+def target_config(src: RunConfig, overrides: list[str], check: bool = True, job_dir: str = "") -> RunConfig:
     """The job's config with the layout overrides (`schedule=NAME` picks the schedule and its
     preset virtual-stage count, as the Hydra group does). `check`: a size the job derives
     (trainer.global_batch_size) and an override contradicts is an error, as in run.py."""
@@ -90,10 +61,7 @@ def target_config(src: RunConfig, overrides: list[str], check: bool = True) -> R
     for item in overrides:
         key, sep, value = item.partition("=")
         if key not in KEYS:
-            close = suggest(key, list(KEYS))
-            raise ConfigError(key, value or None, "is not a layout key the simulator rescales"
-                              + (f". Did you mean {' or '.join(close)}?" if close else ""),
-                              f"use key=value with one of {', '.join(KEYS)}")
+            _not_a_layout_key(src, job_dir, key, value)
         if not sep:
             raise ConfigError(key, None, "has no value", f"write {key}=<value>")
         if key in ("schedule", "schedule.name"):
@@ -111,14 +79,41 @@ def target_config(src: RunConfig, overrides: list[str], check: bool = True) -> R
                           f"does not fit the schema ({str(e).splitlines()[0]})",
                           "give the key a value of its type (docs/configuration.md)") from None
     dst = load_config(cfg)
-    for key, n in (("schedule.microbatches", dst.schedule.microbatches),
+    for key, n in (("parallelism.pp", dst.parallelism.pp), ("schedule.microbatches", dst.schedule.microbatches),
                    ("schedule.virtual_stages", dst.schedule.virtual_stages), ("parallelism.ep", dst.parallelism.ep)):
         positive(key, n)
+    if dst.schedule.microbatches > MOST_MICROBATCHES:  # the clock replays every one of them
+        raise ConfigError("schedule.microbatches", dst.schedule.microbatches,
+                          f"is more than {MOST_MICROBATCHES:,} (the simulator replays each micro-batch)",
+                          f"give 1 to {MOST_MICROBATCHES:,}")
     if check:
         check_overrides(dst, dot)
     if (dst.parallelism.pp, dst.parallelism.partition) != (src.parallelism.pp, src.parallelism.partition):
         dst.schedule.op_times = None  # per-rank times of another pipeline: measured again (fill_measured_times)
     return dst
+
+
+def _not_a_layout_key(src: RunConfig, job_dir: str, key: str, value: str) -> None:
+    """An override the simulator does not take: empty, a key that changes the work per op
+    (the job's durations do not carry over: framework/sim/source.py UNSCALED), or another key."""
+    if not key:
+        raise ConfigError("overrides", value or "", "an override without a key",
+                          f"use key=value with one of {', '.join(KEYS)}")
+    if any(key == p or key.startswith(p + ".") for p in UNSCALED):
+        old = OmegaConf.select(OmegaConf.structured(src), key, default=None)
+        raise other_work(job_dir or "(the job)", key, f"{key}={old}", _typed(value))
+    close = suggest(key, list(KEYS))
+    raise ConfigError(key, value or None, "is not a layout key the simulator rescales"
+                      + (f". Did you mean {' or '.join(close)}?" if close else ""),
+                      f"use key=value with one of {', '.join(KEYS)}")
+
+
+def _typed(value: str):
+    """An override's value as Hydra would read it (256, not '256'), for the message."""
+    try:
+        return yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        return value
 
 
 def _known_schedule(key: str, name: str, src: RunConfig) -> None:
@@ -137,22 +132,26 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
     """The prediction of `target` (or the job's config with `overrides`) from the job's
     calibration: a dict of predicted keys, and the `Predicted` under "_predicted"."""
     src, info, cal, summary = load_job(job_dir)
-    dst = target or target_config(src, overrides or [])
+    dst = target or target_config(src, overrides or [], job_dir=job_dir)
+    check_same_work(job_dir, src, info, dst)
     check_expert_parallel(dst)
     if cal.fwd_bwd_s is not None:
         return _flat_what_if(job_dir, src, cal, dst)
-    fill_measured_times(dst, job_dir)
     p, m, v = dst.parallelism.pp, dst.schedule.microbatches, dst.schedule.virtual_stages
-    sched = resolve(dst.schedule)
+    sp, sv = src.parallelism.pp, src.schedule.virtual_stages
     if p < 2:
-        raise ConfigError("parallelism.pp", p, "has no pipeline to simulate", "simulate a layout with pp >= 2")
+        raise ConfigError("sim.from", job_dir, f"is a pipeline job (parallelism.pp={sp}): its per-stage times "
+                          f"predict pipelines (parallelism.pp >= 2), not parallelism.pp={p}",
+                          "to predict a pp = 1 layout give sim.from a pp = 1 job run with parallelism.ep > 1 (it "
+                          "writes calibration.json), or predict parallelism.pp >= 2")
+    fill_measured_times(dst, job_dir)
+    sched = resolve(dst.schedule)
     bad = sched.why_not(p, m, v)
     if bad is not None:
         raise ConfigError(bad.key, {"schedule.microbatches": m, "schedule.virtual_stages": v}.get(bad.key, p),
                           bad.reason, bad.fix)
     vocab = src.model.vocab_size or info["vocab_size"]
-    sp, sv = src.parallelism.pp, src.schedule.virtual_stages
-    blocks = _blocks(dst, vocab)
+    blocks = _target_blocks(dst, vocab, overrides or [])
     new = rescale(cal, resolve(src.schedule), sp, sv, _blocks(src, vocab), sched, p, v, blocks)
     same = (sp, src.schedule.name, sv, src.parallelism.partition) == (p, dst.schedule.name, v, dst.parallelism.partition)
     used = cal if same else new  # the job's own layout: its own per-stage durations, no rescaling
@@ -164,6 +163,28 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
     pred = replay(used, sched, p, m, v, dst.trainer.steps, rules_for(summary.get("device", "cpu")))
     own = same and m == src.schedule.microbatches and not a2a["changed"]  # the job's own layout: a replay
     return _result(job_dir, dst, pred, not same or a2a["changed"], a2a, own)
+
+
+def _target_blocks(dst: RunConfig, vocab: int, overrides: list[str]) -> list[int]:
+    """Blocks per stage of the target. A what-if that changed the stage count (parallelism.pp,
+    the schedule's virtual stages) so that the job's partition no longer fits names the key
+    that was changed, not parallelism.partition, which the user did not touch."""
+    try:
+        return _blocks(dst, vocab)
+    except ConfigError as e:
+        given = dict(o.partition("=")[::2] for o in overrides)
+        changed = next((k for k in ("parallelism.pp", "schedule.virtual_stages", "schedule", "schedule.name")
+                        if k in given), None)
+        if e.key != "parallelism.partition" or "parallelism.partition" in given or changed is None:
+            raise
+        problem = str(e).split(": ", 1)[1].rsplit(". Fix: ", 1)[0]
+        p, v = dst.parallelism.pp, dst.schedule.virtual_stages
+        value = {"parallelism.pp": p, "schedule.virtual_stages": v}.get(changed, given[changed])
+        raise ConfigError(changed, value, f"makes {p * v} pipeline stages (parallelism.pp x "
+                          f"schedule.virtual_stages = {p} x {v}), and the job's parallelism.partition="
+                          f"{dst.parallelism.partition!r} gives: {problem}",
+                          f"use at most {dst.model.n_layer} stages in all (model.n_layer={dst.model.n_layer}), or "
+                          "add parallelism.partition=<a method or balance list that fits>") from None
 
 
 def _result(job_dir: str, dst: RunConfig, pred: Predicted, rescaled: bool, a2a: dict, replay: bool) -> dict:
@@ -196,8 +217,9 @@ def _flat_what_if(job_dir: str, src: RunConfig, cal: Calibration, dst: RunConfig
     """A pp = 1 job (calibrated with ep > 1): its fwd/bwd per micro-batch x the target's m,
     plus the all-to-all change over every MoE layer, plus the rest of its step as measured."""
     if dst.parallelism.pp != 1:
-        raise ConfigError("parallelism.pp", dst.parallelism.pp, f"cannot be predicted from {job_dir}: a pp = 1 job "
-                          "has no per-stage times", "simulate a pipeline from a finished pipeline job")
+        raise ConfigError("sim.from", job_dir, f"is a pp = 1 job: a pp = 1 job has no per-stage times to predict "
+                          f"parallelism.pp={dst.parallelism.pp}",
+                          "predict a pipeline from a finished pipeline job (parallelism.pp > 1)")
     a2a = _a2a(job_dir, src, cal, dst, moe_layers(dst))
     m_src, m = src.schedule.microbatches, dst.schedule.microbatches
     extra = moe_layers(dst) * m * (a2a["delta"]["F"] + a2a["delta"]["B"])
@@ -214,6 +236,7 @@ def auto_op_times(job_dir: str, target: RunConfig) -> dict:
     if cal.fwd_bwd_s is not None:
         raise ConfigError("sim.from", job_dir, "is a pp = 1 job: it has no per-stage times to build schedule.op_times "
                           "from", "give a finished pipeline job, or set schedule.op_times")
+    check_same_work(job_dir, src, info, target)
     sched = resolve(src.schedule)
     vocab = src.model.vocab_size or info["vocab_size"]
     one = replace(sched, placement="loop", asynchronous=None)  # one chunk per rank, flushing, split form
@@ -255,44 +278,41 @@ def draw(pred: Predicted, path: str, title: str) -> None:
     render_timeline(timeline_records(pred), path, title)
 
 
+PNG_SUFFIXES = ("png", "svg", "pdf")  # what the timeline's matplotlib writes here (no suffix: a PNG)
+
+
+def parser() -> Parser:
+    p = Parser(prog="python -m framework.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("sim.from", metavar="JOB_DIR", help="a finished pipeline job's directory (or a pp = 1 job's "
+                   "with parallelism.ep > 1): its calibration.json")
+    p.add_argument("overrides", nargs="*", help=f"key=value with a key in {', '.join(KEYS)}")
+    p.add_argument("--png", type=OutputPath(suffixes=PNG_SUFFIXES), help="write the predicted Gantt chart here")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    return p
+
+
+@command
 def main(argv: list[str]) -> int:
     """Bad arguments (an unknown key or schedule, a value of the wrong type, a directory that
-    is not a finished job) are one `config error:` / `error:` line and exit 2, no traceback."""
-    parser = argparse.ArgumentParser(prog="python -m framework.simulate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("job_dir")
-    parser.add_argument("overrides", nargs="*", help=f"key=value with a key in {', '.join(KEYS)}")
-    parser.add_argument("--png", help="write the predicted Gantt chart here")
-    parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
-    parser.error = _usage_error
-    args = parser.parse_args(argv)
-    try:
-        result = what_if(args.job_dir, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    is not a finished job, an unwritable --png) are one `config error:` line and exit 2."""
+    args = parser().parse_args(argv)
+    job_dir = vars(args)["sim.from"]
+    result = what_if(job_dir, args.overrides)
     pred = result.pop("_predicted")
-    print(json.dumps(result, indent=1) if args.json else describe(result))
     if args.png and pred.sim is None:
-        print("config error: --png: a pp = 1 prediction has no pipeline timeline to draw", file=sys.stderr)
-        return 2
+        raise ConfigError("--png", args.png, "a pp = 1 prediction has no pipeline timeline to draw",
+                          "leave --png out for a pp = 1 job")
+    print(json.dumps(result, indent=1) if args.json else describe(result))
     if args.png:
         try:
             draw(pred, args.png, f"{'replay' if result['replay'] else 'predicted'}: {result['schedule']} pp={result['pp']} "
                  f"m={result['microbatches']} "
                  f"v={result['virtual_stages']}, step {result['predicted_step_time_s'] * 1e3:.1f} ms, "
                  f"bubble {result['predicted_bubble_fraction']:.3f}")
-        except OSError as e:
-            print(f"error: --png {args.png}: cannot be written ({e.strerror or e}). Fix: give a writable path",
-                  file=sys.stderr)
-            return 2
+        except OSError as e:  # checked before the prediction; the disk may still fill
+            raise ConfigError("--png", args.png, f"cannot be written ({e.strerror or e})", "give a writable path") \
+                from None
     return 0
-
-
-def _usage_error(message: str) -> None:
-    """argparse's complaint as one line (its default prints the usage block above it)."""
-    print(f"error: {message}. Fix: python -m framework.simulate <job dir> [key=value ...] [--png FILE] [--json] "
-          "(--help lists the keys)", file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

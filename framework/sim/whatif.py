@@ -21,6 +21,9 @@ Assumptions a prediction inherits (docs/simulator.md):
   time outside the pipeline (mostly the optimizer step) per block.
 - Time outside the pipeline: the source's mean per rank, scaled by blocks per rank.
 - Gap, link latency and flush cost: as measured (independent of the layout).
+
+What it cannot rescale (another model, micro-batch, sequence length, precision or tp) is
+refused before it gets here: framework/sim/source.py.
 """
 
 from __future__ import annotations
