@@ -166,7 +166,7 @@ def test_dualpipes_formula_is_its_paired_execution_and_the_schedule_model_idles_
 
 
 def test_the_console_and_the_dry_run_say_schedule_model_where_the_bubble_is_simulated():
-    from framework.launch.job import summary_lines
+    from framework.report.closing import summary_lines
     from framework.launch.plan import render_plan
 
     assert analytic_label(CLOSED_FORM) == "analytic" and analytic_label(SCHEDULE_MODEL) == "schedule model"

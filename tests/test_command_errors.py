@@ -36,11 +36,11 @@ SIMULATE = [
     (["schedul=flush"], "config error: schedul='flush': is not a layout key the simulator rescales. Did you mean"),
     (["schedule.microbatches=abc"], "config error: schedule.microbatches='abc': does not fit the schema"),
     (["parallelism.pp=abc"], "config error: parallelism.pp='abc': does not fit the schema"),
-    (["schedule.microbatches=0"], "config error: schedule.microbatches=0: must be a positive integer"),
-    (["schedule.microbatches=-1"], "config error: schedule.microbatches=-1: must be a positive integer"),
-    (["parallelism.pp=0"], "config error: parallelism.pp=0: must be a positive integer"),
+    (["schedule.microbatches=0"], "config error: schedule.microbatches=0: must be >= 1"),
+    (["schedule.microbatches=-1"], "config error: schedule.microbatches=-1: must be >= 1"),
+    (["parallelism.pp=0"], "config error: parallelism.pp=0: must be >= 1"),
     (["schedule.microbatches=99999999999999999999"],
-     "config error: schedule.microbatches=99999999999999999999: is more than 4,096"),
+     "config error: schedule.microbatches=99999999999999999999: must be <= 2**16"),
     (["schedule"], "config error: schedule=None: has no value"),
     ([""], "config error: overrides='': an override without a key"),
     # more stages than blocks: the key the user changed, not the job's partition
@@ -89,15 +89,16 @@ def test_simulate_names_a_directory_that_is_not_a_finished_job(pipeline_job_file
     assert simulate([]) == 2
     _one_line(capsys, "config error: sim.from=None: is required. Fix: python -m framework.simulate --help")
     broken = tmp_path / "broken"
-    for name, text in [("calibration.json", '{"compute": '),  # truncated (a full disk)
-                       ("calibration.json", '{"compute": "abc"}'),  # another type
-                       ("config.yaml", "model: [unclosed"), ("summary.json", "[]")]:
+    for name, text, said in [("calibration.json", '{"compute": ', "calibration.json is not valid JSON"),  # truncated
+                             ("calibration.json", '{"compute": "abc"}', "calibration.json lack"),  # another shape
+                             ("config.yaml", "model: [unclosed", "config.yaml is unreadable"),
+                             ("summary.json", "[]", "must hold JSON objects")]:
         broken.mkdir(exist_ok=True)
         for f in job.iterdir():
             (broken / f.name).write_text(f.read_text())
         (broken / name).write_text(text)
         assert simulate([str(broken)]) == 2
-        assert "a file is unreadable (" in _one_line(capsys, f"config error: sim.from='{broken}'")
+        assert said in _one_line(capsys, f"config error: sim.from='{broken}'")
 
 
 def test_simulate_replays_the_job_and_draws_it(pipeline_job_files, tmp_path, capsys):

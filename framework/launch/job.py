@@ -24,13 +24,14 @@ from framework.report.files import write_report
 from framework.launch.diagnosis import RankFailure
 from framework.launch.local import launch_local
 from framework.report.records import RunInfo
-from framework.metrics.bubble import analytic_bubble, analytic_label, analytic_source
-from framework.parallel.pipeline.schedules import CLOSED_FORM, resolve
+from framework.metrics.bubble import analytic_bubble, analytic_source
+from framework.parallel.pipeline.schedules import resolve
 from framework.metrics.flops import active_expert_params, flops_per_token, matmul_params
 from framework.metrics.peak import PENDING, device_peak, fixed_peak
 from framework.models import build_hf_model, with_pretrained_sizes
 from framework.launch.plan import make_plan, render_plan
 from framework.precision import policy_of
+from framework.report.closing import summary_lines
 from framework.launch.jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
 from framework.launch.signals import Stopped
 from framework.sim.sweep import finish as finish_simulated_search
@@ -201,43 +202,10 @@ def check_memory_budget(run: RunConfig) -> Optional[int]:
     return need
 
 
-def _paper_form(mode: str) -> str:
-    """The ZeRO paper's bytes per parameter for a precision mode, as the summary labels them."""
-    return "2 + 2 + 12" if mode.endswith("-mixed") else "8 + 8 + 16" if mode == "fp64" else "4 + 4 + 8"
-
-
 def _vocab_without_data(run: RunConfig) -> int:
     from framework.data import get_tokenizer
 
     return run.data.vocab_size if run.data.name == "synthetic" else get_tokenizer(run.data.tokenizer).vocab_size
-
-
-def summary_lines(summary: dict) -> str:
-    lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
-             f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
-             f"(medians over {summary['measured_steps']} steps after "
-             f"{summary['steps'] - summary['first_step'] + 1 - summary['measured_steps']} warm-up)"]
-    if summary.get("pp", 1) > 1:
-        ops = ", ".join(f"T_{op} {t * 1e3:.2f} ms" for op, t in summary.get("op_time_s", {}).items())
-        lines.append(f"bubble {summary['bubble_fraction']:.3f} measured "
-                     f"(max rank {summary['bubble_fraction_max']:.3f}) | "
-                     f"{summary['bubble_fraction_analytic']:.3f} "
-                     f"{analytic_label(summary.get('bubble_analytic_source', CLOSED_FORM))} "
-                     f"({summary['schedule']} at the measured op "
-                     f"times: {ops or 'none'})")
-    for r in summary["ranks"]:
-        lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
-                     f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | master {r['master_bytes'] / 2**20:.1f} MiB"
-                     f" | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
-                     f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
-        lines.append(f"    model states {r['model_state_bytes']:,} B measured | {r['model_state_formula_bytes']:,} B "
-                     f"this configuration's formula | {r['model_state_formula_paper_bytes']:,.0f} B the ZeRO paper's "
-                     f"{_paper_form(summary.get('precision', ''))} form")
-    return "\n".join(lines)
-
-
-def _percent(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{x:.2%}"
 
 
 def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[dict]:

@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
     finally:
         node_done(job_dir, nodes)
     if results.get(0) is not None:  # the node of rank 0, which wrote summary.json
-        from framework.launch.job import summary_lines
+        from framework.report.closing import summary_lines
 
         print(summary_lines(results[0]), flush=True)
     return 0

@@ -46,7 +46,8 @@ from framework.sim.whatif import rescale
 from framework.models import meta_hf_model
 from framework.parallel.pipeline.schedules import get, load_modules, names, resolve
 from framework.validate import validate_model
-from framework.validate.common import positive, suggest
+from framework.validate.common import suggest
+from framework.validate.ranges import check_ranges
 from framework.validate.expert import check_expert_parallel
 
 KEYS = ("schedule", "schedule.name", "schedule.microbatches", "schedule.virtual_stages", "parallelism.pp",
@@ -79,9 +80,7 @@ def target_config(src: RunConfig, overrides: list[str], check: bool = True, job_
                           f"does not fit the schema ({str(e).splitlines()[0]})",
                           "give the key a value of its type (docs/configuration.md)") from None
     dst = load_config(cfg)
-    for key, n in (("parallelism.pp", dst.parallelism.pp), ("schedule.microbatches", dst.schedule.microbatches),
-                   ("schedule.virtual_stages", dst.schedule.virtual_stages), ("parallelism.ep", dst.parallelism.ep)):
-        positive(key, n)
+    check_ranges(dst)  # every key's rule (framework/config.py), as run.py checks it
     if dst.schedule.microbatches > MOST_MICROBATCHES:  # the clock replays every one of them
         raise ConfigError("schedule.microbatches", dst.schedule.microbatches,
                           f"is more than {MOST_MICROBATCHES:,} (the simulator replays each micro-batch)",

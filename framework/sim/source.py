@@ -14,16 +14,16 @@ its files, read and checked, and what it can predict.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any, Optional
 
 import yaml
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import ConfigError, RunConfig, read_config
-from framework.sim.calibrate import Calibration
+from framework.sim.calibrate import Calibration, read_calibration
+from framework.validate.paths import read_json
 
 # What a measured duration depends on that `rescale` does not model: every model.* key (moe.*
 # included) but its label and where its weights come from (its sizes are the other keys); the
@@ -34,6 +34,7 @@ from framework.sim.calibrate import Calibration
 UNSCALED = ("model", "data.seq_len", "trainer.micro_batch_size", "trainer.precision",
             "trainer.activation_checkpointing", "parallelism.tp", "parallelism.sequence_parallel",
             "parallelism.zero", "parallelism.zero_impl", "parallelism.offload_optimizer", "device")
+MAX_JOB_FILE_BYTES = 64 << 20  # run_info.json, summary.json: kilobytes when this framework wrote them
 NOT_WORK = ("model.name", "model.pretrained")
 
 
@@ -88,40 +89,18 @@ def load_job(job_dir: str) -> tuple[RunConfig, dict, Calibration, dict]:
     if missing:
         raise ConfigError("sim.from", job_dir, f"has no {', '.join(missing)}: not a finished pipeline job (pp > 1) "
                           "(or pp = 1 with ep > 1) of this framework's version", fix)
+    cal = read_calibration(job_dir)  # bounded and checked: a ConfigError naming sim.from
+    info, summary = (read_json("sim.from", job_dir, paths[n], fix, MAX_JOB_FILE_BYTES)
+                     for n in ("run_info.json", "summary.json"))
+    if not isinstance(info, dict) or not isinstance(summary, dict):
+        raise ConfigError("sim.from", job_dir, "run_info.json and summary.json must hold JSON objects", fix)
     try:
-        info, cal, summary = (_json(paths[n]) for n in ("run_info.json", "calibration.json", "summary.json"))
-        cal = _calibration(cal)
-        if not isinstance(info, dict) or not isinstance(summary, dict):
-            raise TypeError("run_info.json and summary.json must hold JSON objects")
         src = read_config(paths["config.yaml"])
     except (OSError, ValueError, TypeError, KeyError, AttributeError, OmegaConfBaseException, yaml.YAMLError) as e:
-        # truncated, or of another version (a ConfigError: config.yaml does not fit this schema)
+        # of another version (a ConfigError: config.yaml does not fit this schema)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError("sim.from", job_dir, f"a file is unreadable ({type(e).__name__}: {first})", fix) from None
+        raise ConfigError("sim.from", job_dir, f"config.yaml is unreadable ({type(e).__name__}: {first})", fix) from None
     return src, info, cal, summary
-
-
-def _calibration(d) -> Calibration:
-    """calibration.json with its fields' types: maps of numbers where the dataclass has a map,
-    a number (or null) elsewhere; TypeError naming the field otherwise."""
-    if not isinstance(d, dict):
-        raise TypeError(f"calibration.json holds a JSON {type(d).__name__}, not an object")
-    for f in fields(Calibration):
-        v = d.get(f.name)
-        maps = f.default_factory is dict
-        ok = (isinstance(v, dict) and all(_number(x) for x in v.values())) if maps else (v is None or _number(v))
-        if f.name in d and not ok:
-            raise TypeError(f"calibration.json's {f.name} is {v!r}, not {'a map of numbers' if maps else 'a number'}")
-    return Calibration.from_json(d)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _json(path: str):
-    with open(path) as f:
-        return json.load(f)
 
 
 def predicts(job_dir: str, run: RunConfig) -> bool:

@@ -56,8 +56,14 @@ def finish(sweep_dir: str, run_job) -> list[dict]:
     """Rank the sweep's predictions, run the top_k (`run_job(run, job_dir)`), write the table."""
     rows = []
     for path in sorted(glob.glob(os.path.join(sweep_dir, "*", PREDICTION))):
-        with open(path) as f:
-            rows.append({"job_dir": os.path.dirname(path), **json.load(f)})
+        try:
+            with open(path) as f:
+                row = json.load(f)
+            float(row["predicted_tokens_per_s"])
+        except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged job directory: not a candidate
+            print(f"WARNING: {path}: unreadable ({type(e).__name__}): left out of the ranking", flush=True)
+            continue
+        rows.append({"job_dir": os.path.dirname(path), **row})
     if not rows:
         return []
     rows.sort(key=lambda r: -r["predicted_tokens_per_s"])

@@ -1,0 +1,43 @@
+"""The job's closing console lines: the summary's medians, the measured and analytic bubble,
+and each rank's memory beside its formulas (printed by the launcher, framework.launch.job
+and framework.launch.node)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from framework.metrics.bubble import analytic_label
+from framework.parallel.pipeline.schedules import CLOSED_FORM
+
+
+def summary_lines(summary: dict) -> str:
+    lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
+             f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
+             f"(medians over {summary['measured_steps']} steps after "
+             f"{summary['steps'] - summary['first_step'] + 1 - summary['measured_steps']} warm-up)"]
+    if summary.get("pp", 1) > 1:
+        ops = ", ".join(f"T_{op} {t * 1e3:.2f} ms" for op, t in summary.get("op_time_s", {}).items())
+        lines.append(f"bubble {summary['bubble_fraction']:.3f} measured "
+                     f"(max rank {summary['bubble_fraction_max']:.3f}) | "
+                     f"{summary['bubble_fraction_analytic']:.3f} "
+                     f"{analytic_label(summary.get('bubble_analytic_source', CLOSED_FORM))} "
+                     f"({summary['schedule']} at the measured op "
+                     f"times: {ops or 'none'})")
+    for r in summary["ranks"]:
+        lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
+                     f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | master {r['master_bytes'] / 2**20:.1f} MiB"
+                     f" | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
+                     f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
+        lines.append(f"    model states {r['model_state_bytes']:,} B measured | {r['model_state_formula_bytes']:,} B "
+                     f"this configuration's formula | {r['model_state_formula_paper_bytes']:,.0f} B the ZeRO paper's "
+                     f"{_paper_form(summary.get('precision', ''))} form")
+    return "\n".join(lines)
+
+
+def _percent(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.2%}"
+
+
+def _paper_form(mode: str) -> str:
+    """The ZeRO paper's bytes per parameter for a precision mode, as the summary labels them."""
+    return "2 + 2 + 12" if mode.endswith("-mixed") else "8 + 8 + 16" if mode == "fp64" else "4 + 4 + 8"
