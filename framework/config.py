@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.parallel.pipeline.schedules.base import AUTO as AUTO_SCHEDULE
 from framework.parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
 from framework.precision import PRECISIONS
 
@@ -80,7 +81,8 @@ _FP16 = dict(when=lambda r: r.trainer.precision == "fp16-mixed", when_text="trai
 _SYNTHETIC = dict(when=lambda r: r.data.name == "synthetic", when_text="data=synthetic")
 _PYCODE = dict(when=lambda r: r.data.name == "pycode", when_text="data=pycode", base=("data=pycode",))
 _HF = dict(when=lambda r: r.data.name == "hf", when_text="data=hf", base=("data=hf", "data.path=json"))
-_ZB_AUTO = dict(when=lambda r: r.schedule.name == "zb-auto", when_text="schedule=zb-auto", base=("schedule=zb-auto",))
+_ZB_AUTO = dict(when=lambda r: r.schedule.name == AUTO_SCHEDULE, when_text=f"schedule={AUTO_SCHEDULE}",
+                base=(f"schedule={AUTO_SCHEDULE}",))
 _CHECKPOINTS = dict(when=lambda r: r.trainer.checkpoint_interval > 0, when_text="trainer.checkpoint_interval > 0",
                     base=("trainer.checkpoint_interval=2",))
 _WANDB = dict(when=lambda r: r.logger.name == "wandb", when_text="logger=wandb",
@@ -160,7 +162,7 @@ class ParallelismConfig:
     tp: int = key(1, ge=1, le=MAX_RANKS)
     pp: int = key(1, ge=1, le=MAX_RANKS)
     # expert parallel: each MoE layer's experts split over ep ranks carved out of dp (docs/moe.md)
-    ep: int = key(1, ge=1, le="parallelism.dp")
+    ep: int = key(1, ge=1, le=MAX_RANKS)  # and divides dp: framework/validate/expert.py
     zero: int = key(0, ge=0, le=3)
     # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))

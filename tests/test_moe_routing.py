@@ -261,4 +261,4 @@ def test_routing_keys_compose_from_the_command_line():
         run.model.moe = replace(moe, **good)
         _moe(run)
     assert_config_error(["model=moe-tiny", "++model.moe.score=tanh"], "model.moe.score='tanh'",
-                        "must be softmax or sigmoid")
+                        "unknown name. Fix: use one of softmax, sigmoid")  # the schema's rule, before _moe

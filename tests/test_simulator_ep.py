@@ -5,6 +5,8 @@ job sent, its replay beside its measurement, the what-if to ep 1 with the all-to
 search that predicts ep instead of launching it (search.mode=simulate)."""
 
 import json
+import math
+import statistics
 
 import pytest
 
@@ -19,7 +21,8 @@ from .conftest import TINY, compose, read_metrics, run_cli, run_local
 MOE = [*TINY, "model=moe-tiny", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1",
        "model.moe.expert_inner=16", "model.moe.top_k=4", "data=synthetic", "data.seq_len=64",
        "trainer.micro_batch_size=2", "schedule.microbatches=2"]
-EP2 = [*MOE, "parallelism=dp2", "parallelism.ep=2", "trainer.steps=20", "metrics.skip_first=4"]
+SKIP_FIRST = 4
+EP2 = [*MOE, "parallelism=dp2", "parallelism.ep=2", "trainer.steps=20", f"metrics.skip_first={SKIP_FIRST}"]
 # By hand, per MoE layer and micro-batch on one rank (fp32, 4 bytes; N = 2 x 64 = 128 tokens,
 # H = 32): dispatch sends the 2 of each token's 4 assignments whose experts live on the other
 # rank, 256 rows x 32 x 4 B = 32768 B; combine sends back the 256 rows this rank's 2 experts
@@ -51,9 +54,13 @@ def test_replay_and_the_what_if_to_ep1_drop_the_measured_all_to_all(ep_job, caps
     from framework.sim.cli import main, what_if
 
     job, summary = ep_job
-    # Its own layout: fwd/bwd + the rest of the step, medians; the replay tests hold pipelines to
-    # 6 % of the measured median step time, and so this one.
-    assert abs(summary["predicted_step_time_error"]) <= 0.06, summary
+    # Its own layout: fwd/bwd + the rest of the step. As test_simulator's replay bound (which says
+    # why): within 6 % of the mean of the steps it was calibrated from, widened by the standard
+    # error of that mean (against the median, it read 8.5 % once on a loaded machine).
+    steps = [r["step_time_s"] for r in read_metrics(job) if r["step"] > SKIP_FIRST]
+    mean = statistics.fmean(steps)
+    error = summary["predicted_step_time_s"] / mean - 1
+    assert abs(error) <= 0.06 + statistics.stdev(steps) / mean / math.sqrt(len(steps)), (error, steps, summary)
     same = what_if(str(job))
     assert same["predicted_step_time_s"] == pytest.approx(summary["predicted_step_time_s"])
     assert not same["rescaled"] and same["a2a_model"] == "measured"

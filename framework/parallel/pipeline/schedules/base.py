@@ -202,6 +202,7 @@ class Schedule:
 
 REGISTRY: dict[str, Schedule] = {}
 DEFAULT = "flush"  # the schema's default (conf/config.yaml picks it too): Megatron's 1F1B
+AUTO = "zb-auto"  # the schedule that builds its lists from op times (zb_auto.py): its keys' rules name it
 
 
 def register(schedule: Schedule) -> Schedule:

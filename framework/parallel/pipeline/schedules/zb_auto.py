@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from framework.parallel.pipeline.schedules.base import Op, OpTimes, Schedule, StageMap, modelled, register
+from framework.parallel.pipeline.schedules.base import AUTO, Op, OpTimes, Schedule, StageMap, modelled, register
 from framework.parallel.pipeline.schedules.zero_bubble import greedy, simulated, zbh1
 
 
@@ -72,6 +72,6 @@ def configure(cfg) -> Schedule:
 
 _generate, _bound = build()
 ZB_AUTO = register(Schedule(
-    name="zb-auto", generate=_generate, ops=frozenset({Op.F, Op.I, Op.W}),
+    name=AUTO, generate=_generate, ops=frozenset({Op.F, Op.I, Op.W}),
     doc="zero-bubble automatic (heuristic): from measured T_F/T_I/T_W, p2p cost and schedule.memory_limit_microbatches",
     bubble=simulated(_generate), bubble_source=modelled, memory_bound=_bound, configure=configure))
