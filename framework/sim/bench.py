@@ -1,0 +1,225 @@
+"""Measure this machine's device and write a hardware profile for the cost model:
+
+    python -m framework.sim.bench --out conf/hardware/NAME.yaml [--name NAME] [--device auto|cpu|cuda]
+                                  [--quick] [--peak-tflops bf16=989.5,fp32=66.9]
+
+What it measures, each the median of repeated back-to-back calls (CUDA events on a GPU, the
+host clock on a CPU, after warm-up):
+- `gemm_tflops`: a @ b over an (m, n, k) grid per dtype (bf16, fp16, fp32 on CUDA; fp32 and
+  fp64 on CPU), as [m, n, k, TFLOP/s] rows with 2 m n k FLOPs: the table the cost model
+  interpolates (framework/sim/cost/profile.py).
+- `memory_GBps`: the best sustained copy (bytes read + written per second) over sizes that
+  leave the caches; `kernel_us`: the time of a one-element add (a kernel's floor: launch on
+  a GPU, dispatch on a CPU).
+- `attention_tflops`: scaled-dot-product attention, causal, forward and forward + backward,
+  as [s, head_dim, fwd, fwd+bwd TFLOP/s] rows, counting 4 b h s^2 d / 2 forward FLOPs (the
+  causal half) and 2.5x that backward (FlashAttention-2's count).
+- `memory_bound_GBps`: norms, activations and softmax of a block, bytes moved per second.
+Collectives between devices are not measured here (one process); a profile's `links` come
+from the datasheet or a user's NCCL tests (docs/cost_model.md).
+
+`peak_tflops` (the MFU denominator) is the datasheet's when `--peak-tflops` gives it, else the
+best measured GEMM per dtype (then MFU reads as a share of what this device's GEMM reaches).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from framework.device import resolve_device
+from framework.launch.commands import OutputPath, Parser, command, reject
+
+DTYPES = {"cuda": ("bf16", "fp16", "fp32"), "cpu": ("fp32", "fp64")}
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+# Grids: a GPU reaches its peak only past a few thousand per side; this CPU's models are
+# tiny (n_embd 32-768, a few thousand tokens per micro-batch).
+DIMS = {"cuda": (128, 512, 1024, 2048, 4096, 8192, 16384), "cpu": (16, 64, 256, 1024, 4096)}
+MOST_MNK = {"cuda": 16384 * 8192 * 8192, "cpu": 2 ** 31}
+SECONDS_PER_POINT = {"cuda": 2e-2, "cpu": 5e-2}  # inner repeats aim at this much work
+
+
+class Timer:
+    """Median seconds per call of `fn`, on the device's own clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self, fn, reps: int = 7, inner: int = 1, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(inner):
+                    fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3 / inner)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                times.append((time.perf_counter() - t0) / inner)
+        times.sort()
+        return times[len(times) // 2]
+
+
+def _inner(seconds_guess: float, target: float) -> int:
+    return max(1, min(200, int(target / max(seconds_guess, 1e-7))))
+
+
+def gemm(timer: Timer, kind: str, quick: bool) -> dict:
+    dims = DIMS[kind][::2] if quick else DIMS[kind]
+    out = {}
+    for name in DTYPES[kind]:
+        dtype, rows = TORCH_DTYPE[name], []
+        for m in dims:
+            for n in dims:
+                for k in dims:
+                    if m * n * k > MOST_MNK[kind] or (name == "fp32" and kind == "cuda" and m * n * k > 8192 ** 3):
+                        continue
+                    a = torch.randn(m, k, device=timer.device, dtype=dtype)
+                    b = torch.randn(k, n, device=timer.device, dtype=dtype)
+                    first = timer(lambda: a @ b, reps=1, warmup=1)
+                    t = timer(lambda: a @ b, reps=5, inner=_inner(first, SECONDS_PER_POINT[kind]))
+                    rows.append([m, n, k, round(2 * m * n * k / t / 1e12, 6)])
+        out[name] = rows
+    return out
+
+
+def bandwidth(timer: Timer, kind: str) -> tuple[float, float]:
+    """(best copy GB/s over sizes past the caches, one-element add's microseconds)."""
+    sizes = [2 ** p for p in ((26, 28, 30) if kind == "cuda" else (24, 26, 27))]
+    best = 0.0
+    for nbytes in sizes:
+        x = torch.empty(nbytes // 4, device=timer.device, dtype=torch.float32)
+        y = torch.empty_like(x)
+        t = timer(lambda: y.copy_(x), reps=5, inner=4 if kind == "cuda" else 1)
+        best = max(best, 2 * nbytes / t / 1e9)
+    one = torch.zeros(1, device=timer.device)
+    kernel = timer(lambda: one.add_(1), reps=7, inner=1000)
+    return best, kernel * 1e6
+
+
+def attention(timer: Timer, kind: str, quick: bool) -> list:
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    shapes = ([(8, 12, 1024, 64), (4, 16, 2048, 64), (2, 32, 4096, 128), (1, 64, 8192, 128)] if kind == "cuda"
+              else [(4, 2, 64, 16), (4, 4, 256, 32), (2, 12, 256, 64), (1, 12, 1024, 64)])
+    rows = []
+    for b, h, s, d in shapes[:2] if quick else shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=timer.device, dtype=dtype, requires_grad=True) for _ in range(3))
+        fwd = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps=5, inner=3)
+
+        def both():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(torch.ones_like(o))
+
+        fb = timer(both, reps=5, inner=2)
+        flops = 4 * b * h * s * s * d / 2
+        rows.append([s, d, round(flops / fwd / 1e12, 6), round(3.5 * flops / fb / 1e12, 6)])
+    return rows
+
+
+def memory_bound(timer: Timer, kind: str) -> dict:
+    tokens, hidden = (8192, 4096) if kind == "cuda" else (2048, 256)
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, device=timer.device, dtype=dtype)
+    w = torch.ones(hidden, device=timer.device, dtype=dtype)
+    nb = x.numel() * x.element_size()
+    out = {}
+    for name, fn, moved in [("layer_norm", lambda: F.layer_norm(x, (hidden,), w, w), 2 * nb),
+                            ("rms_norm", lambda: F.rms_norm(x, (hidden,), w), 2 * nb),
+                            ("gelu", lambda: F.gelu(x, approximate="tanh"), 2 * nb),
+                            ("silu_mul", lambda: F.silu(x) * x, 3 * nb),
+                            ("softmax", lambda: torch.softmax(x, -1), 2 * nb),
+                            ("add", lambda: x + x, 3 * nb)]:
+        out[name] = round(moved / timer(fn, reps=5, inner=5) / 1e9, 3)
+    return out
+
+
+def measure(device_type: str, quick: bool = False) -> dict:
+    device = torch.device(device_type)
+    timer = Timer(device)
+    name = torch.cuda.get_device_name(device) if device_type == "cuda" else (_cpu_name() or "cpu")
+    memory = (torch.cuda.get_device_properties(device).total_memory if device_type == "cuda"
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    copy_gbps, kernel_us = bandwidth(timer, device_type)
+    prof = {"device_name": name, "memory_gib": round(memory / 2 ** 30, 2), "memory_GBps": round(copy_gbps, 3),
+            "kernel_us": round(kernel_us, 3), "memory_bound_GBps": memory_bound(timer, device_type),
+            "attention_tflops": attention(timer, device_type, quick), "gemm_tflops": gemm(timer, device_type, quick)}
+    prof["source"] = (f"measured by python -m framework.sim.bench on {name} ({device_type}, torch {torch.__version__}"
+                      f"{', cuda ' + torch.version.cuda if device_type == 'cuda' else ''}, "
+                      f"{torch.get_num_threads()} threads), {datetime.date.today().isoformat()}")
+    return prof
+
+
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def parse_peaks(text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            reject("--peak-tflops", text, f"{item!r} is not dtype=number", "write e.g. --peak-tflops bf16=989.5,fp32=66.9")
+        if key.strip() not in TORCH_DTYPE or not 0 < out[key.strip()] < 1e6:
+            reject("--peak-tflops", text, f"{item!r}: a dtype of {', '.join(TORCH_DTYPE)} and a TFLOP/s in (0, 1e6)",
+                   "write e.g. --peak-tflops bf16=989.5,fp32=66.9")
+    return out
+
+
+def parser() -> Parser:
+    p = Parser(prog="python -m framework.sim.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=OutputPath(suffixes=("yaml",)), help="the profile to write")
+    p.add_argument("--name", help="the profile's name (default: the file's stem)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--quick", action="store_true", help="a coarser grid (seconds, for a test)")
+    p.add_argument("--peak-tflops", default="", help="datasheet peaks, dtype=TFLOP/s,... (default: the best measured)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="written as the profile's gpus_per_node")
+    return p
+
+
+@command
+def main(argv: list[str]) -> int:
+    import yaml
+
+    args = parser().parse_args(argv)
+    peaks = parse_peaks(args.peak_tflops)
+    device_type = resolve_device(args.device)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        reject("--device", "cuda", "no CUDA device here", "leave --device out (auto) or give cpu")
+    prof = measure(device_type, args.quick)
+    best = {d: max(r[3] for r in rows) for d, rows in prof["gemm_tflops"].items() if rows}
+    name = args.name or os.path.splitext(os.path.basename(args.out))[0]
+    out = {"name": name, "source": prof.pop("source"), "gpus_per_node": args.gpus_per_node, "gpus": args.gpus_per_node,
+           "peak_tflops": {**best, **peaks}, "peak_source": "datasheet" if peaks else "best measured GEMM", **prof}
+    with open(args.out, "w") as f:
+        f.write(f"# {out['source']}\n")
+        yaml.safe_dump(out, f, sort_keys=False, default_flow_style=None, width=120)
+    print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t:.1f}' for d, t in best.items())} TFLOP/s, "
+          f"copy {prof['memory_GBps']:.0f} GB/s, kernel {prof['kernel_us']:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
