@@ -7,7 +7,7 @@ What it measures, each the median of repeated back-to-back calls (CUDA events on
 host clock on a CPU, after warm-up):
 - `gemm_tflops`: a @ b over an (m, n, k) grid per dtype (bf16, fp16, fp32 on CUDA; fp32 and
   fp64 on CPU), as [m, n, k, TFLOP/s] rows with 2 m n k FLOPs: the table the cost model
-  interpolates (framework/sim/cost/profile.py).
+  interpolates (framework/sim/cost/hardware.py).
 - `memory_GBps`: the best sustained copy (bytes read + written per second) over sizes that
   leave the caches; `kernel_us`: the time of a one-element add (a kernel's floor: launch on
   a GPU, dispatch on a CPU).
@@ -15,6 +15,8 @@ host clock on a CPU, after warm-up):
   as [s, head_dim, fwd, fwd+bwd TFLOP/s] rows, counting 4 b h s^2 d / 2 forward FLOPs (the
   causal half) and 2.5x that backward (FlashAttention-2's count).
 - `memory_bound_GBps`: norms, activations and softmax of a block, bytes moved per second.
+- `host_us`: per block and pass (F, B) of each architecture, and per optimizer tensor, the
+  time where compute is negligible (`overheads`): the launch and dispatch path.
 Collectives between devices are not measured here (one process); a profile's `links` come
 from the datasheet or a user's NCCL tests (docs/cost_model.md).
 
@@ -150,6 +152,48 @@ def memory_bound(timer: Timer, kind: str) -> dict:
     return out
 
 
+def overheads(timer: Timer, kind: str) -> dict:
+    """Host time per block and pass, and per optimizer tensor, where compute is negligible:
+    the framework's own blocks (transformers' code, as a run builds it) at hidden 64 over 16
+    tokens, 5 blocks minus 1 over 4, forward and forward + backward; AdamW (foreach, as torch
+    picks it) over 64 tensors of 64 elements minus 32, over 32. On a GPU this is the launch
+    path a block's kernels cannot beat when they are small (the cost model takes the larger
+    of it and the kernels' time); on a CPU it adds to them."""
+    from framework.config import ModelConfig
+    from framework.models import ARCHS
+
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    out = {}
+    for arch in ("gpt2", "llama"):
+        per = {}
+        for layers in (1, 5):
+            m = ModelConfig(arch=arch, n_layer=layers, n_embd=64, n_head=4, n_kv_head=2 if arch == "llama" else None,
+                            max_positions=64, tie_embeddings=arch == "gpt2")
+            with torch.device(timer.device):
+                model = ARCHS[arch].MODEL_CLASS(ARCHS[arch].hf_config(m, 256)).to(dtype)
+            x = torch.randint(0, 256, (1, 16), device=timer.device)
+
+            def fwd():
+                with torch.no_grad():
+                    model(x)
+
+            def both():
+                model(x).logits.float().sum().backward()
+
+            per[layers] = (timer(fwd, reps=9, inner=5, warmup=3), timer(both, reps=9, inner=3, warmup=3))
+        f = (per[5][0] - per[1][0]) / 4
+        out[arch] = {"F": round(max(f, 0.0) * 1e6, 2), "B": round(max((per[5][1] - per[1][1]) / 4 - f, 0.0) * 1e6, 2)}
+    steps = {}
+    for n in (32, 64):
+        params = [torch.zeros(64, device=timer.device, requires_grad=True) for _ in range(n)]
+        for q in params:
+            q.grad = torch.ones_like(q)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        steps[n] = timer(opt.step, reps=7, inner=5)
+    out["optimizer_tensor"] = round(max(steps[64] - steps[32], 0.0) / 32 * 1e6, 3)
+    return out
+
+
 def measure(device_type: str, quick: bool = False) -> dict:
     device = torch.device(device_type)
     timer = Timer(device)
@@ -159,7 +203,8 @@ def measure(device_type: str, quick: bool = False) -> dict:
     copy_gbps, kernel_us = bandwidth(timer, device_type)
     prof = {"device_name": name, "memory_gib": round(memory / 2 ** 30, 2), "memory_GBps": round(copy_gbps, 3),
             "kernel_us": round(kernel_us, 3), "memory_bound_GBps": memory_bound(timer, device_type),
-            "attention_tflops": attention(timer, device_type, quick), "gemm_tflops": gemm(timer, device_type, quick)}
+            "host_us": overheads(timer, device_type), "attention_tflops": attention(timer, device_type, quick),
+            "gemm_tflops": gemm(timer, device_type, quick)}
     prof["source"] = (f"measured by python -m framework.sim.bench on {name} ({device_type}, torch {torch.__version__}"
                       f"{', cuda ' + torch.version.cuda if device_type == 'cuda' else ''}, "
                       f"{torch.get_num_threads()} threads), {datetime.date.today().isoformat()}")
@@ -212,6 +257,7 @@ def main(argv: list[str]) -> int:
     best = {d: max(r[3] for r in rows) for d, rows in prof["gemm_tflops"].items() if rows}
     name = args.name or os.path.splitext(os.path.basename(args.out))[0]
     out = {"name": name, "source": prof.pop("source"), "gpus_per_node": args.gpus_per_node, "gpus": args.gpus_per_node,
+           "host_overlaps": device_type == "cuda",
            "peak_tflops": {**best, **peaks}, "peak_source": "datasheet" if peaks else "best measured GEMM", **prof}
     with open(args.out, "w") as f:
         f.write(f"# {out['source']}\n")

@@ -3,6 +3,8 @@
     python -m framework.simulate <job dir> [schedule=NAME] [schedule.microbatches=M]
                                  [schedule.virtual_stages=V] [parallelism.pp=P] [parallelism.ep=E]
                                  [--png FILE] [--json]
+    python -m framework.simulate --op-times F=..,B=..,W=..[,comm=..] schedule=NAME parallelism.pp=P
+                                 schedule.microbatches=M [schedule.virtual_stages=V] [--json]
 
 The job's calibration.json (every pipeline run writes it: per-stage op durations, host gap,
 link latency, time outside the pipeline, activation bytes; framework/sim/calibrate.py)
@@ -115,8 +117,9 @@ def _typed(value: str):
         return value
 
 
-def _known_schedule(key: str, name: str, src: RunConfig) -> None:
-    load_modules(src.schedule.modules)  # the job's own schedules may register more
+def _known_schedule(key: str, name: str, src: RunConfig | None) -> None:
+    if src is not None:
+        load_modules(src.schedule.modules)  # the job's own schedules may register more
     if name not in names():
         close = suggest(name, names())
         raise ConfigError(key, name, "no such schedule" + (f". Did you mean {' or '.join(close)}?" if close else ""),
@@ -282,8 +285,10 @@ PNG_SUFFIXES = ("png", "svg", "pdf")  # what the timeline's matplotlib writes he
 
 def parser() -> Parser:
     p = Parser(prog="python -m framework.simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("sim.from", metavar="JOB_DIR", help="a finished pipeline job's directory (or a pp = 1 job's "
-                   "with parallelism.ep > 1): its calibration.json")
+    p.add_argument("sim.from", metavar="JOB_DIR", nargs="?", help="a finished pipeline job's directory (or a pp = 1 "
+                   "job's with parallelism.ep > 1): its calibration.json; none with --op-times")
+    p.add_argument("--op-times", metavar="F=..,B=..,W=..[,comm=..]", help="replay the schedule at these per-rank op "
+                   "times with no job (framework/sim/optimes.py); needs parallelism.pp and schedule.microbatches")
     p.add_argument("overrides", nargs="*", help=f"key=value with a key in {', '.join(KEYS)}")
     p.add_argument("--png", type=OutputPath(suffixes=PNG_SUFFIXES), help="write the predicted Gantt chart here")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
@@ -294,8 +299,15 @@ def parser() -> Parser:
 def main(argv: list[str]) -> int:
     """Bad arguments (an unknown key or schedule, a value of the wrong type, a directory that
     is not a finished job, an unwritable --png) are one `config error:` line and exit 2."""
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)  # options may sit between the job and its overrides
     job_dir = vars(args)["sim.from"]
+    if args.op_times is not None:  # no job: a first override took the job's place
+        from framework.sim.optimes import command_line
+        job, more = (None, [job_dir]) if job_dir is not None and "=" in job_dir else (job_dir, [])
+        return command_line(job, args.op_times, more + args.overrides, args.json, args.png)
+    if job_dir is None:
+        raise ConfigError("sim.from", None, "is required", "python -m framework.simulate --help lists its arguments: a "
+                          "finished job's directory, or --op-times F=..,B=..,W=.. with no job")
     result = what_if(job_dir, args.overrides)
     pred = result.pop("_predicted")
     if args.png and pred.sim is None:

@@ -34,8 +34,10 @@ def _duration(durations, op: Op) -> float:
     return durations.get(op.value, durations.get(op, 0.0))
 
 
-def simulate(lists: dict[int, list[Action]], smap: StageMap, durations=None) -> dict[int, list[tuple]]:
-    """{rank: [(start, end, action)]}; ScheduleError on a deadlock, or when a channel's
+def simulate(lists: dict[int, list[Action]], smap: StageMap, durations=None, comm: float = 0.0) -> dict[int, list[tuple]]:
+    """{rank: [(start, end, action)]}; `comm`: a message between two ranks arrives this long
+    after its producer ends (each receive gating only its own op; the zero-bubble paper's
+    T_comm). ScheduleError on a deadlock, or when a channel's
     activations (or its gradients) are consumed in another order than sent. The two kinds
     may interleave differently (a V sends both over one pair of ranks): which buffer each
     message lands in under NCCL's in-order matching is proved on the real batches in
@@ -63,7 +65,7 @@ def simulate(lists: dict[int, list[Action]], smap: StageMap, durations=None) -> 
                 timeline[r].append((start, clock[r], a))
                 out = produces(a, r, smap)
                 if out is not None:
-                    arrived[out] = clock[r]
+                    arrived[out] = clock[r] + (comm if receiver_of(out, smap) != r else 0)
                     sent_order[(r, receiver_of(out, smap), out.kind)].append(out)
                 pos[r] += 1
                 remaining -= 1

@@ -1,0 +1,47 @@
+"""What a collective costs: NCCL's algorithms as alpha-beta over the slowest link a group
+crosses, the group placed by the framework's own rank order (framework/topology.py).
+
+Placement: ranks fill nodes in order (`gpus_per_node` per node, as torchrun numbers them);
+a group is inside one node when all its ranks are (tp, innermost, is when tp divides
+gpus_per_node; dp and pp usually cross nodes). A group inside a node runs at the profile's
+`links.intra` (NVLink / NVSwitch: per GPU, one direction), one that crosses nodes at
+`links.inter` (each GPU's own NIC in a DGX node: 200 Gb/s HDR = 25 GB/s, 400 Gb/s NDR = 50 GB/s).
+
+Algorithms (bus-bandwidth factors as nccl-tests reports them; Thakur et al. 2005):
+- all-reduce, ring: 2 (n-1) / n x bytes over the link, 2 (n-1) latency steps
+- all-gather / reduce-scatter, ring: (n-1) / n x bytes (the whole, gathered size), n-1 steps
+- all-to-all, pairwise: (n-1) / n x bytes sent, n-1 steps
+- p2p: bytes, one step
+Not modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
+hierarchical (intra- then inter-node) rings, contention between collectives of different
+groups on one link, SHARP, and any overlap of a collective with compute unless the caller
+says so.
+"""
+
+from __future__ import annotations
+
+from framework.sim.cost.hardware import Link, Profile
+from framework.topology import ParallelDims
+
+FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "p2p": lambda n: 1}
+
+
+def crosses_nodes(group: list[int], gpus_per_node: int) -> bool:
+    return len({r // gpus_per_node for r in group}) > 1
+
+
+def group_link(prof: Profile, dims: ParallelDims, dim: str) -> Link:
+    """The link rank 0's `dim` group runs at (every group of a dimension has the same shape)."""
+    group = dims.group_of(dim, 0)
+    return prof.links["inter" if crosses_nodes(group, prof.gpus_per_node) else "intra"]
+
+
+def collective_s(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds of one collective over n ranks; `nbytes`: the whole buffer (all-reduce: the
+    reduced tensor; all-gather: the gathered one; all-to-all: what one rank sends in all)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return STEPS[kind](n) * link.alpha_us * 1e-6 + FACTORS[kind](n) * nbytes / (link.GBps * 1e9)

@@ -1,0 +1,169 @@
+"""A layout's step on a hardware profile, from the op lists alone (no run): the composition.
+
+Per stage and pass, an op list (ops.py) priced on the profile (hardware.py) plus the
+collectives the pass waits for: tp's all-reduces (or, with sequence parallelism, its
+all-gathers and reduce-scatters) and ep's all-to-alls, each on the critical path (Megatron
+without its overlap options). Host time: a block's launch path (the profile's `host_us`)
+either overlaps the kernels (`host_overlaps`: a GPU's asynchronous stream; the pass takes
+the larger) or adds to them (a CPU, where one thread does both).
+The pipeline: the schedule's real plan (p2p.comm_plan) through the clock (clock.py) under
+NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
+After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
+all-reduce; 2 / 3: a reduce-scatter) in the reduce dtype, ZeRO's all-gather of the updated
+parameters (1, 2) or of each stage's parameters before every micro-batch's F and B (3), and
+the optimizer step over the rank's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.parallel.pipeline.p2p import comm_plan
+from framework.parallel.pipeline.partition import uniform
+from framework.parallel.pipeline.schedules import get
+from framework.parallel.pipeline.schedules.base import DEFAULT
+from framework.sim.clock import Costs, predict
+from framework.sim.cost.collectives import collective_s, group_link
+from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
+from framework.sim.cost.hardware import Profile
+from framework.sim.cost.shapes import Layout, ModelShape
+from framework.topology import ParallelDims
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is priced: a model, one micro-batch's layout, and the rest of the layout."""
+
+    shape: ModelShape
+    lay: Layout
+    dp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = DEFAULT
+    virtual_stages: int = 1
+    zero: int = 0
+    master: bool = True  # fp32 master weights (the mixed modes)
+    reduce_bytes: int = 4  # the gradient reduction's dtype (fp32 in the mixed modes)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.lay.tp
+
+
+@dataclass
+class Priced:
+    step_s: float
+    pipeline_s: float
+    bubble: float
+    comm_s: dict = field(default_factory=dict)  # dimension -> seconds on the critical path per step
+    optimizer_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+    tflops_per_gpu: float = 0.0  # model FLOPs (metrics/flops.py's count)
+    mfu: float = 0.0
+    hfu: float = 0.0  # executed FLOPs (recomputation included)
+    stage_s: dict = field(default_factory=dict)  # (rank, chunk, op) -> seconds
+
+
+def _combine(prof: Profile, dev: float, host: float) -> float:
+    return max(dev, host) if prof.host_overlaps else dev + host
+
+
+def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -> tuple[dict, float, float]:
+    """({F, I, W: seconds of one micro-batch}, executed FLOPs, model FLOPs) of one stage (chunk)."""
+    s, lay = job.shape, job.lay
+    ops = stage_ops(s, lay, blocks, first, last)
+    dev = {ph: prof.seconds(ops, lay.dtype, ph) for ph in "FIW"}
+    host = prof.host_us.get(s.arch, prof.host_us.get("llama", {"F": 0.0, "B": 0.0}))
+    out = {"F": _combine(prof, dev["F"], blocks * host["F"] * 1e-6)}
+    back, hb = dev["I"] + dev["W"], blocks * host["B"] * 1e-6
+    for ph in "IW":  # the backward's host time, split as its kernels' time
+        out[ph] = _combine(prof, dev[ph], hb * (dev[ph] / back if back else 0.5))
+    comm = _block_comm(prof, job)
+    out["F"] += comm["F"] * blocks
+    out["I"] += comm["I"] * blocks
+    return out, flops(ops, model=False), flops(ops)
+
+
+def _block_comm(prof: Profile, job: Job) -> dict:
+    """tp and ep collectives of one block and micro-batch, per pass."""
+    lay, s = job.lay, job.shape
+    dims = ParallelDims(job.pp, job.dp, lay.tp, lay.ep)
+    act = lay.tokens * s.hidden * lay.act_bytes
+    tp = 0.0
+    if lay.tp > 1:
+        link = group_link(prof, dims, "tp")
+        tp = (2 * (collective_s("all_gather", act, lay.tp, link) + collective_s("reduce_scatter", act, lay.tp, link))
+              if lay.sp else 2 * collective_s("all_reduce", act, lay.tp, link))
+    ep = 0.0
+    if s.experts and lay.ep > 1:
+        tn = lay.tokens // lay.tp if lay.sp else lay.tokens
+        ep = 2 * collective_s("all_to_all", tn * s.top_k * s.hidden * lay.act_bytes, lay.ep, group_link(prof, dims, "ep"))
+    return {"F": tp + ep, "I": tp + ep, "tp": tp, "ep": ep}
+
+
+def price(prof: Profile, job: Job) -> Priced:
+    s, lay, p, v, m = job.shape, job.lay, job.pp, job.virtual_stages, job.microbatches
+    sched = get(job.schedule)
+    if not sched.flushes:
+        raise ValueError(f"schedule {job.schedule} never flushes: the cost model prices flushing schedules")
+    smap = sched.stage_map(p, v)
+    parts = uniform(s.layers, p * v)
+    compute, executed, model = {}, 0.0, 0.0
+    for stage, blocks in enumerate(parts):
+        t, ex, mo = stage_times(prof, job, len(blocks), stage == 0, stage == len(parts) - 1)
+        r, c = smap.rank(stage), smap.chunk(stage)
+        for op in "FIW":
+            compute[(r, c, op)] = t[op]
+        compute[(r, c, "B")] = t["I"] + t["W"]
+        executed, model = executed + ex * m, model + mo * m
+    dims = ParallelDims(p, job.dp, lay.tp, lay.ep)
+    if p == 1:
+        pipeline, bubble = m * (compute[(0, 0, "F")] + compute[(0, 0, "B")]), 0.0
+    else:
+        link = group_link(prof, dims, "pp")
+        msg = lay.tokens * s.hidden * lay.act_bytes // (lay.tp if lay.sp else 1)
+        costs = Costs(compute, {}, link.alpha_us * 1e-6, link.GBps * 1e9, msg)
+        pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
+        pipeline, bubble = pred.pipeline_s, pred.bubble
+    comm = {k: _block_comm(prof, job)[k] * 2 * m * s.layers / p for k in ("tp", "ep")}
+    params = _rank_params(s, job)
+    comm["dp"], gather = _dp_seconds(prof, job, dims, params)
+    pipeline += gather * m * v
+    shard = params / job.dp if job.zero >= 1 else params
+    opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
+    opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
+    step = pipeline + comm["dp"] + opt
+    tokens = lay.tokens * m * job.dp
+    per_gpu = model * job.dp * lay.tp / step / job.world  # model FLOPs of all stages / world / step
+    return Priced(step, pipeline, bubble, comm, opt, tokens / step / job.world, per_gpu / 1e12,
+                  per_gpu / prof.peak(lay.dtype), executed * job.dp / step / job.world / prof.peak(lay.dtype),
+                  compute)
+
+
+def _rank_params(s: ModelShape, job: Job) -> float:
+    """Parameters on the busiest rank: its blocks, tp-sharded (experts ep-sharded), plus
+    the embedding or head."""
+    lay = job.lay
+    dense = s.block_params() - (s.routed_params() // s.layers if s.experts else 0)
+    per_block = dense / lay.tp + (s.routed_params() / s.layers / lay.ep if s.experts else 0)
+    blocks = -(-s.layers // job.pp)
+    return blocks * per_block + max(s.embedding_params(), s.head_params()) / lay.tp
+
+
+def _dp_seconds(prof: Profile, job: Job, dims: ParallelDims, params: float) -> tuple[float, float]:
+    """(after the pipeline: the gradient reduction and ZeRO 1 / 2's all-gather, seconds;
+    ZeRO 3's all-gather before each micro-batch's F and B of one chunk, seconds)."""
+    if job.dp == 1:
+        return 0.0, 0.0
+    link = group_link(prof, dims, "dp")
+    grads = params * job.reduce_bytes
+    if job.zero <= 1:
+        after = collective_s("all_reduce", grads, job.dp, link)
+    else:
+        after = collective_s("reduce_scatter", grads, job.dp, link)
+    weights = params * job.lay.act_bytes
+    if job.zero in (1, 2):
+        return after + collective_s("all_gather", weights, job.dp, link), 0.0
+    if job.zero == 3:
+        return after, 2 * collective_s("all_gather", weights / job.virtual_stages, job.dp, link)
+    return after, 0.0

@@ -1,0 +1,134 @@
+"""The cost model's parts against outside counts (framework/sim/cost/): the op lists'
+FLOPs against metrics/flops.py's count of the real model's parameters, the shapes' parameter
+counts against the built (meta) model, a measured GEMM table read back at its own points,
+and the collectives' ring algebra on a hand-computed case. In process, no run."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.config import ModelConfig, MoEConfig
+from framework.metrics.flops import flops_per_token, matmul_params
+from framework.models import meta_hf_model
+from framework.sim.cost.collectives import collective_s, crosses_nodes, group_link
+from framework.sim.cost.ops import block_ops, flops, stage_ops
+from framework.sim.cost.price import Job, price
+from framework.sim.cost.hardware import Link, Profile
+from framework.sim.cost.shapes import Layout, ModelShape
+from framework.topology import ParallelDims
+
+VOCAB, SEQ, MB = 320, 32, 3
+MODELS = {
+    "gpt2": ModelConfig(arch="gpt2", n_layer=4, n_embd=48, n_head=4, max_positions=64),
+    "gpt2-untied": ModelConfig(arch="gpt2", n_layer=4, n_embd=32, n_head=2, n_inner=80, tie_embeddings=False),
+    "llama": ModelConfig(arch="llama", n_layer=4, n_embd=64, n_head=8, n_kv_head=2, n_inner=176, tie_embeddings=False),
+    "moe": ModelConfig(arch="qwen3_moe", n_layer=4, n_embd=64, n_head=4, n_kv_head=2, tie_embeddings=False,
+                       moe=MoEConfig(experts=8, top_k=2, expert_inner=40)),
+}
+# (tp, sequence parallel, pp, ep, recompute): the layouts a run of these models can take
+LAYOUTS = [(1, False, 1, 1, False), (2, False, 1, 1, False), (2, True, 2, 1, False), (4, True, 4, 1, True),
+           (1, False, 2, 2, False), (2, True, 1, 4, True)]
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    return {name: meta_hf_model(m, VOCAB) for name, m in MODELS.items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_shapes_count_the_built_models_parameters(name, meta_models):
+    model, shape = meta_models[name], ModelShape.of(MODELS[name], VOCAB)
+    assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    assert shape.matmul_params() == matmul_params(model)
+    assert shape.param_tensors() == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0]}{'sp' if x[1] else ''}_pp{x[2]}_ep{x[3]}"
+                         f"{'_ac' if x[4] else ''}")
+@pytest.mark.parametrize("name", MODELS)
+def test_op_lists_model_flops_equal_metrics_flops(name, layout, meta_models):
+    """Summed over every rank of a model replica (tp ranks x pipeline stages), the op lists'
+    model FLOPs of one micro-batch are metrics/flops.py's count, computed from the meta
+    model's own parameters; recomputation adds executed FLOPs only: each block's forward
+    again (the embedding and the head are not checkpointed)."""
+    tp, sp, pp, ep, ac = layout
+    m = MODELS[name]
+    want = flops_per_token(matmul_params(meta_models[name]), m.n_layer, m.n_embd, SEQ) * MB * SEQ
+    shape, lay = ModelShape.of(m, VOCAB), Layout(MB, SEQ, tp, sp, ep, ac)
+    per_stage = m.n_layer // pp
+    stages = [stage_ops(shape, lay, per_stage, i == 0, i == pp - 1) for i in range(pp)]
+    assert sum(flops(ops) for ops in stages) * tp == pytest.approx(want, rel=1e-12)
+    executed = sum(flops(ops, model=False) for ops in stages)
+    plain = [stage_ops(shape, Layout(MB, SEQ, tp, sp, ep), per_stage, i == 0, i == pp - 1) for i in range(pp)]
+    forward = flops(block_ops(shape, Layout(MB, SEQ, tp, sp, ep)), "F", model=False) * m.n_layer  # blocks only
+    assert executed == pytest.approx(sum(flops(ops, model=False) for ops in plain) + (forward if ac else 0.0))
+
+
+def test_dense_gemm_flops_split_two_four_between_forward_and_backward(meta_models):
+    """Of a dense model's 6N per token, the forward's GEMMs execute 2N (minus what the norms,
+    the lookups and the bias adds account for) and I and W as much each."""
+    shape, lay = ModelShape.of(MODELS["llama"], VOCAB), Layout(MB, SEQ)
+    ops = [o for o in stage_ops(shape, lay, 4, True, True) if o.kind == "gemm"]
+    f, i, w = (flops([o for o in ops if o.phase == ph], model=False) for ph in "FIW")
+    assert f == i == w
+    gemm_params = shape.matmul_params() - (2 * 4 + 1) * shape.hidden  # llama: RMSNorm weights are no GEMM
+    assert f == 2 * MB * SEQ * gemm_params
+
+
+def table_profile(**extra) -> Profile:
+    rows = [[m, n, k, 10.0 * (m * n * k) ** (1 / 3) / 4096] for m in (128, 1024, 4096) for n in (128, 1024, 4096)
+            for k in (128, 1024, 4096) if m * n * k <= 1024 * 4096 * 4096]
+    return Profile(name="t", peak_tflops={"bf16": 100.0}, memory_GBps=1000.0, kernel_us=5.0,
+                   gemm_tflops={"bf16": rows}, **extra)
+
+
+def test_a_measured_gemm_table_is_read_back_at_its_points_and_completed_upward():
+    prof = table_profile()
+    assert prof.gemm_rate(1024, 128, 4096, "bf16") / 1e12 == pytest.approx(10.0 * (1024 * 128 * 4096) ** (1 / 3) / 4096)
+    # between grid points: between the neighbours' rates
+    mid = prof.gemm_rate(2048, 1024, 1024, "bf16")
+    assert prof.gemm_rate(1024, 1024, 1024, "bf16") < mid < prof.gemm_rate(4096, 1024, 1024, "bf16")
+    # left out by the bench (too large): the best of its smaller neighbours, never above them
+    top = prof.gemm_rate(4096, 4096, 4096, "bf16")
+    assert top == pytest.approx(max(prof.gemm_rate(*p, "bf16") for p in
+                                    ((1024, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 1024))))
+    # beyond the grid: clamped; a tiny GEMM still lasts the kernel floor
+    assert prof.gemm_rate(10 ** 6, 4096, 1024, "bf16") == pytest.approx(prof.gemm_rate(4096, 4096, 1024, "bf16"))
+    from framework.sim.cost.ops import CostOp
+    assert prof.op_seconds(CostOp("x", "gemm", "F", flops=2.0, shape=(1, 1, 1)), "bf16") == pytest.approx(5e-6)
+
+
+def test_ring_collectives_on_a_hand_computed_case():
+    """8 ranks, 1 GB, 100 GB/s, 10 us per step: a ring all-reduce moves 2 x 7/8 GB in 14
+    steps (17.5 ms + 140 us); an all-gather 7/8 GB in 7 steps; one rank is free."""
+    link = Link(alpha_us=10.0, GBps=100.0)
+    assert collective_s("all_reduce", 1e9, 8, link) == pytest.approx(17.5e-3 + 140e-6)
+    assert collective_s("all_gather", 1e9, 8, link) == pytest.approx(8.75e-3 + 70e-6)
+    assert collective_s("reduce_scatter", 1e9, 8, link) == collective_s("all_gather", 1e9, 8, link)
+    assert collective_s("all_reduce", 1e9, 1, link) == 0.0
+
+
+def test_groups_are_placed_by_the_frameworks_rank_order():
+    """tp innermost (topology.py): tp 8 stays in an 8-GPU node, dp and pp cross nodes."""
+    prof = table_profile(gpus_per_node=8, links={"intra": {"alpha_us": 1, "GBps": 300}, "inter": {"alpha_us": 5, "GBps": 25}})
+    dims = ParallelDims(pp=4, dp=2, tp=8)
+    assert group_link(prof, dims, "tp").GBps == 300
+    assert group_link(prof, dims, "dp").GBps == 25 and group_link(prof, dims, "pp").GBps == 25
+    assert not crosses_nodes(dims.group_of("tp", 13), 8) and crosses_nodes(dims.group_of("dp", 13), 8)
+    assert group_link(prof, ParallelDims(pp=1, dp=4, tp=2), "dp").GBps == 300  # 8 ranks: one node
+
+
+def test_a_layout_is_priced_with_its_pipeline_and_its_reductions():
+    prof = table_profile(gpus_per_node=8, host_overlaps=True,
+                         links={"intra": {"alpha_us": 1, "GBps": 300}, "inter": {"alpha_us": 5, "GBps": 25}})
+    # a small vocabulary: the head's GEMM weighs little beside two blocks per stage
+    shape = ModelShape.of(ModelConfig(arch="llama", n_layer=8, n_embd=1024, n_head=8, tie_embeddings=False), 512)
+    lay = Layout(2, 1024, tp=2, sp=True)
+    one = price(prof, Job(shape, lay, dp=1, pp=1, microbatches=8))
+    piped = price(prof, Job(shape, lay, dp=1, pp=4, microbatches=8))
+    assert one.bubble == 0 and one.comm_s["dp"] == 0
+    # 1F1B at m = 8 on 4 equal stages: about (p-1) / (m+p-1) of each rank idles (stage 0 also embeds)
+    assert 0.2 < piped.bubble < 0.35
+    reduced = price(prof, Job(shape, lay, dp=4, pp=1, microbatches=8))
+    assert reduced.comm_s["dp"] > 0 and reduced.step_s > one.step_s
+    assert reduced.tokens_per_s_per_gpu < one.tokens_per_s_per_gpu
