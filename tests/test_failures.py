@@ -88,7 +88,7 @@ def test_kill_9_of_a_pp_rank_is_reported_as_that_signal(tmp_path, attempt):
 
 def test_a_stopped_rank_is_detected_as_a_hang(tmp_path):
     marker = f"FRAMEWORK_TEST_MARKER={uuid.uuid4().hex}"
-    proc = _start(tmp_path, *FAST, "parallelism=pp2", "trainer.steps=5000", "trainer.hang_timeout_s=20",
+    proc = _start(tmp_path, *FAST, "parallelism=pp2", "trainer.steps=5000", "trainer.hang_timeout_s=10",
                   marker=marker)
     pid = _wait_for_steps(tmp_path, 1, proc)
     os.kill(pid, signal.SIGSTOP)
@@ -96,7 +96,7 @@ def test_a_stopped_rank_is_detected_as_a_hang(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert time.time() - stopped < 60
     assert proc.returncode == 1
-    assert "hang: rank 1 made no progress for 20 s (trainer.hang_timeout_s)" in err, err[-3000:]
+    assert "hang: rank 1 made no progress for 10 s (trainer.hang_timeout_s)" in err, err[-3000:]
     hang = (tmp_path / "hang.txt").read_text()
     assert f"rank 1 (pid {pid}, STOPPED (SIGSTOP))" in hang
     assert "rank 0 (pid" in hang and "WAIT" in hang  # rank 0 blocked on its peer, with what it last did
