@@ -298,6 +298,37 @@ class SimConfig:
     source: Optional[str] = key(None, nonempty=True, free="a job directory: its calibration.json is read before launch")
 
 
+_HW = dict(when=lambda r: r.hardware.name != "none", when_text="hardware=<a profile in conf/hardware/>",
+           base=("hardware=h100-sxm",))
+_TABLE = "a table or map: framework/sim/cost/hardware.py checks its shape"
+
+
+@dataclass
+class HardwareConfig:
+    """The cost model's device and cluster (conf/hardware/; docs/cost_model.md): none = no
+    cost model. Datasheet profiles state efficiencies; measured ones (python -m
+    framework.sim.bench) tables."""
+
+    name: str = key("none", free=_LABEL)
+    source: str = key("", free=_LABEL, **_HW)  # where its numbers come from
+    device_name: str = key("", free=_LABEL, **_HW)
+    peak_source: str = key("", free=_LABEL, **_HW)
+    gpus: int = key(8, ge=1, le=MAX_RANKS, **_HW)  # in the cluster (a layout's world size must fit)
+    gpus_per_node: int = key(8, ge=1, le=1024, **_HW)
+    memory_gib: float = key(80.0, gt=0, le=1 << 20, **_HW)  # per GPU
+    memory_GBps: float = key(1000.0, gt=0, le=1e6, **_HW)  # sustained copy
+    kernel_us: float = key(5.0, ge=0, le=1e6, **_HW)  # a kernel's floor
+    host_overlaps: bool = key(True, **_HW)  # GPU: host and kernels overlap; CPU: they add
+    attention_efficiency: float = key(0.5, gt=0, le=1, **_HW)  # of peak, without an attention table
+    peak_tflops: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # dtype -> datasheet TFLOP/s
+    gemm_tflops: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # dtype -> [[m, n, k, TFLOP/s], ...]
+    gemm_efficiency: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # {max, half_dim} without a table
+    memory_bound_GBps: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # op -> GB/s
+    attention_tflops: list[Any] = key(factory=list, free=_TABLE, **_HW)  # [[s, head_dim, fwd, fwd+bwd], ...]
+    host_us: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # arch -> {F, B}; optimizer_tensor
+    links: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # intra / inter -> {alpha_us, GBps}
+
+
 @dataclass
 class LossScaleConfig:
     """fp16-mixed's dynamic loss scaler (framework/train/loss_scale.py). Defaults: DeepSpeed's
@@ -338,6 +369,7 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     device: str = key("auto", choices=("auto", "cpu", "cuda"))  # resolved once in framework/device.py
     # local: start the ranks here | external: write the job dir for torchrun
     launcher: str = key("local", choices=("local", "external"))

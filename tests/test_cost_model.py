@@ -17,6 +17,8 @@ from framework.sim.cost.hardware import Link, Profile
 from framework.sim.cost.shapes import Layout, ModelShape
 from framework.topology import ParallelDims
 
+from .conftest import assert_config_error, compose
+
 VOCAB, SEQ, MB = 320, 32, 3
 MODELS = {
     "gpt2": ModelConfig(arch="gpt2", n_layer=4, n_embd=48, n_head=4, max_positions=64),
@@ -132,3 +134,72 @@ def test_a_layout_is_priced_with_its_pipeline_and_its_reductions():
     reduced = price(prof, Job(shape, lay, dp=4, pp=1, microbatches=8))
     assert reduced.comm_s["dp"] > 0 and reduced.step_s > one.step_s
     assert reduced.tokens_per_s_per_gpu < one.tokens_per_s_per_gpu
+
+
+# --- the hardware group: conf/hardware/*.yaml, checked, and priced in the dry run ----------
+
+@pytest.mark.parametrize("profile", ["a100-dgx", "h100-sxm", "h200"])
+def test_each_hardware_profile_prices_a_run(profile):
+    from framework.sim.cost.price import job_of
+
+    run = compose(f"hardware={profile}", "model=gpt2", "data=synthetic", "data.vocab_size=50304", "data.seq_len=1024",
+                  "trainer.micro_batch_size=8", "trainer.precision=bf16-mixed", "parallelism=single")
+    prof = Profile.of(run.hardware)
+    r = price(prof, job_of(run, 50304))
+    # GPT-2 124M at 8 x 1024 tokens on one GPU of this class: a step of tens to hundreds of ms,
+    # below the device's peak and the model's 6N + attention FLOPs over it
+    assert 0.02 < r.step_s < 1.0 and 0.05 < r.mfu < 1.0
+    assert r.tflops_per_gpu == pytest.approx(r.mfu * prof.peak_tflops["bf16"])
+
+
+def test_bad_hardware_tables_are_told_by_key():
+    from framework.config import ConfigError, HardwareConfig
+    from framework.sim.cost.hardware import check_tables
+
+    good = dict(name="x", peak_tflops={"bf16": 100.0}, gemm_efficiency={"max": 0.8, "half_dim": 64},
+                links={"intra": {"alpha_us": 1, "GBps": 100}, "inter": {"alpha_us": 5, "GBps": 10}})
+    check_tables(HardwareConfig(**good))
+    for change, key in [({"peak_tflops": {"bf17": 1.0}}, "hardware.peak_tflops.bf17"),
+                        ({"peak_tflops": {}}, "hardware.peak_tflops"),
+                        ({"gemm_tflops": {"bf16": [[1, 2, 3]]}}, "hardware.gemm_tflops.bf16"),
+                        ({"gemm_efficiency": {"max": 1.5, "half_dim": 64}}, "hardware.gemm_efficiency"),
+                        ({"gemm_efficiency": {}}, "hardware.gemm_efficiency"),
+                        ({"attention_tflops": [[1024, 64, -1, 2]]}, "hardware.attention_tflops"),
+                        ({"host_us": {"gpt2": {"F": 1}}}, "hardware.host_us.gpt2"),
+                        ({"links": {"intra": {"alpha_us": 1, "GBps": 100}}}, "hardware.links.inter"),
+                        ({"links": {**good["links"], "rack": {"alpha_us": 1, "GBps": 1}}}, "hardware.links")]:
+        with pytest.raises(ConfigError) as e:
+            check_tables(HardwareConfig(**{**good, **change}))
+        assert e.value.key == key and "\n" not in str(e.value), (change, str(e.value))
+
+
+def test_a_profile_without_the_runs_dtype_or_gpus_for_its_layout_is_refused():
+    assert_config_error(["hardware=h100-sxm", "trainer.precision=fp64", "parallelism=single"],
+                        "hardware.peak_tflops={'bf16': 989.5, 'fp16': 989.5, 'fp32': 66.9}", "has no fp64 peak, the dtype of trainer.precision=fp64")
+    assert_config_error(["hardware=h100-sxm", "hardware.gpus=2", "parallelism=dp4"],
+                        "hardware.gpus=2", "is fewer than the layout's 4 ranks")
+
+
+def test_the_dry_run_prices_the_layout_on_the_cluster(tmp_path, capsys):
+    """dry_run=true hardware=...: the plan gains the cost model's step, MFU, bubble,
+    communication per dimension and memory fit, with its assumptions, for a layout far larger
+    than this machine (a Llama-3-70B shape on 512 GPUs), on the meta device."""
+    import json
+
+    from framework.launch.job import run_job
+    from framework.validate import validate
+
+    run = compose("model=llama-tiny", "model.n_layer=80", "model.n_embd=8192", "model.n_head=64", "model.n_kv_head=8",
+                  "model.n_inner=28672", "model.max_positions=8192", "model.vocab_size=128256", "data=synthetic",
+                  "data.seq_len=8192", "trainer.micro_batch_size=1", "trainer.precision=bf16-mixed", "logger=none",
+                  "parallelism.dp=8", "parallelism.tp=8", "parallelism.pp=8", "parallelism.sequence_parallel=true",
+                  "parallelism.zero=1", "schedule=interleaved", "schedule.microbatches=32", "dry_run=true",
+                  "hardware=h100-sxm", "hardware.gpus=512")
+    validate(run)
+    run_job(run, str(tmp_path))
+    out = capsys.readouterr().out
+    cost = json.loads((tmp_path / "plan.json").read_text())["cost_model"]
+    assert cost["hardware"] == "h100-sxm" and cost["gpus"] == 512 and cost["fits"]
+    assert 0.1 < cost["mfu"] < 0.8 and 0 < cost["bubble"] < 0.3
+    assert cost["comm_s"]["tp"] > 0 and cost["comm_s"]["dp"] > 0 and cost["comm_s"]["ep"] == 0
+    assert "cost model on h100-sxm" in out and "assumed: no overlap of communication" in out

@@ -52,7 +52,10 @@ EQUIVALENCE_TESTS = {"parallelism": ["test_equivalence.py", "test_pipeline.py", 
 # other sizes (gpt2 runs here), composed and validated on the meta device in test_config.py
 # and trained for real on a GPU in experiments/cluster_model/ (30 s of this CPU per run).
 TOO_LARGE = [("model", "moe-mixtral"), ("model", "gpt2-medium")]
-CASES = [(g, o) for g, opts in GROUPS.items() for o in opts if g not in EQUIVALENCE_TESTS and (g, o) not in TOO_LARGE]
+# hardware: the cost model's device, read by the dry run and the simulator, never by training
+# (tests/test_cost_model.py prices with each profile).
+CASES = [(g, o) for g, opts in GROUPS.items() for o in opts
+         if g not in EQUIVALENCE_TESTS and g != "hardware" and (g, o) not in TOO_LARGE]
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in EQUIVALENCE_TESTS for o in GROUPS[g]])

@@ -21,7 +21,8 @@ UNKNOWN = [
     (["model=gpt3"], "model='gpt3': no such option in conf/model/. Did you mean gpt2?", "Fix: model=gpt2;"),
     (["-m", "schedule=flush,zbhh1", "logger=none"], "schedule='zbhh1': no such option", "Fix: schedule=zbh1"),
     (["trainer.seq_len=8"], "trainer.seq_len=8: no such key. Did you mean data.seq_len", "Fix: data.seq_len=8"),
-    (["sim.source=x"], "sim.source='x': no such key. Did you mean sim.from?", "Fix: sim.from=x"),
+    (["sim.source=x"], "sim.source='x': no such key. Did you mean sim.from, hardware.source or hardware.peak_source?",
+     "Fix: sim.from=x"),
     (["model.moe.expertz=3"], "model.moe.expertz=3: no such key. Did you mean model.moe.experts", "Fix: "),
     (["trainer.steps.x=1"], "trainer.steps.x=1: no such key", "Fix: "),
 ]

@@ -167,15 +167,30 @@ def dry_run(run: RunConfig, job_dir: str) -> dict:
         note = (f"note: no prediction: sim.from={run.sim.source} is a "
                 f"{'pipeline job: it predicts pipelines' if run.parallelism.pp == 1 else 'pp = 1 job: it predicts pp = 1'}"
                 f" only, and this run has parallelism.pp={run.parallelism.pp}")
+    if run.hardware.name != "none":  # the cost model's price of this layout (docs/cost_model.md)
+        plan["cost_model"] = cost_model(run, vocab, plan)
     print(render_plan(plan))
     if "simulated" in plan:
         print(describe(plan["simulated"]))
+    if "cost_model" in plan:
+        from framework.sim.cost.price import describe as describe_cost
+
+        print(describe_cost(plan["cost_model"]))
     if note:
         print(note)
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)
     return plan
+
+
+def cost_model(run: RunConfig, vocab: int, plan: dict) -> dict:
+    from framework.sim.cost.hardware import Profile
+    from framework.sim.cost.price import job_of, price, report
+
+    prof, job = Profile.of(run.hardware), job_of(run, vocab)
+    states = max(m["model_state_bytes"] for m in plan["memory_estimate_per_rank"])
+    return report(prof, job, price(prof, job), states)
 
 
 def check_memory_budget(run: RunConfig) -> Optional[int]:

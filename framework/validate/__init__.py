@@ -19,6 +19,7 @@ from framework.parallel.pipeline.schedules import never_flushes
 from framework.validate.common import first_line
 from framework.validate.expert import check_expert_parallel, check_moe
 from framework.validate.fsdp2 import check_fsdp2
+from framework.validate.hardware import check_hardware
 from framework.validate.environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from framework.validate.heldout import check_eval, flushing
 from framework.validate.optimizer import check_optimizer
@@ -48,7 +49,7 @@ def configure(cfg, overrides: list[str]) -> RunConfig:
 def validate(run: RunConfig) -> None:
     for check in (check_ranges, load_schedule_modules, _parallelism, _model, check_schedule, check_precision, _data,
                   check_eval,
-                  check_optimizer, check_logger, _misc, check_node_capacity, check_paths):
+                  check_optimizer, check_logger, _misc, check_node_capacity, check_paths, check_hardware):
         check(run)
 
 

@@ -215,7 +215,9 @@ def add_absent_keys(argv: list[str], conf_dir: str) -> list[str]:
     would meet Hydra's "Key 'moe' is not in struct" before any check of ours could word it:
     such an override is passed on as `++key=value` (add or override), so the schema receives
     it, and framework.validate says what it means for this run (a key that has no effect is
-    refused there). Keys every chosen option lists are passed on untouched."""
+    refused there). So is an override of an open key (a dict or list field), whose new names
+    struct mode would refuse the same way. Other keys every chosen option lists are passed on
+    untouched."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -233,9 +235,11 @@ def add_absent_keys(argv: list[str], conf_dir: str) -> list[str]:
         plain = not arg.startswith(("-", "+", "~")) and "=" in arg
         key = arg.split("=", 1)[0]
         group, _, rest = key.partition(".")
-        if plain and rest and key in keys and not keys[key] and group_options([conf_dir], group) is not None:
+        if plain and rest and key in keys and group_options([conf_dir], group) is not None:
             options = chosen.get(group) or [defaults.get(group)]
-            if any(not _lists(conf_dir, top, group, option, rest) for option in options):
+            # an open key (a dict or list: hardware.links, schedule.op_times) takes names no
+            # preset lists, which struct mode refuses; its owner checks what it holds
+            if keys[key] or any(not _lists(conf_dir, top, group, option, rest) for option in options):
                 arg = "++" + arg
         out.append(arg)
     return out

@@ -28,7 +28,54 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from framework.config import ConfigError
 from framework.sim.cost.ops import CostOp
+
+DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp64")
+FIX = "see docs/cost_model.md (the profile's keys), or write it with python -m framework.sim.bench"
+
+
+def _number(x, low: float = 0.0, strict: bool = True) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (x > low if strict else x >= low)
+
+
+def check_tables(hw) -> None:
+    """The free-form keys of a hardware profile, entry by entry."""
+    def bad(key: str, value, problem: str) -> ConfigError:
+        return ConfigError(f"hardware.{key}", value, problem, FIX)
+
+    if not hw.peak_tflops:
+        raise bad("peak_tflops", {}, "is empty: the model needs the peak of the run's dtype")
+    for key, table in (("peak_tflops", hw.peak_tflops), ("memory_bound_GBps", hw.memory_bound_GBps)):
+        for name, x in table.items():
+            if (key == "peak_tflops" and name not in DTYPES) or not _number(x):
+                raise bad(f"{key}.{name}", x, f"is not a positive number{' for a dtype of ' + ', '.join(DTYPES) if key == 'peak_tflops' else ''}")
+    for dtype, rows in hw.gemm_tflops.items():
+        if dtype not in DTYPES or not isinstance(rows, (list, tuple)) or not rows or not all(
+                isinstance(r, (list, tuple)) and len(r) == 4 and all(_number(v) for v in r) for r in rows):
+            raise bad(f"gemm_tflops.{dtype}", rows if not isinstance(rows, list) else f"{len(rows)} rows",
+                      f"is not a list of [m, n, k, TFLOP/s] rows of positive numbers for a dtype of {', '.join(DTYPES)}")
+    if hw.gemm_efficiency and (set(hw.gemm_efficiency) != {"max", "half_dim"} or not 0 < hw.gemm_efficiency["max"] <= 1
+                               or not _number(hw.gemm_efficiency["half_dim"], strict=False)):
+        raise bad("gemm_efficiency", dict(hw.gemm_efficiency), "is not {max: a fraction in (0, 1], half_dim: >= 0}")
+    if not hw.gemm_tflops and not hw.gemm_efficiency:
+        raise bad("gemm_efficiency", {}, "and hardware.gemm_tflops are both empty: nothing prices a GEMM")
+    for row in hw.attention_tflops:
+        if not isinstance(row, (list, tuple)) or len(row) != 4 or not all(_number(v) for v in row):
+            raise bad("attention_tflops", row, "holds a row that is not [s, head_dim, fwd, fwd+bwd TFLOP/s] of positive numbers")
+    for arch, v in hw.host_us.items():
+        ok = _number(v, strict=False) if arch == "optimizer_tensor" else (
+            isinstance(v, dict) and set(v) == {"F", "B"} and all(_number(x, strict=False) for x in v.values()))
+        if not ok:
+            raise bad(f"host_us.{arch}", v, "is not {F: us, B: us} per block (or, for optimizer_tensor, us) >= 0")
+    for level in ("intra", "inter"):
+        link = hw.links.get(level)
+        if not isinstance(link, dict) or set(link) != {"alpha_us", "GBps"} or not _number(link["GBps"]) or \
+                not _number(link["alpha_us"], strict=False):
+            raise bad(f"links.{level}", link, "is not {alpha_us: >= 0, GBps: > 0}")
+    unknown = sorted(set(hw.links) - {"intra", "inter"})
+    if unknown:
+        raise bad("links", dict(hw.links), f"has unknown levels {unknown}: only intra (within a node) and inter")
 
 
 @dataclass
@@ -67,6 +114,13 @@ class Profile:
     def from_dict(d: dict) -> Profile:
         known = set(Profile.__dataclass_fields__)
         return Profile(**{k: v for k, v in d.items() if k in known})
+
+    @staticmethod
+    def of(hw) -> Profile:
+        """A run's `hardware` group (config.HardwareConfig), its tables' shapes checked: a
+        ConfigError naming the key and the entry at fault."""
+        check_tables(hw)
+        return Profile.from_dict({k: getattr(hw, k) for k in Profile.__dataclass_fields__ if hasattr(hw, k)})
 
     def peak(self, dtype: str) -> float:
         """FLOP/s."""

@@ -64,6 +64,24 @@ class Priced:
     stage_s: dict = field(default_factory=dict)  # (rank, chunk, op) -> seconds
 
 
+def job_of(run, vocab: int) -> Job:
+    """What a RunConfig prices as: its model, micro-batch, layout, schedule and precision
+    (the GEMM table's dtype: the MFU peak's column, fp64 for fp64)."""
+    from framework.precision import bytes_of, policy_of
+
+    pol, p, s = policy_of(run), run.parallelism, run.schedule
+    lay = Layout(run.trainer.micro_batch_size, run.data.seq_len, p.tp, p.sequence_parallel and p.tp > 1, p.ep,
+                 run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype))
+    return Job(ModelShape.of(run.model, vocab), lay, p.dp, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
+               pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype))
+
+
+def dtype_of(run) -> str:
+    from framework.precision import policy_of
+
+    return policy_of(run).peak_column or "fp64"
+
+
 def _combine(prof: Profile, dev: float, host: float) -> float:
     return max(dev, host) if prof.host_overlaps else dev + host
 
@@ -136,7 +154,7 @@ def price(prof: Profile, job: Job) -> Priced:
     tokens = lay.tokens * m * job.dp
     per_gpu = model * job.dp * lay.tp / step / job.world  # model FLOPs of all stages / world / step
     return Priced(step, pipeline, bubble, comm, opt, tokens / step / job.world, per_gpu / 1e12,
-                  per_gpu / prof.peak(lay.dtype), executed * job.dp / step / job.world / prof.peak(lay.dtype),
+                  per_gpu / prof.peak(lay.dtype), executed * job.dp * lay.tp / step / job.world / prof.peak(lay.dtype),
                   compute)
 
 
@@ -167,3 +185,27 @@ def _dp_seconds(prof: Profile, job: Job, dims: ParallelDims, params: float) -> t
     if job.zero == 3:
         return after, 2 * collective_s("all_gather", weights / job.virtual_stages, job.dp, link)
     return after, 0.0
+
+
+def report(prof: Profile, job: Job, r: Priced, state_bytes: float) -> dict:
+    """The dry run's `cost_model` entry: the prediction and the assumptions it used.
+    `state_bytes`: the fullest rank's model states (the plan's exact formula); activations
+    are not modelled yet, so `fits` says whether the states alone fit."""
+    return {"hardware": prof.name, "source": prof.source, "gpus": job.world, "step_s": r.step_s,
+            "pipeline_s": r.pipeline_s, "bubble": r.bubble, "comm_s": r.comm_s, "optimizer_s": r.optimizer_s,
+            "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
+            "hfu": r.hfu, "model_state_bytes_max": state_bytes, "memory_bytes": prof.memory_gib * 2 ** 30,
+            "fits": state_bytes <= prof.memory_gib * 2 ** 30, "dtype": job.lay.dtype,
+            "assumptions": "no overlap of communication with compute; ring collectives; host path "
+                           f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
+                           "states only (activations not modelled yet)"}
+
+
+def describe(rep: dict) -> str:
+    comm = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rep["comm_s"].items() if v)
+    return (f"cost model on {rep['hardware']} ({rep['source']}): step {rep['step_s'] * 1e3:.1f} ms | "
+            f"{rep['tokens_per_s_per_gpu']:.0f} tokens/s, {rep['tflops_per_gpu']:.1f} TFLOP/s per GPU | MFU "
+            f"{rep['mfu']:.1%} (HFU {rep['hfu']:.1%}, {rep['dtype']} peak) | bubble {rep['bubble']:.3f} | "
+            f"communication {comm or 'none'} | optimizer {rep['optimizer_s'] * 1e3:.1f} ms | model states "
+            f"{rep['model_state_bytes_max'] / 2 ** 30:.1f} of {rep['memory_bytes'] / 2 ** 30:.1f} GiB per GPU "
+            f"({'fits' if rep['fits'] else 'OUT OF MEMORY'})\n  assumed: {rep['assumptions']}")

@@ -119,6 +119,7 @@ class Layout:
     ep: int = 1
     recompute: bool = False
     dtype: str = "bf16"  # the GEMMs' dtype in the profile's tables
+    activation_bytes: int = 0  # bytes per activation element; 0: the GEMMs' dtype's
 
     @property
     def tokens(self) -> int:
@@ -126,4 +127,4 @@ class Layout:
 
     @property
     def act_bytes(self) -> int:
-        return {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}[self.dtype]
+        return self.activation_bytes or {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8}[self.dtype]

@@ -1,0 +1,27 @@
+"""The cost model's `hardware` group: what its rules cannot say (docs/cost_model.md).
+
+The profile's tables have the shapes the model reads (framework/sim/cost/hardware.py
+`check_tables`), it has a peak for the run's dtype, and the layout fits the cluster."""
+
+from __future__ import annotations
+
+from framework.config import ConfigError, RunConfig
+
+
+def check_hardware(run: RunConfig) -> None:
+    hw = run.hardware
+    if hw.name == "none":
+        return
+    from framework.sim.cost.hardware import Profile
+    from framework.sim.cost.price import dtype_of
+
+    Profile.of(hw)
+    dtype = dtype_of(run)
+    if dtype not in hw.peak_tflops:
+        raise ConfigError("hardware.peak_tflops", dict(hw.peak_tflops), f"has no {dtype} peak, the dtype of "
+                          f"trainer.precision={run.trainer.precision}", f"add hardware.peak_tflops.{dtype}, or pick "
+                          "another trainer.precision")
+    if run.world_size > hw.gpus:
+        raise ConfigError("hardware.gpus", hw.gpus, f"is fewer than the layout's {run.world_size} ranks "
+                          f"(dp {run.parallelism.dp} x tp {run.parallelism.tp} x pp {run.parallelism.pp})",
+                          f"set hardware.gpus={run.world_size} or more, or a smaller layout")
