@@ -10,7 +10,7 @@ import pytest
 from framework.config import ModelConfig, MoEConfig
 from framework.metrics.flops import flops_per_token, matmul_params
 from framework.models import meta_hf_model
-from framework.sim.cost.collectives import collective_s, crosses_nodes, group_link
+from framework.sim.cost.collectives import collective_s, crosses_nodes, first_group, group_link
 from framework.sim.cost.ops import block_ops, flops, stage_ops
 from framework.sim.cost.price import Job, price
 from framework.sim.cost.hardware import Link, Profile
@@ -118,6 +118,8 @@ def test_groups_are_placed_by_the_frameworks_rank_order():
     assert group_link(prof, dims, "dp").GBps == 25 and group_link(prof, dims, "pp").GBps == 25
     assert not crosses_nodes(dims.group_of("tp", 13), 8) and crosses_nodes(dims.group_of("dp", 13), 8)
     assert group_link(prof, ParallelDims(pp=1, dp=4, tp=2), "dp").GBps == 300  # 8 ranks: one node
+    for d in (ParallelDims(pp=4, dp=8, tp=2, ep=4), ParallelDims(pp=2, dp=2, tp=4, ep=2)):  # topology's own groups
+        assert all(first_group(d, dim) == d.group_of(dim, 0) for dim in ("tp", "dp", "pp", "ep"))
 
 
 def test_a_layout_is_priced_with_its_pipeline_and_its_reductions():
@@ -203,3 +205,46 @@ def test_the_dry_run_prices_the_layout_on_the_cluster(tmp_path, capsys):
     assert 0.1 < cost["mfu"] < 0.8 and 0 < cost["bubble"] < 0.3
     assert cost["comm_s"]["tp"] > 0 and cost["comm_s"]["dp"] > 0 and cost["comm_s"]["ep"] == 0
     assert "cost model on h100-sxm" in out and "assumed: no overlap of communication" in out
+
+
+LLAMA_405B = ["model=llama-tiny", "model.name=llama3-405b", "model.n_layer=126", "model.n_embd=16384", "model.n_head=128",
+              "model.n_kv_head=8", "model.n_inner=53248", "model.max_positions=8192", "model.vocab_size=128256",
+              "data.seq_len=8192", "trainer.micro_batch_size=1", "trainer.precision=bf16-mixed", "logger=none"]
+
+
+def test_a_cluster_is_planned_with_no_job(capsys):
+    """python -m framework.simulate hardware=... (no job directory): a Llama-3-405B shape on
+    16,384 H100s, the model read as shapes (never built). Its pipeline bubble is the
+    interleaved schedule's at m = 16, v = 2, p = 16 ((p-1)/(v m + p - 1) = 0.32 at equal
+    stages; the first and last stages' embedding and head make it larger), and MFU lands
+    where published Llama 3 training did (38-43 % on 16k H100s), give or take the
+    unmodelled overlap."""
+    import json
+
+    from framework.sim.cli import main
+
+    layout = ["hardware=h100-sxm", "hardware.gpus=16384", "parallelism.dp=128", "parallelism.tp=8", "parallelism.pp=16",
+              "parallelism.sequence_parallel=true", "parallelism.zero=1", "schedule=interleaved",
+              "schedule.virtual_stages=2", "schedule.microbatches=16"]
+    assert main([*LLAMA_405B, *layout, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["gpus"] == 16384 and rep["layout"]["tp"] == 8 and rep["fits"]
+    assert 0.32 <= rep["bubble"] < 0.45 and 0.2 < rep["mfu"] < 0.5
+    assert rep["tokens_per_s_per_gpu"] == pytest.approx(8192 * 16 * 128 / rep["step_s"] / 16384)
+    assert main([*LLAMA_405B, *layout[:-1], "schedule.microbatches=64"]) == 0  # more micro-batches: less bubble
+    assert "bubble 0.1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["hardware=none", "model.vocab_size=100"], "hardware='none': prices nothing"),
+    (["hardware=h100-sxm", "data=pycode"], "model.vocab_size=None: is needed to plan with no job"),
+    (["hardware=h100-sxm", "hardware.gpus=4", "parallelism=dp4", "parallelism.dp=8", "model.vocab_size=100"],
+     "hardware.gpus=4: is fewer than the layout's 8 ranks"),
+    (["hardware=h999", "model.vocab_size=100"], "hardware='h999': no such option in conf/hardware/"),
+])
+def test_planning_errors_are_one_line(argv, words, capsys):
+    from framework.sim.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and words in err and err.count("\n") == 1, err

@@ -6,7 +6,7 @@
 What it measures, each the median of repeated back-to-back calls (CUDA events on a GPU, the
 host clock on a CPU, after warm-up):
 - `gemm_tflops`: a @ b over an (m, n, k) grid per dtype (bf16, fp16, fp32 on CUDA; fp32 and
-  fp64 on CPU), as [m, n, k, TFLOP/s] rows with 2 m n k FLOPs: the table the cost model
+  fp64 on CPU), as "m n k TFLOP/s" lines with 2 m n k FLOPs: the table the cost model
   interpolates (framework/sim/cost/hardware.py).
 - `memory_GBps`: the best sustained copy (bytes read + written per second) over sizes that
   leave the caches; `kernel_us`: the time of a one-element add (a kernel's floor: launch on
@@ -97,8 +97,8 @@ def gemm(timer: Timer, kind: str, quick: bool) -> dict:
                     b = torch.randn(k, n, device=timer.device, dtype=dtype)
                     first = timer(lambda: a @ b, reps=1, warmup=1)
                     t = timer(lambda: a @ b, reps=5, inner=_inner(first, SECONDS_PER_POINT[kind]))
-                    rows.append([m, n, k, round(2 * m * n * k / t / 1e12, 6)])
-        out[name] = rows
+                    rows.append(f"{m} {n} {k} {2 * m * n * k / t / 1e12:.6g}")
+        out[name] = "\n".join(rows) + "\n"  # one row per line: one YAML string (hardware.py `gemm_rows`)
     return out
 
 
@@ -233,6 +233,17 @@ def parse_peaks(text: str) -> dict:
     return out
 
 
+def _dumper():
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        """A multi-line string (a GEMM table) as a literal block: one row per line in the file."""
+
+    Dumper.add_representer(str, lambda d, x: d.represent_scalar("tag:yaml.org,2002:str", x, style="|" if "\n" in x
+                                                                  else None))
+    return Dumper
+
+
 def parser() -> Parser:
     p = Parser(prog="python -m framework.sim.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=OutputPath(suffixes=("yaml",)), help="the profile to write")
@@ -254,14 +265,14 @@ def main(argv: list[str]) -> int:
     if device_type == "cuda" and not torch.cuda.is_available():
         reject("--device", "cuda", "no CUDA device here", "leave --device out (auto) or give cpu")
     prof = measure(device_type, args.quick)
-    best = {d: max(r[3] for r in rows) for d, rows in prof["gemm_tflops"].items() if rows}
+    best = {d: max(float(r.split()[3]) for r in rows.splitlines()) for d, rows in prof["gemm_tflops"].items() if rows}
     name = args.name or os.path.splitext(os.path.basename(args.out))[0]
     out = {"name": name, "source": prof.pop("source"), "gpus_per_node": args.gpus_per_node, "gpus": args.gpus_per_node,
            "host_overlaps": device_type == "cuda",
            "peak_tflops": {**best, **peaks}, "peak_source": "datasheet" if peaks else "best measured GEMM", **prof}
     with open(args.out, "w") as f:
         f.write(f"# {out['source']}\n")
-        yaml.safe_dump(out, f, sort_keys=False, default_flow_style=None, width=120)
+        yaml.dump(out, f, Dumper=_dumper(), sort_keys=False, default_flow_style=None, width=120)
     print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t:.1f}' for d, t in best.items())} TFLOP/s, "
           f"copy {prof['memory_GBps']:.0f} GB/s, kernel {prof['kernel_us']:.1f} us")
     return 0

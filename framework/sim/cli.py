@@ -3,8 +3,8 @@
     python -m framework.simulate <job dir> [schedule=NAME] [schedule.microbatches=M]
                                  [schedule.virtual_stages=V] [parallelism.pp=P] [parallelism.ep=E]
                                  [--png FILE] [--json]
-    python -m framework.simulate --op-times F=..,B=..,W=..[,comm=..] schedule=NAME parallelism.pp=P
-                                 schedule.microbatches=M [schedule.virtual_stages=V] [--json]
+With no job: `--op-times F=..,B=..,W=..[,comm=..] schedule=NAME parallelism.pp=P
+schedule.microbatches=M` (sim/optimes.py), or `hardware=PROFILE [run.py's overrides]` (sim/cost/plan.py).
 
 The job's calibration.json (every pipeline run writes it: per-stage op durations, host gap,
 link latency, time outside the pipeline, activation bytes; framework/sim/calibrate.py)
@@ -26,6 +26,9 @@ rank is unchanged by ep in expectation: a rank's experts are E / ep of them, but
 tokens are redistributed to them, so each rank still runs N x k assignments per micro-batch.
 A pp = 1 job (written with ep > 1) has no per-stage times: it predicts pp = 1 layouts only
 (ep, micro-batches), its fwd/bwd scaled by micro-batches plus the all-to-all change.
+
+This file is past ~300 lines on purpose: one parser and one error path for its three modes;
+the no-job modes' work lives in their own modules (above), the what-if's here.
 """
 
 from __future__ import annotations
@@ -305,9 +308,13 @@ def main(argv: list[str]) -> int:
         from framework.sim.optimes import command_line
         job, more = (None, [job_dir]) if job_dir is not None and "=" in job_dir else (job_dir, [])
         return command_line(job, args.op_times, more + args.overrides, args.json, args.png)
+    overrides = ([job_dir] if job_dir and "=" in job_dir else []) + args.overrides
+    if any(o.startswith("hardware=") for o in overrides):  # a cluster planned with no job
+        from framework.sim.cost.plan import command_line as plan_cluster
+        return plan_cluster(overrides, args.json, args.png)
     if job_dir is None:
         raise ConfigError("sim.from", None, "is required", "python -m framework.simulate --help lists its arguments: a "
-                          "finished job's directory, or --op-times F=..,B=..,W=.. with no job")
+                          "finished job's directory, --op-times F=..,B=..,W=.. or hardware=<profile> with no job")
     result = what_if(job_dir, args.overrides)
     pred = result.pop("_predicted")
     if args.png and pred.sim is None:

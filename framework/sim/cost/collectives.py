@@ -21,7 +21,7 @@ says so.
 from __future__ import annotations
 
 from framework.sim.cost.hardware import Link, Profile
-from framework.topology import ParallelDims
+from framework.topology import Coords, ParallelDims
 
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
@@ -33,10 +33,17 @@ def crosses_nodes(group: list[int], gpus_per_node: int) -> bool:
     return len({r // gpus_per_node for r in group}) > 1
 
 
+def first_group(dims: ParallelDims, dim: str) -> list[int]:
+    """Rank 0's group of `dim`: the ranks whose other coordinates are 0 (ep: the first ep dp
+    ranks), without listing every group of a 16k-rank world (topology.groups does)."""
+    size = {"tp": dims.tp, "dp": dims.dp, "pp": dims.pp, "ep": dims.ep}[dim]
+    axis = "dp" if dim == "ep" else dim
+    return [dims.rank(Coords(**{"pp": 0, "dp": 0, "tp": 0, axis: i})) for i in range(size)]
+
+
 def group_link(prof: Profile, dims: ParallelDims, dim: str) -> Link:
     """The link rank 0's `dim` group runs at (every group of a dimension has the same shape)."""
-    group = dims.group_of(dim, 0)
-    return prof.links["inter" if crosses_nodes(group, prof.gpus_per_node) else "intra"]
+    return prof.links["inter" if crosses_nodes(first_group(dims, dim), prof.gpus_per_node) else "intra"]
 
 
 def collective_s(kind: str, nbytes: float, n: int, link: Link) -> float:

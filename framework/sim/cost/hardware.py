@@ -3,7 +3,8 @@
 A profile is either measured (`python -m framework.sim.bench`: tables) or written from a
 datasheet (efficiencies), or both; the keys (docs/cost_model.md):
 - `peak_tflops[dtype]`: the datasheet peak (MFU's denominator).
-- `gemm_tflops[dtype]`: measured [m, n, k, TFLOP/s] rows over a grid. A GEMM's throughput
+- `gemm_tflops[dtype]`: measured [m, n, k, TFLOP/s] rows over a grid (a list of lists, or
+  a text of one row per line, as the bench writes it). A GEMM's throughput
   is interpolated in log2(m), log2(n), log2(k) (trilinear, in log throughput) and clamped
   at the grid's edges; a grid point the bench left out (too large) takes the best of its
   smaller neighbours (a larger GEMM is never slower per FLOP). Without a table:
@@ -39,6 +40,18 @@ def _number(x, low: float = 0.0, strict: bool = True) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (x > low if strict else x >= low)
 
 
+def gemm_rows(table) -> Optional[list]:
+    """A GEMM table as rows: a list of [m, n, k, TFLOP/s], or the bench's text of one row per
+    line (a YAML list of a thousand rows takes Hydra seconds to compose; one string does
+    not); None when it is neither."""
+    if isinstance(table, str):
+        try:
+            return [[float(x) for x in line.split()] for line in table.strip().splitlines() if line.strip()]
+        except ValueError:
+            return None
+    return list(table) if isinstance(table, (list, tuple)) else None
+
+
 def check_tables(hw) -> None:
     """The free-form keys of a hardware profile, entry by entry."""
     def bad(key: str, value, problem: str) -> ConfigError:
@@ -50,11 +63,13 @@ def check_tables(hw) -> None:
         for name, x in table.items():
             if (key == "peak_tflops" and name not in DTYPES) or not _number(x):
                 raise bad(f"{key}.{name}", x, f"is not a positive number{' for a dtype of ' + ', '.join(DTYPES) if key == 'peak_tflops' else ''}")
-    for dtype, rows in hw.gemm_tflops.items():
-        if dtype not in DTYPES or not isinstance(rows, (list, tuple)) or not rows or not all(
+    for dtype, table in hw.gemm_tflops.items():
+        rows = gemm_rows(table)
+        if dtype not in DTYPES or not rows or not all(
                 isinstance(r, (list, tuple)) and len(r) == 4 and all(_number(v) for v in r) for r in rows):
-            raise bad(f"gemm_tflops.{dtype}", rows if not isinstance(rows, list) else f"{len(rows)} rows",
-                      f"is not a list of [m, n, k, TFLOP/s] rows of positive numbers for a dtype of {', '.join(DTYPES)}")
+            raise bad(f"gemm_tflops.{dtype}", table if not isinstance(table, (list, str)) else f"{len(rows or [])} rows",
+                      "is not [m, n, k, TFLOP/s] rows of positive numbers (a list of lists, or a text of one row per "
+                      f"line) for a dtype of {', '.join(DTYPES)}")
     if hw.gemm_efficiency and (set(hw.gemm_efficiency) != {"max", "half_dim"} or not 0 < hw.gemm_efficiency["max"] <= 1
                                or not _number(hw.gemm_efficiency["half_dim"], strict=False)):
         raise bad("gemm_efficiency", dict(hw.gemm_efficiency), "is not {max: a fraction in (0, 1], half_dim: >= 0}")
@@ -107,7 +122,7 @@ class Profile:
     host_overlaps: bool = True  # a GPU: the launch path runs ahead of the kernels
 
     def __post_init__(self):
-        self._grids = {d: _Grid(rows) for d, rows in self.gemm_tflops.items() if rows}
+        self._grids = {d: _Grid(gemm_rows(rows)) for d, rows in self.gemm_tflops.items() if rows}
         self.links = {k: v if isinstance(v, Link) else Link(**v) for k, v in self.links.items()}
 
     @staticmethod

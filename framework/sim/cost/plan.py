@@ -1,0 +1,88 @@
+"""Plan a cluster without a job or a model build:
+
+    python -m framework.simulate hardware=h100-sxm hardware.gpus=16384 model=llama-tiny model.n_layer=126 ... \\
+        parallelism.dp=128 parallelism.tp=8 parallelism.pp=16 schedule=NAME [--json]
+
+The overrides are run.py's (Hydra groups and keys), composed and checked as a dry run's
+(`framework.validate`: nothing starts, so no node-capacity check); the model is read as
+shapes (shapes.py), never built, so a 405B layout on 16,384 GPUs prices in seconds. Memory:
+the fullest rank's model states by this configuration's exact formula
+(metrics/model_states.py) for the parameters the cost model places on it (its blocks
+tp-sharded, experts ep-sharded, the larger of the embedding and the head), one unit each
+(no ZeRO padding); activations are not modelled yet.
+"""
+
+from __future__ import annotations
+
+import os
+
+from framework.config import ConfigError, RunConfig
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+                    "conf")
+
+
+def compose_plan(overrides: list[str]) -> RunConfig:
+    """run.py's composition and checks of `overrides`, as a dry run."""
+    from hydra import compose, initialize_config_dir
+
+    from framework.validate import configure, validate
+    from framework.validate.overrides import add_absent_keys, check_command_line
+
+    argv = [*overrides, "dry_run=true"]
+    check_command_line(argv, CONF)
+    argv = add_absent_keys(argv, CONF)
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=argv)
+    run = configure(cfg, argv)
+    if run.hardware.name == "none":
+        raise ConfigError("hardware", "none", "prices nothing: planning with no job needs a hardware profile",
+                          "add hardware=h100-sxm (or a100-dgx, h200, a file of yours in conf/hardware/)")
+    validate(run)
+    return run
+
+
+def plan(overrides: list[str]) -> dict:
+    """The cost model's report (price.report) of the layout the overrides describe."""
+    from framework.metrics.model_states import config_model_states, optimizer_state_ratio
+    from framework.precision import policy_of
+    from framework.sim.cost.hardware import Profile
+    from framework.sim.cost.price import _rank_params, job_of, price, report
+
+    run = compose_plan(overrides)
+    vocab = run.model.vocab_size or (run.data.vocab_size if run.data.name == "synthetic" else None)
+    if vocab is None:
+        raise ConfigError("model.vocab_size", None, "is needed to plan with no job (the data's tokenizer is not "
+                          "loaded)", "set model.vocab_size=<the tokenizer's size>, e.g. 128256 for Llama 3")
+    prof, job = Profile.of(run.hardware), job_of(run, vocab)
+    p, s = run.parallelism, job.shape
+    experts = s.routed_params() // s.layers * -(-s.layers // p.pp) / p.ep if s.experts else 0
+    dense = _rank_params(s, job) - experts
+    ratio = optimizer_state_ratio(run.optimizer)
+    states = sum(config_model_states(p.zero, [round(dense)], p.dp, policy_of(run), ratio,
+                                     offload=p.offload_optimizer).values())
+    if experts:
+        states += sum(config_model_states(p.zero, [round(experts)], p.dp // p.ep, policy_of(run), ratio,
+                                          offload=p.offload_optimizer).values())
+    out = report(prof, job, price(prof, job), states)
+    out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero,
+                                             "sequence_parallel": p.sequence_parallel, "schedule": run.schedule.name,
+                                             "microbatches": run.schedule.microbatches,
+                                             "virtual_stages": run.schedule.virtual_stages,
+                                             "micro_batch_size": run.trainer.micro_batch_size,
+                                             "seq_len": run.data.seq_len, "recompute":
+                                             run.trainer.activation_checkpointing})
+    return out
+
+
+def command_line(overrides: list[str], as_json: bool, png) -> int:
+    """`python -m framework.simulate hardware=... [overrides]` (sim/cli.py hands it over)."""
+    import json
+
+    from framework.sim.cost.price import describe
+
+    if png:
+        raise ConfigError("--png", png, "is not drawn for a planned cluster", "leave --png out")
+    rep = plan(overrides)
+    print(json.dumps(rep, indent=1) if as_json else describe(rep))
+    return 0
