@@ -10,8 +10,9 @@ The pipeline: the schedule's real plan (p2p.comm_plan) through the clock (clock.
 NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
 After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
 all-reduce; 2 / 3: a reduce-scatter) in the reduce dtype, ZeRO's all-gather of the updated
-parameters (1, 2) or of each stage's parameters before every micro-batch's F and B (3), and
-the optimizer step over the rank's shard.
+parameters (1, 2), and the optimizer step over the rank's shard. ZeRO 3 gathers each
+chunk's parameters before every micro-batch's F and B: added to them (the framework's
+own ZeRO 3), or overlapping them (`Job.zero3_prefetch`: DeepSpeed's and FSDP's prefetch).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Job:
     zero: int = 0
     master: bool = True  # fp32 master weights (the mixed modes)
     reduce_bytes: int = 4  # the gradient reduction's dtype (fp32 in the mixed modes)
+    # ZeRO 3's all-gathers overlap the compute they feed (DeepSpeed's and FSDP's prefetch):
+    # each F and B lasts max(compute, gather); false (ours): they add
+    zero3_prefetch: bool = False
 
     @property
     def world(self) -> int:
@@ -135,6 +139,11 @@ def price(prof: Profile, job: Job) -> Priced:
         compute[(r, c, "B")] = t["I"] + t["W"]
         executed, model = executed + ex * m, model + mo * m
     dims = ParallelDims(p, job.dp, lay.tp, lay.ep)
+    params = _rank_params(s, job)
+    after, gather = _dp_seconds(prof, job, dims, params)
+    for key in [k for k in compute if k[2] in "FIB"]:  # ZeRO 3: a chunk's parameters gathered before its F and B
+        g = gather / 2
+        compute[key] = max(compute[key], g) if job.zero3_prefetch else compute[key] + g
     if p == 1:
         pipeline, bubble = m * (compute[(0, 0, "F")] + compute[(0, 0, "B")]), 0.0
     else:
@@ -144,13 +153,12 @@ def price(prof: Profile, job: Job) -> Priced:
         pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
     comm = {k: _block_comm(prof, job)[k] * 2 * m * s.layers / p for k in ("tp", "ep")}
-    params = _rank_params(s, job)
-    comm["dp"], gather = _dp_seconds(prof, job, dims, params)
-    pipeline += gather * m * v
+    comm["dp"] = after
+    comm["zero3_gather"] = gather * m * v  # inside the pipeline's ops (hidden behind compute with zero3_prefetch)
     shard = params / job.dp if job.zero >= 1 else params
     opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
     opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
-    step = pipeline + comm["dp"] + opt
+    step = pipeline + after + opt
     tokens = lay.tokens * m * job.dp
     per_gpu = model * job.dp * lay.tp / step / job.world  # model FLOPs of all stages / world / step
     return Priced(step, pipeline, bubble, comm, opt, tokens / step / job.world, per_gpu / 1e12,
