@@ -20,7 +20,9 @@ from .conftest import ROOT, assert_config_error, compose, run_cli
 WORLD = {"single": 1, "dp2": 2, "dp4": 4, "pp2": 2, "pp4": 4, "dp2_pp2": 4, "tp2": 2, "tp4": 4, "tp2_pp2": 4,
          "3d_2x2x2": 8, "zero1": 2, "zero2": 2, "zero3": 2, "3d_zero1": 8}
 GROUPS = {
-    "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny", "moe-tiny", "moe-mixtral"],
+    "model": ["gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny", "moe-tiny", "moe-mixtral", "gpt-1.7b", "gpt-3.6b",
+              "gpt-7.5b", "gpt-18b", "gpt-39b", "gpt-76b", "gpt-145b", "gpt-310b", "gpt-530b", "gpt-1t", "gpt3-175b",
+              "llama3-8b", "llama3-70b", "llama3-405b"],
     "data": ["pycode", "synthetic", "hf"],
     "parallelism": ["single", "dp2", "dp4", "pp2", "pp4", "dp2_pp2", "tp2", "tp4", "tp2_pp2", "3d_2x2x2",
                     "zero1", "zero2", "zero3", "3d_zero1"],

@@ -248,3 +248,28 @@ def test_planning_errors_are_one_line(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and words in err and err.count("\n") == 1, err
+
+
+# Narayanan et al. 2021, Table 1's parameter column (billions), and Llama 3's published sizes
+PUBLISHED_PARAMS = {"gpt-1.7b": 1.7, "gpt-3.6b": 3.6, "gpt-7.5b": 7.5, "gpt-18b": 18.4, "gpt-39b": 39.1, "gpt-76b": 76.1,
+                    "gpt-145b": 145.6, "gpt-310b": 310.1, "gpt-530b": 529.6, "gpt-1t": 1008.0, "gpt3-175b": 174.6}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMS))
+def test_planning_presets_have_their_papers_parameter_counts(preset):
+    """The planning presets, read as shapes, count the parameters the paper prints for them
+    (its equation (2) differs from the model only by the final LayerNorm: 2h)."""
+    run = compose(f"model={preset}")
+    assert ModelShape.of(run.model, run.model.vocab_size).total_params() / 1e9 == pytest.approx(
+        PUBLISHED_PARAMS[preset], abs=0.051)
+
+
+@pytest.mark.parametrize("preset, billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3-405b", 405.85)])
+def test_llama3_presets_have_their_parameter_counts(preset, billions):
+    """Llama 3's sizes as transformers builds them (8.03B, 70.55B, 405.85B): here from the
+    shapes, checked against the meta-built model for the 8B (the larger build the same code)."""
+    run = compose(f"model={preset}")
+    shape = ModelShape.of(run.model, run.model.vocab_size)
+    assert shape.total_params() / 1e9 == pytest.approx(billions, abs=0.01)
+    if preset == "llama3-8b":
+        assert shape.total_params() == sum(p.numel() for p in meta_hf_model(run.model, 128256).parameters())
