@@ -273,3 +273,29 @@ def test_llama3_presets_have_their_parameter_counts(preset, billions):
     assert shape.total_params() / 1e9 == pytest.approx(billions, abs=0.01)
     if preset == "llama3-8b":
         assert shape.total_params() == sum(p.numel() for p in meta_hf_model(run.model, 128256).parameters())
+
+
+def test_a_simulated_search_ranks_layouts_for_a_cluster(tmp_path):
+    """search.mode=simulate hardware=...: every candidate priced by the cost model, none
+    launched, ranked by tokens/s per GPU with the out-of-memory ones last, and drawn. Four
+    layouts of GPT-3 175B on 64-GiB GPUs, bf16 with fp32 master weights and AdamW: without
+    ZeRO, tp 8 x pp 2 holds 175B / 16 parameters x 16 bytes, about 163 GiB per GPU, and
+    cannot fit; ZeRO 1 over dp 8 brings that to 2 + 2 + 12 / 8 bytes each, about 56 GiB."""
+    import json
+
+    from .conftest import run_cli
+
+    r = run_cli(["-m", "model=gpt3-175b", "hardware=a100-dgx", "hardware.gpus=1024", "hardware.memory_gib=64",
+                 "search.mode=simulate", "data=synthetic", "trainer.micro_batch_size=1", "logger=none",
+                 "trainer.precision=bf16-mixed", "trainer.global_batch_size=512", "parallelism.tp=8",
+                 "parallelism.pp=2,8", "parallelism.dp=8", "parallelism.zero=0,1", "data.seq_len=2048",
+                 f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "simulated_search.json").read_text())
+    assert len(rows) == 4 and not any(row["launched"] for row in rows)
+    assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing ran here
+    fits = {(row["layout"]["pp"], row["layout"]["zero"]): row["fits"] for row in rows}
+    assert fits == {(2, 0): False, (2, 1): True, (8, 0): True, (8, 1): True}
+    ranked = [row["ranked_by"] for row in rows]
+    assert ranked == sorted(ranked, reverse=True) and rows[-1]["fits"] is False
+    assert (tmp_path / "simulated_search.png").stat().st_size > 10_000

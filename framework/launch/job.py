@@ -201,8 +201,8 @@ def check_memory_budget(run: RunConfig) -> Optional[int]:
     adds the simulator's activation peak, framework/sim/sweep.py). Returns the estimate
     (None when neither a budget nor the simulate mode asks for it)."""
     budget = run.search.memory_budget_bytes
-    if budget is None and run.search.mode != "simulate":
-        return None
+    if budget is None and (run.search.mode != "simulate" or run.hardware.name != "none"):
+        return None  # a cluster's search prices memory from shapes (framework/sim/cost/plan.py): no build
     vocab = run.model.vocab_size or _vocab_without_data(run)
     model = meta_model(run, vocab)
     plan = make_plan(run, model, validate_model(run, model))
@@ -244,8 +244,8 @@ def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[di
         if run.dry_run:
             return dry_run(run, job_dir)
         if run.search.mode == "simulate":  # predicted, not run (framework/sim/sweep.py)
-            result = predict_job(run, job_dir, model_states)
-            print(describe(result), flush=True)
+            result = predict_job(run, job_dir, model_states, run.model.vocab_size or _vocab_without_data(run))
+            print(describe(result) if "hardware" not in result else result["line"], flush=True)
             return result
         device_type = resolve_device(run.device)
         info = run_info(run, device_type, job_dir)

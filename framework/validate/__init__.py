@@ -137,9 +137,14 @@ def _misc(run: RunConfig) -> None:
 
 def _search_and_sim(run: RunConfig) -> None:
     src = run.sim.source
-    if run.search.mode == "simulate" and not src:
-        raise ConfigError("sim.from", src, "search.mode=simulate ranks candidates by a prediction from a measured job",
-                          "set sim.from=<the directory of a finished pipeline job>")
+    cluster = run.hardware.name != "none"
+    if run.search.mode == "simulate" and not src and not cluster:
+        raise ConfigError("sim.from", src, "search.mode=simulate ranks candidates by a prediction from a measured job "
+                          "or a hardware profile", "set sim.from=<the directory of a finished pipeline job>, or "
+                          "hardware=<a profile> to rank layouts for a cluster (docs/cost_model.md)")
+    if run.search.mode == "simulate" and src and cluster:
+        raise ConfigError("sim.from", src, f"and hardware={run.hardware.name} both predict: a measured job's "
+                          "replay on this machine, or the cost model on a cluster", "give one of them")
     if src and not os.path.isfile(os.path.join(src, "calibration.json")):
         raise ConfigError("sim.from", src, "has no calibration.json: not the directory of a finished pipeline job "
                           "(parallelism.pp > 1) or expert-parallel job (parallelism.ep > 1)",

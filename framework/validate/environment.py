@@ -43,8 +43,9 @@ def cpu_rank_limit() -> int:
 
 def check_node_capacity(run: RunConfig) -> None:
     """A local launch starts every rank on this node; refuse what it cannot hold before
-    spawning thousands of processes. External launches and dry runs start nothing here."""
-    if run.launcher != "local" or run.dry_run:
+    spawning thousands of processes. External launches, dry runs and a cluster's simulated
+    search (search.mode=simulate hardware=...) start nothing here."""
+    if run.launcher != "local" or run.dry_run or (run.search.mode == "simulate" and run.hardware.name != "none"):
         return
     import torch
 

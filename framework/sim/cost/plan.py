@@ -44,27 +44,23 @@ def compose_plan(overrides: list[str]) -> RunConfig:
 
 def plan(overrides: list[str]) -> dict:
     """The cost model's report (price.report) of the layout the overrides describe."""
-    from framework.metrics.model_states import config_model_states, optimizer_state_ratio
-    from framework.precision import policy_of
-    from framework.sim.cost.hardware import Profile
-    from framework.sim.cost.price import _rank_params, job_of, price, report
-
     run = compose_plan(overrides)
     vocab = run.model.vocab_size or (run.data.vocab_size if run.data.name == "synthetic" else None)
     if vocab is None:
         raise ConfigError("model.vocab_size", None, "is needed to plan with no job (the data's tokenizer is not "
                           "loaded)", "set model.vocab_size=<the tokenizer's size>, e.g. 128256 for Llama 3")
+    return predict_run(run, vocab)
+
+
+def predict_run(run: RunConfig, vocab: int) -> dict:
+    """A validated run's price on its hardware profile, with the fullest rank's model states
+    and the layout (what `plan` prints and search.mode=simulate ranks)."""
+    from framework.sim.cost.hardware import Profile
+    from framework.sim.cost.price import job_of, price, report
+
     prof, job = Profile.of(run.hardware), job_of(run, vocab)
-    p, s = run.parallelism, job.shape
-    experts = s.routed_params() // s.layers * -(-s.layers // p.pp) / p.ep if s.experts else 0
-    dense = _rank_params(s, job) - experts
-    ratio = optimizer_state_ratio(run.optimizer)
-    states = sum(config_model_states(p.zero, [round(dense)], p.dp, policy_of(run), ratio,
-                                     offload=p.offload_optimizer).values())
-    if experts:
-        states += sum(config_model_states(p.zero, [round(experts)], p.dp // p.ep, policy_of(run), ratio,
-                                          offload=p.offload_optimizer).values())
-    out = report(prof, job, price(prof, job), states)
+    p = run.parallelism
+    out = report(prof, job, price(prof, job), model_states(run, job))
     out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero,
                                              "sequence_parallel": p.sequence_parallel, "schedule": run.schedule.name,
                                              "microbatches": run.schedule.microbatches,
@@ -73,6 +69,24 @@ def plan(overrides: list[str]) -> dict:
                                              "seq_len": run.data.seq_len, "recompute":
                                              run.trainer.activation_checkpointing})
     return out
+
+
+def model_states(run: RunConfig, job) -> float:
+    """The fullest rank's model-state bytes by this configuration's formula, for the
+    parameters the cost model places on it (dense over dp, experts over edp), one unit each."""
+    from framework.metrics.model_states import config_model_states, optimizer_state_ratio
+    from framework.precision import policy_of
+    from framework.sim.cost.price import _rank_params
+
+    p, s = run.parallelism, job.shape
+    experts = s.routed_params() // s.layers * -(-s.layers // p.pp) / p.ep if s.experts else 0
+    ratio, pol = optimizer_state_ratio(run.optimizer), policy_of(run)
+    states = sum(config_model_states(p.zero, [round(_rank_params(s, job) - experts)], p.dp, pol, ratio,
+                                     offload=p.offload_optimizer).values())
+    if experts:
+        states += sum(config_model_states(p.zero, [round(experts)], p.dp // p.ep, pol, ratio,
+                                          offload=p.offload_optimizer).values())
+    return states
 
 
 def command_line(overrides: list[str], as_json: bool, png) -> int:
