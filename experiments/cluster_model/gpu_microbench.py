@@ -6,7 +6,9 @@ from 64 KiB to 2 GiB (the small end shows the per-kernel overhead), the launch o
 an empty-sized kernel, flash attention (torch SDPA, causal) forward and forward+backward,
 and the common memory-bound ops of a block (layer_norm, gelu, softmax, cross_entropy).
 
-It needs only torch: it runs before the cost model that reads it exists.
+It needs only torch: it ran before the cost model that reads it existed. Superseded by the
+framework's own `python -m framework.sim.bench` (same timing loop, written as a hardware
+profile); kept because it produced h200_2026-11-26/microbench.json, which the README cites.
 Usage: python experiments/cluster_model/gpu_microbench.py OUT.json
 """
 import json
