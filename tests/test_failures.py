@@ -296,3 +296,29 @@ def test_a_reused_sweep_directory_never_mixes_two_sweeps(tmp_path):
     assert [(x["job"], x["overrides"].split()[0]) for x in rows] == [("0", "trainer.steps=-3"), ("1", "trainer.steps=-4")]
     (aside,) = (tmp_path / ".previous").iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["0", "1", "2", "multirun.yaml"]
+
+
+def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_name(monkeypatch):
+    """Ranks fork from a server that holds the environment it started with: a variable set
+    between two jobs restarts it (the ranks must see it), pytest's per-test name does not."""
+    import multiprocessing.forkserver as fs
+
+    from framework.launch import local
+
+    class Server:
+        stops = 0
+        framework_env = None
+
+        def _stop(self):
+            Server.stops += 1
+
+    monkeypatch.setattr(fs, "_forkserver", Server())
+    monkeypatch.setattr(fs, "set_forkserver_preload", lambda modules: None)
+    local._preload_forkserver()
+    assert Server.stops == 1  # first job: started with this environment
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+    local._preload_forkserver()
+    assert Server.stops == 1
+    monkeypatch.setenv("WANDB_MODE", "offline-between-jobs")
+    local._preload_forkserver()
+    assert Server.stops == 2

@@ -30,6 +30,11 @@ from framework.launch.watchdog import Watchdog
 ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
+# Variables that change between jobs without meaning anything to a rank: elastic's own, and
+# pytest's per-phase test name (else every test of the suite restarts the server: ~4 s each).
+_NOT_FOR_RANKS = ("TORCHELASTIC_", "PYTEST_CURRENT_TEST")
+
+
 def _preload_forkserver() -> None:
     """Ranks start as forks of one server process that imported torch, transformers and
     the framework once (about 5 s of imports per rank with `spawn`; a sweep or the test
@@ -42,7 +47,7 @@ def _preload_forkserver() -> None:
     ranks, as it would with spawn)."""
     import multiprocessing.forkserver as fs
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}  # elastic's own
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_RANKS)}
     server = fs._forkserver  # the stdlib's per-process server; _stop is its own reset
     if getattr(server, "framework_env", None) != env:
         server._stop()
