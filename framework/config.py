@@ -268,6 +268,10 @@ class DebugConfig:
     # With inf_grad_step: instead of the inf loss, this global rank alone puts one inf into one
     # of its gradients after every reduction, just before the overflow flag (tests that the
     # flag is reduced over every rank: framework/train/update.py).
+    # Every rank records what each collective of a training step hands to torch.distributed,
+    # per dimension (job_dir/comm_ledger/rank_<r>.json: framework/metrics/comm_ledger.py).
+    # Slow: every tensor operator passes through Python while it is on.
+    comm_ledger: bool = False
     inf_grad_rank: Optional[int] = key(None, ge=0, lt="world_size", when=lambda r: r.debug.inf_grad_step is not None,
                                        when_text="debug.inf_grad_step set",
                                        base=("trainer.precision=fp16-mixed", "debug.inf_grad_step=2"))

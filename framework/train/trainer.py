@@ -29,6 +29,7 @@ from framework.train.evaluate import HeldOut, evaluate
 from framework.report.export import save_final_model, transformers_tokenizer
 from framework.report.sinks import RunLogger
 from framework.metrics.timestamps import now
+from framework.metrics.comm_ledger import CommLedger, ledger_path
 from framework.metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
 from framework.metrics.model_states import formula_report
 from framework.metrics.peak import resolve_rank_peak
@@ -167,6 +168,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
     saver = checkpoint.Saver(run, ctx, job_dir, info.resume_from) if saving else None
     if saving and stop is not None:
         stop.defer()
+    ledger = CommLedger(ctx.rank, ctx.groups, ctx.group_ranks) if run.debug.comm_ledger else None
     try:
         pending: list[StepRecord] = []
         rec: Optional[StepRecord] = None
@@ -177,7 +179,8 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                                     f"(debug.fail_rank; unix time {time.time():.3f})")
             ctx.recorder.note(f"step {k}")
             logger.step_started(k)
-            rec = train_step(step, runner, batches, run, ctx)
+            with ledger or contextlib.nullcontext():
+                rec = train_step(step, runner, batches, run, ctx)
             if rec.step not in logger.kept:  # the trace keeps a few steps: send only theirs to rank 0
                 rec.a2a_spans = []
             logger.step_done(rec.step_time_s)
@@ -210,6 +213,9 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                     raise Stopped(signum)
                 if signum:
                     logger.say(f"{signal.Signals(signum).name} at the last step: finishing the job normally")
+        if ledger is not None:
+            ledger.steps = run.trainer.steps - first
+            ledger.write(ledger_path(job_dir, ctx.rank))
         if saver is not None:
             saver.wait()
             io["checkpoint_save"] = saver.last

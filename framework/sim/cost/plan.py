@@ -72,21 +72,28 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
 
 
 def model_states(run: RunConfig, job) -> float:
-    """The fullest rank's model-state bytes by this configuration's formula, for the
-    parameters the cost model places on it (dense over dp, experts over edp), one unit each."""
-    from framework.metrics.model_states import config_model_states, optimizer_state_ratio
+    """The fullest rank's model-state bytes by this configuration's formula, for the ZeRO
+    units the cost model places on each pipeline rank (traffic.rank_units: a block's tp
+    shards and replicated parameters in two flat buffers, over dp; its experts in a third,
+    over edp)."""
+    from framework.metrics.model_states import config_model_states
+    from framework.metrics.model_states import optimizer_state_ratio
     from framework.precision import policy_of
-    from framework.sim.cost.price import _rank_params
+    from framework.sim.cost.traffic import rank_units
 
-    p, s = run.parallelism, job.shape
-    experts = s.routed_params() // s.layers * -(-s.layers // p.pp) / p.ep if s.experts else 0
+    p = run.parallelism
     ratio, pol = optimizer_state_ratio(run.optimizer), policy_of(run)
-    states = sum(config_model_states(p.zero, [round(_rank_params(s, job) - experts)], p.dp, pol, ratio,
-                                     offload=p.offload_optimizer).values())
-    if experts:
-        states += sum(config_model_states(p.zero, [round(experts)], p.dp // p.ep, pol, ratio,
-                                          offload=p.offload_optimizer).values())
-    return states
+
+    def states(units: list[int], n: int) -> float:
+        units = [u for u in units if u]
+        return sum(config_model_states(p.zero, units, n, pol, ratio, offload=p.offload_optimizer).values()) if units else 0
+
+    def of_rank(r: int) -> float:
+        units = rank_units(job, r)
+        return (states([x for sh, rep, _, _ in units for x in (sh, rep)], p.dp)
+                + states([ex for _, _, ex, _ in units], p.dp // p.ep))
+
+    return max(of_rank(r) for r in range(p.pp))
 
 
 def command_line(overrides: list[str], as_json: bool, png) -> int:

@@ -25,6 +25,7 @@ from framework.parallel.pipeline.schedules import get
 from framework.parallel.pipeline.schedules.base import DEFAULT
 from framework.sim.clock import Costs, predict
 from framework.sim.cost.collectives import collective_s, group_link
+from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
 from framework.sim.cost.hardware import Profile
 from framework.sim.cost.shapes import Layout, ModelShape
@@ -86,6 +87,10 @@ def dtype_of(run) -> str:
     return policy_of(run).peak_column or "fp64"
 
 
+# the link a dimension's groups run at (edp spans dp's ranks; the tied table's pair, pp's)
+LINK_OF = {"edp": "dp", "embedding": "pp"}
+
+
 def _combine(prof: Profile, dev: float, host: float) -> float:
     return max(dev, host) if prof.host_overlaps else dev + host
 
@@ -100,27 +105,16 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
     back, hb = dev["I"] + dev["W"], blocks * host["B"] * 1e-6
     for ph in "IW":  # the backward's host time, split as its kernels' time
         out[ph] = _combine(prof, dev[ph], hb * (dev[ph] / back if back else 0.5))
-    comm = _block_comm(prof, job)
-    out["F"] += comm["F"] * blocks
-    out["I"] += comm["I"] * blocks
+    comm = pass_collectives(job, blocks, first, last)  # tp and ep: on the critical path
+    out["F"] += _seconds(prof, job, comm["F"])
+    out["I"] += _seconds(prof, job, comm["B"])
     return out, flops(ops, model=False), flops(ops)
 
 
-def _block_comm(prof: Profile, job: Job) -> dict:
-    """tp and ep collectives of one block and micro-batch, per pass."""
-    lay, s = job.lay, job.shape
-    dims = ParallelDims(job.pp, job.dp, lay.tp, lay.ep)
-    act = lay.tokens * s.hidden * lay.act_bytes
-    tp = 0.0
-    if lay.tp > 1:
-        link = group_link(prof, dims, "tp")
-        tp = (2 * (collective_s("all_gather", act, lay.tp, link) + collective_s("reduce_scatter", act, lay.tp, link))
-              if lay.sp else 2 * collective_s("all_reduce", act, lay.tp, link))
-    ep = 0.0
-    if s.experts and lay.ep > 1:
-        tn = lay.tokens // lay.tp if lay.sp else lay.tokens
-        ep = 2 * collective_s("all_to_all", tn * s.top_k * s.hidden * lay.act_bytes, lay.ep, group_link(prof, dims, "ep"))
-    return {"F": tp + ep, "I": tp + ep, "tp": tp, "ep": ep}
+def _seconds(prof: Profile, job: Job, calls: list[Collective]) -> float:
+    dims = ParallelDims(job.pp, job.dp, job.lay.tp, job.lay.ep)
+    return sum(collective_s(c.op, c.nbytes, c.n, group_link(prof, dims, LINK_OF.get(c.dim, c.dim))) * c.calls
+               for c in calls if c.op != "send")
 
 
 def price(prof: Profile, job: Job) -> Priced:
@@ -139,11 +133,9 @@ def price(prof: Profile, job: Job) -> Priced:
         compute[(r, c, "B")] = t["I"] + t["W"]
         executed, model = executed + ex * m, model + mo * m
     dims = ParallelDims(p, job.dp, lay.tp, lay.ep)
-    params = _rank_params(s, job)
-    after, gather = _dp_seconds(prof, job, dims, params)
+    after, gather = _dp_seconds(prof, job)
     for key in [k for k in compute if k[2] in "FIB"]:  # ZeRO 3: a chunk's parameters gathered before its F and B
-        g = gather / 2
-        compute[key] = max(compute[key], g) if job.zero3_prefetch else compute[key] + g
+        compute[key] = max(compute[key], gather) if job.zero3_prefetch else compute[key] + gather
     if p == 1:
         pipeline, bubble = m * (compute[(0, 0, "F")] + compute[(0, 0, "B")]), 0.0
     else:
@@ -152,9 +144,8 @@ def price(prof: Profile, job: Job) -> Priced:
         costs = Costs(compute, {}, link.alpha_us * 1e-6, link.GBps * 1e9, msg)
         pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
-    comm = {k: _block_comm(prof, job)[k] * 2 * m * s.layers / p for k in ("tp", "ep")}
-    comm["dp"] = after
-    comm["zero3_gather"] = gather * m * v  # inside the pipeline's ops (hidden behind compute with zero3_prefetch)
+    comm = _comm_by_dim(prof, job)
+    params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
     opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
     opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
@@ -166,33 +157,41 @@ def price(prof: Profile, job: Job) -> Priced:
                   compute)
 
 
-def _rank_params(s: ModelShape, job: Job) -> float:
-    """Parameters on the busiest rank: its blocks, tp-sharded (experts ep-sharded), plus
-    the embedding or head."""
-    lay = job.lay
-    dense = s.block_params() - (s.routed_params() // s.layers if s.experts else 0)
-    per_block = dense / lay.tp + (s.routed_params() / s.layers / lay.ep if s.experts else 0)
-    blocks = -(-s.layers // job.pp)
-    return blocks * per_block + max(s.embedding_params(), s.head_params()) / lay.tp
+def rank_params(job: Job, rank_pp: int) -> float:
+    """Parameters on pipeline rank `rank_pp` (tp rank 0): its blocks, tp-sharded (experts
+    ep-sharded), and its embedding or head (traffic.py's ZeRO units, unpadded)."""
+    return sum(sh + rep + ex for sh, rep, ex, _ in rank_units(job, rank_pp))
 
 
-def _dp_seconds(prof: Profile, job: Job, dims: ParallelDims, params: float) -> tuple[float, float]:
-    """(after the pipeline: the gradient reduction and ZeRO 1 / 2's all-gather, seconds;
-    ZeRO 3's all-gather before each micro-batch's F and B of one chunk, seconds)."""
-    if job.dp == 1:
-        return 0.0, 0.0
-    link = group_link(prof, dims, "dp")
-    grads = params * job.reduce_bytes
-    if job.zero <= 1:
-        after = collective_s("all_reduce", grads, job.dp, link)
-    else:
-        after = collective_s("reduce_scatter", grads, job.dp, link)
-    weights = params * job.lay.act_bytes
-    if job.zero in (1, 2):
-        return after + collective_s("all_gather", weights, job.dp, link), 0.0
-    if job.zero == 3:
-        return after, 2 * collective_s("all_gather", weights / job.virtual_stages, job.dp, link)
-    return after, 0.0
+def _busiest(job: Job, per_rank) -> float:
+    return max(per_rank(r) for r in range(job.pp))
+
+
+def _dp_seconds(prof: Profile, job: Job) -> tuple[float, float]:
+    """(after the pipeline: the reductions and ZeRO 1 / 2's all-gather, seconds; ZeRO 3's
+    all-gather before one micro-batch's F or B of one chunk, seconds), on the busiest rank."""
+    def after(r):
+        return _seconds(prof, job, [c for c in after_pipeline(job, r) if not (job.zero == 3 and c.op == "all_gather")])
+
+    def gather(r):
+        calls = [c for c in after_pipeline(job, r) if job.zero == 3 and c.op == "all_gather"]
+        return _seconds(prof, job, calls) / (2 * job.microbatches * job.virtual_stages)
+
+    return _busiest(job, after), _busiest(job, gather)
+
+
+def _comm_by_dim(prof: Profile, job: Job) -> dict:
+    """Seconds per step of each dimension's collectives on the busiest rank (p2p: the
+    pipeline's sends, part of pipeline_s); ZeRO 3's gathers as their own entry."""
+    def of(dim, zero3=False):
+        def per_rank(r):
+            calls = [c for c in step_collectives(job, r)
+                     if (c.dim == dim or (dim == "dp" and c.dim in ("edp", "embedding")))
+                     and (c.op == "all_gather" and job.zero == 3) == zero3]
+            return _seconds(prof, job, calls)
+        return _busiest(job, per_rank)
+
+    return {"tp": of("tp"), "ep": of("ep"), "dp": of("dp"), "zero3_gather": of("dp", zero3=True)}
 
 
 def report(prof: Profile, job: Job, r: Priced, state_bytes: float) -> dict:

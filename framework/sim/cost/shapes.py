@@ -30,6 +30,7 @@ class ModelShape:
     top_k: int = 0
     expert_ffn: int = 0
     positions: int = 0  # gpt2's learned position table's rows (max_positions)
+    dropout: float = 0.0  # whether recomputation repeats a block's last collective (traffic.py)
 
     @property
     def head_dim(self) -> int:
@@ -53,7 +54,8 @@ class ModelShape:
         return ModelShape(m.arch, m.n_layer, m.n_embd, m.n_head, m.n_kv_head or m.n_head,
                           m.n_inner or 4 * m.n_embd, vocab, m.tie_embeddings,
                           m.moe.experts if moe else 0, m.moe.top_k if moe else 0,
-                          (m.moe.expert_inner or m.n_embd) if moe else 0, m.max_positions if m.arch == "gpt2" else 0)
+                          (m.moe.expert_inner or m.n_embd) if moe else 0, m.max_positions if m.arch == "gpt2" else 0,
+                          m.dropout)
 
     # --- parameters (the memory model's and the FLOP count's N) ---------------------------
 
