@@ -32,7 +32,12 @@ LAYOUTS = {
     "pp2": ["parallelism=pp2", "schedule=flush"],
     "tp2_pp2_sp_interleaved": ["parallelism=tp2_pp2", "parallelism.sequence_parallel=true", "schedule=interleaved",
                                "schedule.virtual_stages=2", "model.n_layer=4"],
+    # Llama: hook entries (no second gather backward), an untied head, grouped-query attention
+    "llama_tp2_pp2_sp": ["model=llama-tiny", "parallelism=tp2_pp2",
+                         "parallelism.sequence_parallel=true", "schedule=flush"],
     "dp2_pp2_zero1": ["parallelism=dp2_pp2", "parallelism.zero=1", "schedule=flush"],
+    # a V: the tied table's two uses both on pipeline rank 0, in two chunks
+    "zbv_dp2_pp2_zero1": ["parallelism=dp2_pp2", "parallelism.zero=1", "schedule=zbv", "model.n_layer=4"],
     "ep2": ["parallelism=dp2", "parallelism.ep=2", *MOE],
     "ep2_zero1": ["parallelism=dp4", "parallelism.ep=2", "parallelism.zero=1", *MOE],
 }

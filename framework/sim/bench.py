@@ -1,7 +1,7 @@
 """Measure this machine's device and write a hardware profile for the cost model:
 
     python -m framework.sim.bench --out conf/hardware/NAME.yaml [--name NAME] [--device auto|cpu|cuda]
-                                  [--quick] [--peak-tflops bf16=989.5,fp32=66.9]
+                                  [--quick] [--peak-tflops bf16=989.5,fp32=66.9] [--threads T] [--links N]
 
 What it measures, each the median of repeated back-to-back calls (CUDA events on a GPU, the
 host clock on a CPU, after warm-up):
@@ -17,7 +17,8 @@ host clock on a CPU, after warm-up):
 - `memory_bound_GBps`: norms, activations and softmax of a block, bytes moved per second.
 - `host_us`: per block and pass (F, B) of each architecture, and per optimizer tensor, the
   time where compute is negligible (`overheads`): the launch and dispatch path.
-Collectives between devices are not measured here (one process); a profile's `links` come
+With `--links N`, the link between N local ranks too (framework/sim/bench_links.py: gloo on
+a CPU, NCCL on GPUs); between nodes nothing is measured, and a profile's `inter` link comes
 from the datasheet or a user's NCCL tests (docs/cost_model.md).
 
 `peak_tflops` (the MFU denominator) is the datasheet's when `--peak-tflops` gives it, else the
@@ -251,7 +252,12 @@ def parser() -> Parser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--quick", action="store_true", help="a coarser grid (seconds, for a test)")
     p.add_argument("--peak-tflops", default="", help="datasheet peaks, dtype=TFLOP/s,... (default: the best measured)")
-    p.add_argument("--gpus-per-node", type=int, default=1, help="written as the profile's gpus_per_node")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="written as the profile's gpus_per_node (default: --links, else 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads while measuring: a rank's share of the cores (default: torch's)")
+    p.add_argument("--links", type=int, default=0,
+                   help="also measure the link between this many local ranks (framework/sim/bench_links.py)")
     return p
 
 
@@ -264,14 +270,33 @@ def main(argv: list[str]) -> int:
     device_type = resolve_device(args.device)
     if device_type == "cuda" and not torch.cuda.is_available():
         reject("--device", "cuda", "no CUDA device here", "leave --device out (auto) or give cpu")
+    for flag, value, low in (("--threads", args.threads, 1), ("--links", args.links, 0),
+                             ("--gpus-per-node", args.gpus_per_node, 1)):
+        if value is not None and not low <= value <= 1024:
+            reject(flag, str(value), f"is not a count from {low} to 1024", f"give {flag} a count from {low} to 1024")
+    if args.links == 1:
+        reject("--links", "1", "a link needs two ranks", "give --links 2 or more, or leave it out")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    per_node = args.gpus_per_node or args.links or 1
+    links = None
+    if args.links:
+        from framework.sim.bench_links import measure_links
+
+        links = measure_links(args.links, device_type, torch.get_num_threads())
     prof = measure(device_type, args.quick)
     best = {d: max(float(r.split()[3]) for r in rows.splitlines()) for d, rows in prof["gemm_tflops"].items() if rows}
     name = args.name or os.path.splitext(os.path.basename(args.out))[0]
-    out = {"name": name, "source": prof.pop("source"), "gpus_per_node": args.gpus_per_node, "gpus": args.gpus_per_node,
+    out = {"name": name, "source": prof.pop("source"), "gpus_per_node": per_node, "gpus": per_node,
            "host_overlaps": device_type == "cuda",
            "peak_tflops": {**best, **peaks}, "peak_source": "datasheet" if peaks else "best measured GEMM", **prof}
+    if links is not None:
+        link = {"alpha_us": links["alpha_us"], "GBps": links["GBps"]}
+        out["links"] = {"intra": link, "inter": dict(link)}  # one node: nothing between nodes measured
     with open(args.out, "w") as f:
         f.write(f"# {out['source']}\n")
+        if links is not None:
+            f.write(f"# links: {args.links} local ranks' all-reduce [bytes, seconds]: {links['samples']}; inter = intra\n")
         yaml.dump(out, f, Dumper=_dumper(), sort_keys=False, default_flow_style=None, width=120)
     print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t:.1f}' for d, t in best.items())} TFLOP/s, "
           f"copy {prof['memory_GBps']:.0f} GB/s, kernel {prof['kernel_us']:.1f} us")

@@ -7,9 +7,9 @@ The overrides are run.py's (Hydra groups and keys), composed and checked as a dr
 (`framework.validate`: nothing starts, so no node-capacity check); the model is read as
 shapes (shapes.py), never built, so a 405B layout on 16,384 GPUs prices in seconds. Memory:
 the fullest rank's model states by this configuration's exact formula
-(metrics/model_states.py) for the parameters the cost model places on it (its blocks
-tp-sharded, experts ep-sharded, the larger of the embedding and the head), one unit each
-(no ZeRO padding); activations are not modelled yet.
+(metrics/model_states.py) over the ZeRO units the cost model places on each pipeline rank
+(traffic.rank_units: its blocks tp-sharded, experts ep-sharded, its embedding and / or head;
+each flat buffer padded to a multiple of dp); activations are not modelled yet.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def model_states(run: RunConfig, job) -> float:
 
     def of_rank(r: int) -> float:
         units = rank_units(job, r)
-        return (states([x for sh, rep, _, _ in units for x in (sh, rep)], p.dp)
-                + states([ex for _, _, ex, _ in units], p.dp // p.ep))
+        return (states([n for u in units for n, g in u.buffers() if g == "dp"], p.dp)
+                + states([n for u in units for n, g in u.buffers() if g == "edp"], p.dp // p.ep))
 
     return max(of_rank(r) for r in range(p.pp))
 

@@ -160,7 +160,7 @@ def price(prof: Profile, job: Job) -> Priced:
 def rank_params(job: Job, rank_pp: int) -> float:
     """Parameters on pipeline rank `rank_pp` (tp rank 0): its blocks, tp-sharded (experts
     ep-sharded), and its embedding or head (traffic.py's ZeRO units, unpadded)."""
-    return sum(sh + rep + ex for sh, rep, ex, _ in rank_units(job, rank_pp))
+    return sum(u.params for u in rank_units(job, rank_pp))
 
 
 def _busiest(job: Job, per_rank) -> float:

@@ -53,37 +53,61 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def block_split(s: ModelShape, tp: int) -> tuple[int, int]:
-    """(tp-sharded, replicated) parameters of one block on one tp rank (experts excluded).
-    With tp = 1 nothing is a shard: every parameter counts as replicated (one ZeRO buffer)."""
+@dataclass(frozen=True)
+class Unit:
+    """A ZeRO unit: parameters sharing flat buffers (framework/parallel/zero.py). `buffers`:
+    (elements, group) of each: tp shards, replicated, tp-partial (summed over tp) over dp;
+    experts over edp. With tp = 1 nothing is a shard or partial: one dense buffer."""
+
+    sharded: int = 0
+    replicated: int = 0
+    partial: int = 0
+    experts: int = 0
+    gathers: int = 2  # ZeRO 3: all-gathers per micro-batch (the embedding + head unit: 1)
+
+    def __add__(self, o: Unit) -> Unit:
+        return Unit(self.sharded + o.sharded, self.replicated + o.replicated, self.partial + o.partial,
+                    self.experts + o.experts, self.gathers)
+
+    @property
+    def params(self) -> int:
+        return self.sharded + self.replicated + self.partial + self.experts
+
+    def buffers(self) -> list[tuple[int, str]]:
+        return [(n, g) for n, g in ((self.sharded, "dp"), (self.replicated, "dp"), (self.partial, "dp"),
+                                    (self.experts, "edp")) if n]
+
+
+def block_unit(s: ModelShape, tp: int, ep: int) -> Unit:
+    """One block on one tp (and ep) rank."""
     h, kv, f = s.hidden, s.kv_dim, s.ffn
+    partial = 2 * s.head_dim if s.arch == "qwen3_moe" else 0  # q / k norms over this rank's heads
     if s.arch == "gpt2":
         sharded = (3 * h * h + 3 * h) + h * h + (f * h + f) + h * f
         replicated = 2 * s.norm_params() + 2 * h  # ln_1, ln_2, the two row-parallel biases
     else:
         sharded = 2 * h * h + 2 * kv * h + (0 if s.experts else 3 * h * f)
-        replicated = 2 * s.norm_params() + (2 * s.head_dim if s.arch == "qwen3_moe" else 0) + s.experts * h
-    return (sharded // tp, replicated) if tp > 1 else (0, sharded + replicated)
+        replicated = 2 * s.norm_params() + s.experts * h  # the norms, the router
+    experts = s.experts * 3 * h * s.expert_ffn // ep if s.experts else 0
+    if tp == 1:
+        return Unit(replicated=sharded + replicated + partial, experts=experts)
+    return Unit(sharded // tp, replicated, partial, experts)
 
 
-def expert_params(s: ModelShape, ep: int) -> int:
-    """One block's routed experts on one ep rank."""
-    return s.experts * 3 * s.hidden * s.expert_ffn // ep if s.experts else 0
+def _table(s: ModelShape, tp: int) -> Unit:
+    n = padded_vocab(s.vocab, tp) // tp * s.hidden  # vocab-parallel rows
+    return Unit(sharded=n) if tp > 1 else Unit(replicated=n)
 
 
-def outer_split(s: ModelShape, tp: int, first: bool, last: bool) -> tuple[int, int]:
-    """(tp-sharded, replicated) parameters outside the blocks on a stage that is the first
-    and / or the last: token table (vocab-parallel), positions, final norm, head."""
-    table = padded_vocab(s.vocab, tp) // tp * s.hidden
-    sharded = replicated = 0
+def outer_unit(s: ModelShape, tp: int, first: bool, last: bool, head_table: bool) -> Unit:
+    """What a first and / or last stage holds outside its blocks: the token table and GPT-2's
+    positions; the final norm and, when `head_table`, the LM head's table."""
+    u = Unit(gathers=1)
     if first:
-        sharded += table
-        replicated += s.positions * s.hidden
+        u = u + _table(s, tp) + Unit(replicated=s.positions * s.hidden)
     if last:
-        replicated += s.norm_params()
-        if not (s.tied and first):  # a tied head on the first stage is the same tensor
-            sharded += table
-    return (sharded, replicated) if tp > 1 else (0, sharded + replicated)
+        u = u + Unit(replicated=s.norm_params()) + (_table(s, tp) if head_table else Unit())
+    return u
 
 
 def _pad(n: int, dp: int) -> int:
@@ -95,19 +119,38 @@ def stages_of(job, rank_pp: int) -> list[int]:
     return [st for st in range(job.pp * job.virtual_stages) if smap.rank(st) == rank_pp]
 
 
-def rank_units(job, rank_pp: int) -> list[tuple[int, int, int, bool]]:
-    """The ZeRO units on pipeline rank `rank_pp` (tp coordinate 0): (tp-sharded, replicated,
-    expert parameters, is the embedding / head unit), one per block and one for the
-    embedding and / or head of a first or last stage."""
+def _table_ranks(job) -> tuple[int, int]:
+    """Pipeline ranks of the first and the last stage (one rank in a V)."""
+    smap = get(job.schedule).stage_map(job.pp, job.virtual_stages)
+    return smap.rank(0), smap.rank(job.pp * job.virtual_stages - 1)
+
+
+def tied_pair(job) -> bool:
+    """A tied table whose two uses sit on two pipeline ranks: two copies, reduced together."""
+    first, last = _table_ranks(job)
+    return job.shape.tied and job.pp > 1 and first != last
+
+
+def rank_units(job, rank_pp: int) -> list[Unit]:
+    """The ZeRO units on pipeline rank `rank_pp` (tp coordinate 0), as the runners build them:
+    pp = 1, one per block and one for the embedding with the head; pp > 1, one per chunk
+    (its blocks, and its embedding or head), and the tied table's second copy on the last
+    stage in a unit of its own (framework/train/pipeline_runner.py)."""
     s, lay = job.shape, job.lay
     nstages = job.pp * job.virtual_stages
     parts = uniform(s.layers, nstages)
+    block = block_unit(s, lay.tp, lay.ep)
+    if job.pp == 1:
+        return [block] * s.layers + [outer_unit(s, lay.tp, True, True, not s.tied)]
     units = []
     for st in stages_of(job, rank_pp):
         first, last = st == 0, st == nstages - 1
-        units += [(*block_split(s, lay.tp), expert_params(s, lay.ep), False)] * len(parts[st])
-        if first or last:
-            units.append((*outer_split(s, lay.tp, first, last), 0, True))
+        chunk = outer_unit(s, lay.tp, first, last, not s.tied)
+        for _ in parts[st]:
+            chunk = chunk + block
+        units.append(chunk)
+        if last and tied_pair(job):
+            units.append(_table(s, lay.tp))
     return units
 
 
@@ -116,6 +159,7 @@ def step_collectives(job, rank_pp: int = 0) -> list[Collective]:
     s, lay, m = job.shape, job.lay, job.microbatches
     nstages = job.pp * job.virtual_stages
     parts = uniform(s.layers, nstages)
+    smap = get(job.schedule).stage_map(job.pp, job.virtual_stages)
     out: list[Collective] = []
     moe_layers = 0
     for st in stages_of(job, rank_pp):
@@ -123,9 +167,10 @@ def step_collectives(job, rank_pp: int = 0) -> list[Collective]:
         nb = len(parts[st])
         for c in (c for calls in pass_collectives(job, nb, first, last).values() for c in calls):
             out.append(Collective(c.dim, c.op, c.nbytes, c.n, c.calls * m))
-        if job.pp > 1:
+        if job.pp > 1:  # to a neighbour stage on another rank (a V's turn stays on its rank)
             msg = lay.tokens * s.hidden * lay.act_bytes // (lay.tp if lay.sp else 1)
-            out += [Collective("pp", "send", msg, 2, m * ((not last) + (not first)))]
+            peers = sum(0 <= nb_st < nstages and smap.rank(nb_st) != rank_pp for nb_st in (st - 1, st + 1))
+            out += [Collective("pp", "send", msg, 2, m * peers)]
         moe_layers += nb if s.experts else 0
     out += after_pipeline(job, rank_pp, moe_layers)
     return [c for c in out if c.calls and c.nbytes]
@@ -138,15 +183,17 @@ def after_pipeline(job, rank_pp: int, moe_layers: int = 0) -> list[Collective]:
     s, lay = job.shape, job.lay
     units = rank_units(job, rank_pp)
     out: list[Collective] = []
-    if s.tied and job.pp > 1 and any(u[3] for u in units):
+    if tied_pair(job) and rank_pp in _table_ranks(job):
         table = padded_vocab(s.vocab, lay.tp) // lay.tp * s.hidden
         out.append(Collective("embedding", "all_reduce", table * job.reduce_bytes, 2, 1))
     if moe_layers and job.dp > 1:  # the step's routing statistics, one row per layer (moe_layer.py;
         row = s.experts + 4 + lay.ep  # aux-loss values not counted), and the smallest margin
         out += [Collective("dp", "all_reduce", moe_layers * row * 8, job.dp, 1),
                 Collective("dp", "all_reduce", moe_layers * 8, job.dp, 1)]
-    if lay.sp:
-        out.append(Collective("tp", "all_reduce", sum(u[1] for u in units) * job.reduce_bytes, lay.tp, 1))
+    # replicated gradients seen by sequence shards (all of them under SP; the per-head norms always)
+    sync = sum(u.replicated + u.partial if lay.sp else u.partial for u in units)
+    if lay.tp > 1 and sync:
+        out.append(Collective("tp", "all_reduce", sync * job.reduce_bytes, lay.tp, 1))
     return out + _dp(job, units)
 
 
@@ -197,27 +244,25 @@ def pass_collectives(job, blocks: int, first: bool, last: bool) -> dict[str, lis
     return out
 
 
-def _dp(job, units) -> list[Collective]:
+def _dp(job, units: list[Unit]) -> list[Collective]:
     """The dp (and, for experts, edp) reductions and ZeRO's gathers of one step."""
     dp, lay, m = job.dp, job.lay, job.microbatches
-    edp = dp // lay.ep
+    size = {"dp": dp, "edp": dp // lay.ep}
+    if job.zero == 0:  # torch DDP over every dense gradient; the experts' own over edp
+        dense = sum(u.params - u.experts for u in units)
+        experts = sum(u.experts for u in units)
+        return [Collective("dp", "all_reduce", dense * job.reduce_bytes, dp, dp > 1),
+                Collective("edp", "all_reduce", experts * job.reduce_bytes, size["edp"], size["edp"] > 1)]
     out: list[Collective] = []
-    experts = sum(u[2] for u in units)
-    if job.zero == 0:
-        dense = sum(u[0] + u[1] for u in units)
-        out += [Collective("dp", "all_reduce", dense * job.reduce_bytes, dp, dp > 1)]
-        out += [Collective("edp", "all_reduce", experts * job.reduce_bytes, edp, edp > 1)]
-        return out
-    # ZeRO 1 reduces once per step; 2 and 3 per unit as each micro-batch's gradients complete
-    reduces = 1 if job.zero == 1 else m
-    for sh, rep, ex, outer in units:
-        for count, dim, n in ((sh, "dp", dp), (rep, "dp", dp), (ex, "edp", edp)):
-            if not count or n == 1:
+    reduces = 1 if job.zero == 1 else m  # ZeRO 1 once per step; 2 and 3 as each micro-batch's complete
+    for u in units:
+        for count, dim in u.buffers():
+            n = size[dim]
+            if n == 1:
                 continue
             full = _pad(count, n)
             out.append(Collective(dim, "reduce_scatter", full * job.reduce_bytes, n, reduces))
             # ZeRO 3: before every micro-batch's forward and backward; the embedding / head
             # unit stays gathered from its forward to its backward (the tied head is used last)
-            gathers = 1 if job.zero in (1, 2) else (m if outer else 2 * m)
-            out.append(Collective(dim, "all_gather", full * lay.act_bytes, n, gathers))
+            out.append(Collective(dim, "all_gather", full * lay.act_bytes, n, 1 if job.zero < 3 else u.gathers * m))
     return out

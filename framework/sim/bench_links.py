@@ -1,0 +1,85 @@
+"""The local link between ranks, measured for a hardware profile (`python -m framework.sim.bench
+--links N`): N processes on this node, on the backend a run here uses (gloo on a CPU, NCCL
+on GPUs), time an all-reduce and a p2p exchange over message sizes, and the cost model's
+alpha-beta (framework/sim/cost/collectives.py) is fitted to them:
+- alpha_us: a 1-element all-reduce's time over its ring's 2 (n-1) steps (n = 2: a p2p's);
+- GBps: the largest all-reduce's bus bandwidth, 2 (n-1)/n x bytes over its time less alpha.
+Each time is the slowest rank's median of repeated calls after a warm-up, so a rank that
+arrives late is not counted as link time. One node only: `inter` is written equal to
+`intra` (a user with a cluster measures it with NCCL's tests and edits the profile).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = (1, 1 << 10, 1 << 14, 1 << 18, 1 << 21)  # fp32 elements: 4 B to 8 MiB
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time(fn, device, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        times = {}
+        for n in SIZES:
+            x = torch.ones(n, device=device)
+            reps = 20 if n < (1 << 18) else 7
+            times[n] = _time(lambda: dist.all_reduce(x), device, reps)
+        mine = torch.tensor([times[n] for n in SIZES], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's median
+        if rank == 0:
+            out.put(mine.tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
+    """{alpha_us, GBps, samples: [[bytes, seconds], ...]} of `world` local ranks."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, threads, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        times = out.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    steps = 2 * (world - 1)
+    alpha = times[0] / steps
+    big = SIZES[-1] * 4
+    gbps = 2 * (world - 1) / world * big / max(times[-1] - steps * alpha, 1e-9) / 1e9
+    return {"alpha_us": round(alpha * 1e6, 2), "GBps": round(gbps, 3),
+            "samples": [[n * 4, round(t, 7)] for n, t in zip(SIZES, times)]}
