@@ -300,30 +300,3 @@ def test_a_simulated_search_ranks_layouts_for_a_cluster(tmp_path):
     assert ranked == sorted(ranked, reverse=True) and rows[-1]["fits"] is False
     assert (tmp_path / "simulated_search.png").stat().st_size > 10_000
 
-
-@pytest.mark.parametrize("layout", [
-    ["model=gpt2-tiny", "parallelism.tp=2", "parallelism.pp=2", "schedule=interleaved", "schedule.virtual_stages=2"],
-    ["model=gpt2-tiny", "parallelism.pp=2", "schedule=zbv"],  # a V: the tied table's two uses on one rank
-    ["model=llama-tiny", "parallelism.tp=2", "parallelism.pp=4", "parallelism.dp=1"],
-    ["model=moe-tiny", "parallelism.dp=4", "parallelism.ep=2", "parallelism.pp=2", "parallelism.tp=2",
-     "parallelism.sequence_parallel=true", "parallelism.zero=1"],
-])
-def test_the_cost_models_parameters_per_rank_equal_the_dry_run_planners(layout, tmp_path):
-    """traffic.rank_units (shapes only, any size) against the dry-run plan, which counts the
-    meta model's real parameters per pipeline rank (tp shards, padded vocabulary, experts)."""
-    import json
-
-    from framework.launch.job import run_job
-    from framework.sim.cost.price import job_of, rank_params
-    from framework.sim.cost.traffic import rank_units
-    from framework.validate import validate
-
-    run = compose(*layout, "data=synthetic", "logger=none", "trainer.micro_batch_size=2", "dry_run=true")
-    validate(run)
-    run_job(run, str(tmp_path))
-    memory = json.loads((tmp_path / "plan.json").read_text())["memory_estimate_per_rank"]
-    job = job_of(run, run.data.vocab_size)
-    assert len(memory) == run.parallelism.pp
-    for row in memory:
-        assert rank_params(job, row["pp_rank"]) == row["psi"], row
-        assert sum(u.experts for u in rank_units(job, row["pp_rank"])) == row["expert_psi"], row

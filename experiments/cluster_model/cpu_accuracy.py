@@ -71,12 +71,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile", default="cpu-local", help="a conf/hardware/ option")
     ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
+    ap.add_argument("--reuse", action="store_true", help="read the job directories --out holds; launch nothing")
     args = ap.parse_args()
     todo = {k: v for k, v in runs().items() if not args.only or k in args.only.split(",")}
     measured: dict[str, list[float]] = {k: [] for k in todo}
     for rep in range(args.repeats):
         for name, over in todo.items():
-            measured[name].append(measure(name, over, Path(args.out) / f"{name}_r{rep}"))
+            job = Path(args.out) / f"{name}_r{rep}"
+            measured[name].append(json.loads((job / "summary.json").read_text())["step_time_s"] if args.reuse
+                                  else measure(name, over, job))
             print(f"measured {name} repeat {rep}: {measured[name][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     rows, errors = [], {}
     for name, over in todo.items():

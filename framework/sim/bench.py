@@ -21,12 +21,17 @@ With `--links N`, the link between N local ranks too (framework/sim/bench_links.
 a CPU, NCCL on GPUs); between nodes nothing is measured, and a profile's `inter` link comes
 from the datasheet or a user's NCCL tests (docs/cost_model.md).
 
+One file past ~300 lines on purpose: every measurement of one device shares its Timer and
+the profile's conventions (the bytes ops.py counts), and is read together; the link between
+ranks is its own module (bench_links.py).
+
 `peak_tflops` (the MFU denominator) is the datasheet's when `--peak-tflops` gives it, else the
 best measured GEMM per dtype (then MFU reads as a share of what this device's GEMM reaches).
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import sys
@@ -50,8 +55,12 @@ SECONDS_PER_POINT = {"cuda": 2e-2, "cpu": 5e-2}  # inner repeats aim at this muc
 class Timer:
     """Median seconds per call of `fn`, on the device's own clock."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cold: bool = False):
         self.device = device
+        # CPU: each timed call starts with its operands out of the caches, as an op of a model
+        # finds them after the ops between (a GEMM of (256, 512, 128) runs at 0.73x its
+        # back-to-back rate here); a GPU's ops stream from HBM at these sizes anyway.
+        self.junk = torch.empty(16 << 20) if cold and device.type == "cpu" else None
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -71,6 +80,11 @@ class Timer:
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b) / 1e3 / inner)
+            elif self.junk is not None:
+                self.junk.fill_(1.0)
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
             else:
                 t0 = time.perf_counter()
                 for _ in range(inner):
@@ -120,9 +134,10 @@ def bandwidth(timer: Timer, kind: str) -> tuple[float, float]:
 def attention(timer: Timer, kind: str, quick: bool) -> list:
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     shapes = ([(8, 12, 1024, 64), (4, 16, 2048, 64), (2, 32, 4096, 128), (1, 64, 8192, 128)] if kind == "cuda"
-              else [(4, 2, 64, 16), (4, 4, 256, 32), (2, 12, 256, 64), (1, 12, 1024, 64)])
+              else [(4, 4, 64, 16), (4, 4, 64, 32), (4, 4, 64, 64), (4, 4, 256, 16), (4, 4, 256, 32),
+                    (2, 12, 256, 64), (1, 12, 1024, 64)])
     rows = []
-    for b, h, s, d in shapes[:2] if quick else shapes:
+    for b, h, s, d in shapes[::3] if quick else shapes:
         q, k, v = (torch.randn(b, h, s, d, device=timer.device, dtype=dtype, requires_grad=True) for _ in range(3))
         fwd = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps=5, inner=3)
 
@@ -137,19 +152,43 @@ def attention(timer: Timer, kind: str, quick: bool) -> list:
 
 
 def memory_bound(timer: Timer, kind: str) -> dict:
-    tokens, hidden = (8192, 4096) if kind == "cuda" else (2048, 256)
+    """GB/s of a block's memory-bound ops, counting the bytes ops.py counts; the activations
+    as the architectures compute them (GPT-2's tanh GELU from transformers, Llama's SiLU x up);
+    `<op>_backward`: the gradient's rate, twice the forward's bytes over its own time."""
+    from transformers.activations import ACT2FN
+
+    tokens, hidden = (8192, 4096) if kind == "cuda" else (1024, 256)
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-    x = torch.randn(tokens, hidden, device=timer.device, dtype=dtype)
+    x = torch.randn(tokens, hidden, device=timer.device, dtype=dtype, requires_grad=True)
     w = torch.ones(hidden, device=timer.device, dtype=dtype)
     nb = x.numel() * x.element_size()
+    gelu = ACT2FN["gelu_new"]  # transformers' GPT2Config.activation_function default
     out = {}
-    for name, fn, moved in [("layer_norm", lambda: F.layer_norm(x, (hidden,), w, w), 2 * nb),
-                            ("rms_norm", lambda: F.rms_norm(x, (hidden,), w), 2 * nb),
-                            ("gelu", lambda: F.gelu(x, approximate="tanh"), 2 * nb),
-                            ("silu_mul", lambda: F.silu(x) * x, 3 * nb),
-                            ("softmax", lambda: torch.softmax(x, -1), 2 * nb),
-                            ("add", lambda: x + x, 3 * nb)]:
-        out[name] = round(moved / timer(fn, reps=5, inner=5) / 1e9, 3)
+    for name, fn, moved, grad in [("layer_norm", lambda: F.layer_norm(x, (hidden,), w, w), 2 * nb, True),
+                                  ("rms_norm", lambda: F.rms_norm(x, (hidden,), w), 2 * nb, True),
+                                  ("gelu", lambda: gelu(x), 2 * nb, True),
+                                  ("silu_mul", lambda: F.silu(x) * x, 3 * nb, True),
+                                  ("softmax", lambda: torch.softmax(x, -1), 2 * nb, False),
+                                  ("add", lambda: x + x, 3 * nb, False)]:
+        with torch.no_grad():
+            fwd = timer(fn, reps=7, inner=5)
+        out[name] = round(moved / fwd / 1e9, 3)
+        if grad:
+            g = torch.ones(tokens, hidden, device=timer.device, dtype=dtype)
+            both = timer(lambda: fn().backward(g), reps=7, inner=3)
+            out[f"{name}_backward"] = round(2 * moved / max(both - fwd, 1e-9) / 1e9, 3)
+    # the update as ops.py counts it (optimizer_ops: 32 bytes per fp32 parameter, no master):
+    # torch's AdamW as the optimizer config builds it, after the gradient norm's read
+    params = [torch.zeros(tokens * hidden // 4, device=timer.device, requires_grad=True) for _ in range(4)]
+    for q in params:
+        q.grad = torch.ones_like(q)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, 1e9)
+        opt.step()
+
+    out["adamw"] = round(32 * tokens * hidden / timer(update, reps=5, inner=2) / 1e9, 3)
     return out
 
 
@@ -197,15 +236,15 @@ def overheads(timer: Timer, kind: str) -> dict:
 
 def measure(device_type: str, quick: bool = False) -> dict:
     device = torch.device(device_type)
-    timer = Timer(device)
+    timer, cold = Timer(device), Timer(device, cold=True)
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else (_cpu_name() or "cpu")
     memory = (torch.cuda.get_device_properties(device).total_memory if device_type == "cuda"
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     copy_gbps, kernel_us = bandwidth(timer, device_type)
     prof = {"device_name": name, "memory_gib": round(memory / 2 ** 30, 2), "memory_GBps": round(copy_gbps, 3),
-            "kernel_us": round(kernel_us, 3), "memory_bound_GBps": memory_bound(timer, device_type),
-            "host_us": overheads(timer, device_type), "attention_tflops": attention(timer, device_type, quick),
-            "gemm_tflops": gemm(timer, device_type, quick)}
+            "kernel_us": round(kernel_us, 3), "memory_bound_GBps": memory_bound(cold, device_type),
+            "host_us": overheads(timer, device_type), "attention_tflops": attention(cold, device_type, quick),
+            "gemm_tflops": gemm(cold, device_type, quick)}
     prof["source"] = (f"measured by python -m framework.sim.bench on {name} ({device_type}, torch {torch.__version__}"
                       f"{', cuda ' + torch.version.cuda if device_type == 'cuda' else ''}, "
                       f"{torch.get_num_threads()} threads), {datetime.date.today().isoformat()}")
@@ -291,12 +330,13 @@ def main(argv: list[str]) -> int:
            "host_overlaps": device_type == "cuda",
            "peak_tflops": {**best, **peaks}, "peak_source": "datasheet" if peaks else "best measured GEMM", **prof}
     if links is not None:
-        link = {"alpha_us": links["alpha_us"], "GBps": links["GBps"]}
-        out["links"] = {"intra": link, "inter": dict(link)}  # one node: nothing between nodes measured
+        link = {"alpha_us": links["alpha_us"], "GBps": links["GBps"],
+                "all_reduce_s": {"ranks": args.links, "rows": links["samples"]}}
+        out["links"] = {"intra": link, "inter": copy.deepcopy(link)}  # one node: nothing between nodes measured
     with open(args.out, "w") as f:
         f.write(f"# {out['source']}\n")
         if links is not None:
-            f.write(f"# links: {args.links} local ranks' all-reduce [bytes, seconds]: {links['samples']}; inter = intra\n")
+            f.write(f"# links: {args.links} local ranks' all-reduce measured (all_reduce_s); inter = intra\n")
         yaml.dump(out, f, Dumper=_dumper(), sort_keys=False, default_flow_style=None, width=120)
     print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t:.1f}' for d, t in best.items())} TFLOP/s, "
           f"copy {prof['memory_GBps']:.0f} GB/s, kernel {prof['kernel_us']:.1f} us")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SIZES = (1, 1 << 10, 1 << 14, 1 << 18, 1 << 21)  # fp32 elements: 4 B to 8 MiB
+SIZES = (1, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)  # fp32 elements: 4 B to 8 MiB
 
 
 def _free_port() -> int:

@@ -12,13 +12,19 @@ Algorithms (bus-bandwidth factors as nccl-tests reports them; Thakur et al. 2005
 - all-gather / reduce-scatter, ring: (n-1) / n x bytes (the whole, gathered size), n-1 steps
 - all-to-all, pairwise: (n-1) / n x bytes sent, n-1 steps
 - p2p: bytes, one step
-Not modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
+A link measured on this machine (`all_reduce_s`, python -m framework.sim.bench --links N) is
+read as its curve for groups of that size: a collective costs the measured all-reduce that
+moves the same bus bytes (all-gather of B as an all-reduce of B / 2; a p2p of B, n = 2, as
+one of B / 2), log-log between the measured sizes. Not modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
 hierarchical (intra- then inter-node) rings, contention between collectives of different
 groups on one link, SHARP, and any overlap of a collective with compute unless the caller
 says so.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
 
 from framework.sim.cost.hardware import Link, Profile
 from framework.topology import Coords, ParallelDims
@@ -51,4 +57,20 @@ def collective_s(kind: str, nbytes: float, n: int, link: Link) -> float:
     reduced tensor; all-gather: the gathered one; all-to-all: what one rank sends in all)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    curve = link.all_reduce_s
+    if curve and curve["ranks"] == n:  # the measured curve: the all-reduce moving the same bus bytes
+        rows = sorted(curve["rows"])
+        equal = nbytes * FACTORS[kind](n) / FACTORS["all_reduce"](n)
+        return _loglog([r[0] for r in rows], [r[1] for r in rows], equal)
     return STEPS[kind](n) * link.alpha_us * 1e-6 + FACTORS[kind](n) * nbytes / (link.GBps * 1e9)
+
+
+def _loglog(xs: list, ys: list, x: float) -> float:
+    """Piecewise linear in log-log; below the first row its time, above the last, linear in bytes."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
+    i = bisect.bisect_right(xs, x) - 1
+    f = (math.log(x) - math.log(xs[i])) / (math.log(xs[i + 1]) - math.log(xs[i]))
+    return math.exp(math.log(ys[i]) + f * (math.log(ys[i + 1]) - math.log(ys[i])))

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from framework.sim.cost.shapes import Layout, ModelShape
+from framework.sim.cost.traffic import block_unit, outer_unit
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,16 @@ def head_ops(s: ModelShape, lay: Layout) -> list[CostOp]:
 
 
 def stage_ops(s: ModelShape, lay: Layout, blocks: int, first: bool, last: bool) -> list[CostOp]:
-    """A pipeline stage (chunk) holding `blocks` blocks, the embedding if `first`, the head if `last`."""
+    """A pipeline stage (chunk) holding `blocks` blocks, the embedding if `first`, the head if
+    `last`, and each micro-batch's gradient accumulation: autograd adds every parameter's new
+    gradient into .grad (read both, write one), the token table's too, which torch's dense
+    embedding backward first writes whole (V x h, however few tokens looked it up)."""
     ops = embedding_ops(s, lay) if first else []
     ops += block_ops(s, lay) * blocks
-    return ops + (head_ops(s, lay) if last else [])
+    ops += head_ops(s, lay) if last else []
+    params = block_unit(s, lay.tp, lay.ep).params * blocks + outer_unit(s, lay.tp, first, last, True).params
+    table = (s.vocab // lay.tp * s.hidden) if first else 0
+    return ops + [CostOp("add", "memory", "W", bytes=(3 * params + table) * lay.act_bytes)]
 
 
 def optimizer_ops(params: float, param_bytes: int, master: bool) -> list[CostOp]:

@@ -1,0 +1,68 @@
+"""The cost model's inputs measured against the framework: the parameters per pipeline rank
+it places (shapes only) against the dry-run planner's count of the real tensors, and the
+bench's hardware profile of this machine (GEMM, memory-bound ops, host path, the gloo link)
+loaded and priced with."""
+
+import pytest
+
+from .conftest import compose
+
+
+@pytest.mark.parametrize("layout", [
+    ["model=gpt2-tiny", "parallelism.tp=2", "parallelism.pp=2", "schedule=interleaved", "schedule.virtual_stages=2"],
+    ["model=gpt2-tiny", "parallelism.pp=2", "schedule=zbv"],  # a V: the tied table's two uses on one rank
+    ["model=llama-tiny", "parallelism.tp=2", "parallelism.pp=4", "parallelism.dp=1"],
+    ["model=moe-tiny", "parallelism.dp=4", "parallelism.ep=2", "parallelism.pp=2", "parallelism.tp=2",
+     "parallelism.sequence_parallel=true", "parallelism.zero=1"],
+])
+def test_the_cost_models_parameters_per_rank_equal_the_dry_run_planners(layout, tmp_path):
+    """traffic.rank_units (shapes only, any size) against the dry-run plan, which counts the
+    meta model's real parameters per pipeline rank (tp shards, padded vocabulary, experts)."""
+    import json
+
+    from framework.launch.job import run_job
+    from framework.sim.cost.price import job_of, rank_params
+    from framework.sim.cost.traffic import rank_units
+    from framework.validate import validate
+
+    run = compose(*layout, "data=synthetic", "logger=none", "trainer.micro_batch_size=2", "dry_run=true")
+    validate(run)
+    run_job(run, str(tmp_path))
+    memory = json.loads((tmp_path / "plan.json").read_text())["memory_estimate_per_rank"]
+    job = job_of(run, run.data.vocab_size)
+    assert len(memory) == run.parallelism.pp
+    for row in memory:
+        assert rank_params(job, row["pp_rank"]) == row["psi"], row
+        assert sum(u.experts for u in rank_units(job, row["pp_rank"])) == row["expert_psi"], row
+
+
+def test_the_bench_writes_a_profile_the_cost_model_prices_with(tmp_path):
+    """`python -m framework.sim.bench --quick --links 2` on this CPU: a profile the hardware
+    group loads (its tables checked), with the gloo link between two local ranks measured,
+    that prices a job; and its bad arguments get the one-line error."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from framework.config import HardwareConfig
+    from framework.sim.cost.hardware import Profile
+    from framework.sim.cost.price import Job, price
+    from framework.sim.cost.shapes import Layout, ModelShape
+
+    out = tmp_path / "here.yaml"
+    r = subprocess.run([sys.executable, "-m", "framework.sim.bench", "--device", "cpu", "--quick", "--threads", "1",
+                        "--links", "2", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    raw = yaml.safe_load(out.read_text())
+    assert raw["name"] == "here" and raw["gpus_per_node"] == 2 and raw["host_overlaps"] is False
+    link = raw["links"]["intra"]
+    assert link == raw["links"]["inter"] and link["alpha_us"] > 0 and link["GBps"] > 0
+    assert "1 threads" in raw["source"] and link["all_reduce_s"]["ranks"] == 2 and len(link["all_reduce_s"]["rows"]) == 7
+    prof = Profile.of(HardwareConfig(**{k: v for k, v in raw.items() if k in HardwareConfig.__dataclass_fields__}))
+    shape = ModelShape("gpt2", 2, 64, 2, 2, 256, 256, True, positions=64)
+    one, two = (price(prof, Job(shape, Layout(2, 32, dtype="fp32"), dp=dp, microbatches=2)) for dp in (1, 2))
+    assert 0 < one.step_s < two.step_s  # the second replica adds its gradient all-reduce over the link
+    bad = subprocess.run([sys.executable, "-m", "framework.sim.bench", "--links", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--links" in bad.stderr and "Traceback" not in bad.stderr
