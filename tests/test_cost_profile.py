@@ -66,3 +66,15 @@ def test_the_bench_writes_a_profile_the_cost_model_prices_with(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "framework.sim.bench", "--links", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--links" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_single_device_profile_without_links_prices_a_one_gpu_job():
+    """A bench profile of one GPU has no links: a job with no group to reduce over needs none
+    (predict_h200.py's jobs). (A hardware group without both links is refused when loaded.)"""
+    from framework.sim.cost.hardware import Profile
+    from framework.sim.cost.price import Job, price
+    from framework.sim.cost.shapes import Layout, ModelShape
+
+    prof = Profile.from_dict({"name": "one", "peak_tflops": {"bf16": 100.0}, "memory_GBps": 1000.0, "kernel_us": 5.0})
+    shape = ModelShape("gpt2", 2, 64, 2, 2, 256, 256, True, positions=64)
+    assert price(prof, Job(shape, Layout(2, 32), microbatches=2)).step_s > 0

@@ -114,7 +114,7 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
 def _seconds(prof: Profile, job: Job, calls: list[Collective]) -> float:
     dims = ParallelDims(job.pp, job.dp, job.lay.tp, job.lay.ep)
     return sum(collective_s(c.op, c.nbytes, c.n, group_link(prof, dims, LINK_OF.get(c.dim, c.dim))) * c.calls
-               for c in calls if c.op != "send")
+               for c in calls if c.op != "send" and c.n > 1 and c.calls and c.nbytes)  # no group: no link needed
 
 
 def price(prof: Profile, job: Job) -> Priced:
