@@ -32,7 +32,7 @@ GROUPS = {
     "logger": ["wandb", "none"],
     "experiment": ["smoke", "gpt2_squad", "dp_scaling"],
     "hparams_search": ["layout"],
-    "hardware": ["none", "a100-dgx", "h100-sxm", "h200"],
+    "hardware": ["none", "a100-dgx", "h100-sxm", "h200", "cpu-local"],
 }
 
 
