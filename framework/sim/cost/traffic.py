@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.parallel.pipeline.partition import uniform
+from framework.parallel.tensor_parallel import padded_vocab  # the vocab-parallel rows, as the layers pad them
 from framework.parallel.pipeline.schedules import get
 from framework.sim.cost.shapes import ModelShape
 
@@ -47,10 +48,6 @@ class Collective:
     @property
     def total(self) -> float:
         return self.nbytes * self.calls
-
-
-def padded_vocab(vocab: int, tp: int) -> int:
-    return -(-vocab // tp) * tp
 
 
 @dataclass(frozen=True)
