@@ -133,7 +133,8 @@ def price(prof: Profile, job: Job) -> Priced:
         compute[(r, c, "B")] = t["I"] + t["W"]
         executed, model = executed + ex * m, model + mo * m
     dims = ParallelDims(p, job.dp, lay.tp, lay.ep)
-    after, gather = _dp_seconds(prof, job)
+    comm = _rank_comm(prof, job)
+    after, gather = comm.pop("after"), comm.pop("gather")
     for key in [k for k in compute if k[2] in "FIB"]:  # ZeRO 3: a chunk's parameters gathered before its F and B
         compute[key] = max(compute[key], gather) if job.zero3_prefetch else compute[key] + gather
     if p == 1:
@@ -144,7 +145,6 @@ def price(prof: Profile, job: Job) -> Priced:
         costs = Costs(compute, {}, link.alpha_us * 1e-6, link.GBps * 1e9, msg)
         pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
-    comm = _comm_by_dim(prof, job)
     params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
     opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
@@ -163,35 +163,26 @@ def rank_params(job: Job, rank_pp: int) -> float:
     return sum(u.params for u in rank_units(job, rank_pp))
 
 
-def _busiest(job: Job, per_rank) -> float:
-    return max(per_rank(r) for r in range(job.pp))
+def _rank_comm(prof: Profile, job: Job) -> dict:
+    """Seconds per step on the busiest pipeline rank (each key's own maximum): each
+    dimension's collectives (dp with edp and the tied table's pair; p2p is part of the
+    pipeline); `zero3_gather`, ZeRO 3's gathers; `after`, what runs once the pipeline is done
+    (the reductions, ZeRO 1 / 2's gather); `gather`, ZeRO 3's gather before one micro-batch's
+    F or B of one chunk."""
+    def zero3(c: Collective) -> bool:
+        return job.zero == 3 and c.op == "all_gather"
 
-
-def _dp_seconds(prof: Profile, job: Job) -> tuple[float, float]:
-    """(after the pipeline: the reductions and ZeRO 1 / 2's all-gather, seconds; ZeRO 3's
-    all-gather before one micro-batch's F or B of one chunk, seconds), on the busiest rank."""
-    def after(r):
-        return _seconds(prof, job, [c for c in after_pipeline(job, r) if not (job.zero == 3 and c.op == "all_gather")])
-
-    def gather(r):
-        calls = [c for c in after_pipeline(job, r) if job.zero == 3 and c.op == "all_gather"]
-        return _seconds(prof, job, calls) / (2 * job.microbatches * job.virtual_stages)
-
-    return _busiest(job, after), _busiest(job, gather)
-
-
-def _comm_by_dim(prof: Profile, job: Job) -> dict:
-    """Seconds per step of each dimension's collectives on the busiest rank (p2p: the
-    pipeline's sends, part of pipeline_s); ZeRO 3's gathers as their own entry."""
-    def of(dim, zero3=False):
-        def per_rank(r):
-            calls = [c for c in step_collectives(job, r)
-                     if (c.dim == dim or (dim == "dp" and c.dim in ("edp", "embedding")))
-                     and (c.op == "all_gather" and job.zero == 3) == zero3]
-            return _seconds(prof, job, calls)
-        return _busiest(job, per_rank)
-
-    return {"tp": of("tp"), "ep": of("ep"), "dp": of("dp"), "zero3_gather": of("dp", zero3=True)}
+    out: dict = {}
+    for r in range(job.pp):
+        calls, after = step_collectives(job, r), after_pipeline(job, r)
+        dim = {c: "dp" if c.dim in ("edp", "embedding") else c.dim for c in calls}
+        mine = {k: _seconds(prof, job, [c for c in calls if dim[c] == k and not zero3(c)]) for k in ("tp", "ep", "dp")}
+        mine["zero3_gather"] = _seconds(prof, job, [c for c in calls if zero3(c)])
+        mine["after"] = _seconds(prof, job, [c for c in after if not zero3(c)])
+        mine["gather"] = _seconds(prof, job, [c for c in after if zero3(c)]) / (2 * job.microbatches *
+                                                                                job.virtual_stages)
+        out = {k: max(v, out.get(k, 0.0)) for k, v in mine.items()}
+    return out
 
 
 def report(prof: Profile, job: Job, r: Priced, state_bytes: float) -> dict:

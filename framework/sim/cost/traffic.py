@@ -158,7 +158,6 @@ def step_collectives(job, rank_pp: int = 0) -> list[Collective]:
     parts = uniform(s.layers, nstages)
     smap = get(job.schedule).stage_map(job.pp, job.virtual_stages)
     out: list[Collective] = []
-    moe_layers = 0
     for st in stages_of(job, rank_pp):
         first, last = st == 0, st == nstages - 1
         nb = len(parts[st])
@@ -168,17 +167,18 @@ def step_collectives(job, rank_pp: int = 0) -> list[Collective]:
             msg = lay.tokens * s.hidden * lay.act_bytes // (lay.tp if lay.sp else 1)
             peers = sum(0 <= nb_st < nstages and smap.rank(nb_st) != rank_pp for nb_st in (st - 1, st + 1))
             out += [Collective("pp", "send", msg, 2, m * peers)]
-        moe_layers += nb if s.experts else 0
-    out += after_pipeline(job, rank_pp, moe_layers)
+    out += after_pipeline(job, rank_pp)
     return [c for c in out if c.calls and c.nbytes]
 
 
-def after_pipeline(job, rank_pp: int, moe_layers: int = 0) -> list[Collective]:
+def after_pipeline(job, rank_pp: int) -> list[Collective]:
     """What a rank reduces once the step's micro-batches are done: the tied table between the
     first and last stage, the routing statistics, sequence parallelism's replicated
     gradients, and dp's (with ZeRO 3's gathers, which run inside the pipeline)."""
     s, lay = job.shape, job.lay
     units = rank_units(job, rank_pp)
+    moe_layers = sum(len(uniform(s.layers, job.pp * job.virtual_stages)[st]) for st in stages_of(job, rank_pp)) \
+        if s.experts else 0
     out: list[Collective] = []
     if tied_pair(job) and rank_pp in _table_ranks(job):
         table = padded_vocab(s.vocab, lay.tp) // lay.tp * s.hidden
