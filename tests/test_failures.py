@@ -104,6 +104,43 @@ def test_a_stopped_rank_is_detected_as_a_hang(tmp_path):
     assert _processes_with(marker) == []
 
 
+def _flight(rank: int, last: float, wait: bool, text: str = "p2p batch") -> flight.Flight:
+    return flight.Flight(rank, 1000 + rank, last, [flight.Note(last, wait, text)], count=1)
+
+
+def test_the_watchdog_names_the_stopped_rank_not_the_peer_blocked_on_it(monkeypatch):
+    # The race behind a once-flaky launch test: rank 0's WAIT note is older than the stopped
+    # rank 1's last note, so rank 0 crosses the timeout first, alone.
+    from framework.launch import watchdog as wd
+    states = {1000: "S", 1001: "T"}
+    monkeypatch.setattr(wd, "process_state", lambda pid: states[pid])
+    dog = wd.Watchdog("unused", world=2, timeout_s=10)
+    flights = {0: _flight(0, 100.0, wait=True), 1: _flight(1, 103.0, wait=False)}
+    own = dog.own_ranks(flights)
+    for now, want in [(109.0, None), (111.0, []), (114.0, [1])]:
+        stalled = [r for r, f in flights.items() if dog._stalled(f, own, now)]
+        assert stalled == ([] if want is None else [0] if want == [] else [0, 1])
+        assert dog._suspects(flights, stalled, own, now) == (want or [])
+    states[1001] = "R"  # not stopped, busy without a note (a loop in C): named once it is stalled
+    assert dog._suspects(flights, [0], own, 111.0) == []
+    assert dog._suspects(flights, [0, 1], own, 114.0) == [1]
+
+
+def test_the_watchdog_names_a_deadlock_once_every_rank_waits_or_after_a_grace(monkeypatch):
+    from framework.launch import watchdog as wd
+    monkeypatch.setattr(wd, "process_state", lambda pid: "S")
+    dog = wd.Watchdog("unused", world=3, timeout_s=10)
+    flights = {0: _flight(0, 100.0, True), 1: _flight(1, 101.0, True),
+               2: _flight(2, 100.0, False, "rank finished")}
+    own = dog.own_ranks(flights)
+    assert dog._suspects(flights, [0], own, 110.5) == []  # rank 1 may still arrive
+    assert dog._suspects(flights, [0, 1], own, 111.5) == [0, 1]  # every unfinished rank waits
+    dog._deferred = None
+    flights[2] = _flight(2, 200.0, True)  # a rank that keeps noting progress never lets it fire early
+    assert dog._suspects(flights, [0, 1], own, 111.5) == []
+    assert dog._suspects(flights, [0, 1], own, 111.5 + wd.REMOTE_GRACE_S) == [0, 1]
+
+
 def test_a_sweep_survives_a_failed_job_and_the_report_lists_every_job(tmp_path):
     r = run_cli(["-m", "debug.fail_rank=null,0,null", "debug.fail_step=3", *FAST, "parallelism=pp2",
                  "trainer.steps=4", "metrics.skip_first=0", f"hydra.sweep.dir={tmp_path}"])

@@ -3,8 +3,9 @@
 It reads every rank's flight recorder (framework/train/flight.py) twice a second. When a rank
 has made no progress for trainer.hang_timeout_s, the job ends naming the stalled rank(s)
 and `hang.txt` holds every rank's last actions and collectives. The stalled rank is the one
-stopped (process state `T`), else the one not blocked waiting on a peer, else (a deadlock)
-all of them. It stands down once a rank has failed: that is told as a failure.
+stopped (process state `T`), else the one not blocked waiting on a peer, else (a deadlock,
+once every unfinished rank is stalled or REMOTE_GRACE_S later) all of them. It stands down
+once a rank has failed: that is told as a failure.
 
 On several nodes (`nodes` > 1, launch/node.py) every node's launcher runs one, reading every
 rank's recorder from the shared job directory, but it looks at processes (/proc, signals)
@@ -54,6 +55,7 @@ class Watchdog:
     report: Optional[RankFailure] = None
     processes: dict[int, multiprocessing.Process] = field(default_factory=dict)  # pid -> handle
     _done: threading.Event = field(default_factory=threading.Event)
+    _deferred: Optional[float] = field(default=None, init=False)  # when only waiting ranks first stalled
 
     def start(self) -> Watchdog:
         if self.nodes == 1:  # on several nodes another node's ranks may have started already
@@ -144,16 +146,29 @@ class Watchdog:
 
     def _suspects(self, flights: dict, stalled: list[int], own: set[int], now: float) -> list[int]:
         """Whom to name, or [] for not yet: a stopped rank of this node, else one of its
-        ranks not blocked on a peer; on one node else every stalled rank (a deadlock); on
-        several, after REMOTE_GRACE_S, the same over every node's ranks this one sees."""
+        ranks not blocked on a peer; else, once every unfinished rank is stalled or after a
+        grace, every stalled rank (a deadlock) -- on several nodes over every node's ranks
+        this one sees.
+
+        Only stalled ranks are named, but a stopped rank is looked for among all of this
+        node's: the peers blocked on it may cross the timeout first (their last note, the
+        WAIT, can be older than its last note), and naming them would name the victims."""
         if not stalled:
             self._deferred = None
             return []
-        mine = [r for r in stalled if r in own and flights[r]]
-        named = ([r for r in mine if process_state(flights[r].pid) in ("T", "t")]  # stopped (SIGSTOP) / traced
-                 or [r for r in mine if not flights[r].waiting])  # not blocked on a peer
-        if named or self.nodes == 1:
-            return named or stalled
+        live = [r for r, f in flights.items() if r in own and f is not None]
+        stopped = [r for r in live if process_state(flights[r].pid) in ("T", "t")]  # SIGSTOP / traced
+        if stopped:
+            return [r for r in stopped if r in stalled]  # [] until it has crossed the timeout itself
+        named = [r for r in stalled if r in live and not flights[r].waiting]  # not blocked on a peer
+        if named:
+            return named
+        unfinished = [r for r, f in flights.items() if f is None or not (
+            f.notes and f.notes[-1].text.startswith(("rank finished", "rank failed")))]
+        if self.nodes == 1 and set(unfinished) <= set(stalled):
+            return stalled  # everyone left is blocked: a deadlock
+        # Only waiting ranks are stalled: the rank they wait on may cross the timeout on a
+        # later poll (then it is named above), or, on several nodes, another node may name it.
         self._deferred = self._deferred or now
         if now - self._deferred < REMOTE_GRACE_S:
             return []
