@@ -15,6 +15,7 @@ import pytest
 
 from framework.config import read_config
 from framework.sim.cost.price import job_of
+from framework.sim.cost.activations import peak_bytes
 from framework.sim.cost.traffic import step_collectives
 
 from .conftest import FP64, TINY, run_local
@@ -87,3 +88,13 @@ def test_modelled_collective_bytes_equal_the_measured(run):
             assert sum(_measured(job_dir, r)[("ep", "all_to_all")] for r in group) == pytest.approx(
                 a2a * cfg.parallelism.ep, rel=1e-12)
         assert dict(modelled) == pytest.approx(measured, rel=1e-12), (name, rank)
+
+
+def test_modelled_activation_peak_equals_the_measured(run):
+    """framework/sim/cost/activations.py against ActivationTracker's peak (the largest rank's)
+    in the same run: exact for dense models; a MoE rank's routed share is the expectation."""
+    name, job_dir, cfg = run
+    job = job_of(cfg, json.loads((job_dir / "run_info.json").read_text())["vocab_size"])
+    modelled = max(peak_bytes(job.shape, job.lay, job.pp, job.microbatches, job.schedule, job.virtual_stages))
+    measured = json.loads((job_dir / "summary.json").read_text())["activation_peak_bytes_max"]
+    assert modelled == pytest.approx(measured, rel=0.1 if job.shape.experts else 1e-12), name

@@ -189,7 +189,8 @@ def cost_model(run: RunConfig, vocab: int, plan: dict) -> dict:
     from framework.sim.cost.price import job_of, price, report
 
     prof, job = Profile.of(run.hardware), job_of(run, vocab)
-    states = max(m["model_state_bytes"] for m in plan["memory_estimate_per_rank"])
+    states = [max(m["model_state_bytes"] for m in plan["memory_estimate_per_rank"] if m["pp_rank"] == r)
+              for r in range(run.parallelism.pp)]
     return report(prof, job, price(prof, job), states)
 
 

@@ -66,7 +66,7 @@ def _write(run: RunConfig, job_dir: str, result: dict) -> dict:
 
 def cluster_prediction(run: RunConfig, vocab: int) -> dict:
     """The cost model's price of one candidate on `hardware` (framework/sim/cost/plan.py),
-    under the keys the ranking reads. A layout whose model states do not fit is kept and
+    under the keys the ranking reads. A layout whose memory (model states + activations) does not fit is kept and
     marked (`fits` false): the ranking and the plot show it, never launch anything."""
     from framework.sim.cost.plan import predict_run
     from framework.sim.cost.price import describe
@@ -129,7 +129,7 @@ def finish(sweep_dir: str, run_job) -> list[dict]:
 
 
 def cluster_plot(rows: list[dict], path: str) -> None:
-    """MFU against model-state memory per GPU, one point per candidate, out-of-memory ones
+    """MFU against memory per GPU (states + activations), one point per candidate, out-of-memory ones
     marked, the device's memory as a line."""
     import matplotlib
 
@@ -140,14 +140,14 @@ def cluster_plot(rows: list[dict], path: str) -> None:
     for fits, marker, label in ((True, "o", "fits"), (False, "x", "out of memory")):
         pick = [r for r in rows if r["fits"] == fits]
         if pick:
-            ax.scatter([r["model_state_bytes_max"] / 2 ** 30 for r in pick], [100 * r["mfu"] for r in pick],
+            ax.scatter([r["memory_per_gpu_bytes"] / 2 ** 30 for r in pick], [100 * r["mfu"] for r in pick],
                        marker=marker, label=label, color="tab:blue" if fits else "tab:red")
     ax.axvline(rows[0]["memory_bytes"] / 2 ** 30, color="gray", linestyle="--", label="GPU memory")
     for r in rows[:3]:
         lay = r["layout"]
         ax.annotate(f"#{r['predicted_rank']} tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} z{lay['zero']}",
-                    (r["model_state_bytes_max"] / 2 ** 30, 100 * r["mfu"]), fontsize=8)
-    ax.set_xlabel("model states per GPU (GiB; activations not modelled)")
+                    (r["memory_per_gpu_bytes"] / 2 ** 30, 100 * r["mfu"]), fontsize=8)
+    ax.set_xlabel("memory per GPU (GiB: model states + saved activations)")
     ax.set_ylabel("predicted MFU (%)")
     ax.set_title(f"{len(rows)} layouts on {rows[0]['hardware']} (cost model)")
     ax.legend(fontsize=8)

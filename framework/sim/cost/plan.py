@@ -6,10 +6,10 @@
 The overrides are run.py's (Hydra groups and keys), composed and checked as a dry run's
 (`framework.validate`: nothing starts, so no node-capacity check); the model is read as
 shapes (shapes.py), never built, so a 405B layout on 16,384 GPUs prices in seconds. Memory:
-the fullest rank's model states by this configuration's exact formula
-(metrics/model_states.py) over the ZeRO units the cost model places on each pipeline rank
-(traffic.rank_units: its blocks tp-sharded, experts ep-sharded, its embedding and / or head;
-each flat buffer padded to a multiple of dp); activations are not modelled yet.
+each pipeline rank's model states by this configuration's exact formula
+(metrics/model_states.py) over the ZeRO units the cost model places on it
+(traffic.rank_units: its blocks tp-sharded, experts ep-sharded, its embedding and / or head),
+plus its saved activations over the schedule (activations.py; price.report adds them).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
 
     prof, job = Profile.of(run.hardware), job_of(run, vocab)
     p = run.parallelism
-    out = report(prof, job, price(prof, job), model_states(run, job))
+    out = report(prof, job, price(prof, job), model_states(run, job, per_rank=True))
     out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero,
                                              "sequence_parallel": p.sequence_parallel, "schedule": run.schedule.name,
                                              "microbatches": run.schedule.microbatches,
@@ -71,8 +71,8 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
     return out
 
 
-def model_states(run: RunConfig, job) -> float:
-    """The fullest rank's model-state bytes by this configuration's formula, for the ZeRO
+def model_states(run: RunConfig, job, per_rank: bool = False):
+    """The fullest rank's (`per_rank`: each pipeline rank's) model-state bytes by this configuration's formula, for the ZeRO
     units the cost model places on each pipeline rank (traffic.rank_units: a block's tp
     shards and replicated parameters in two flat buffers, over dp; its experts in a third,
     over edp)."""
@@ -93,7 +93,8 @@ def model_states(run: RunConfig, job) -> float:
         return (states([n for u in units for n, g in u.buffers() if g == "dp"], p.dp)
                 + states([n for u in units for n, g in u.buffers() if g == "edp"], p.dp // p.ep))
 
-    return max(of_rank(r) for r in range(p.pp))
+    each = [of_rank(r) for r in range(p.pp)]
+    return each if per_rank else max(each)
 
 
 def command_line(overrides: list[str], as_json: bool, png) -> int:

@@ -24,6 +24,7 @@ from framework.parallel.pipeline.partition import uniform
 from framework.parallel.pipeline.schedules import get
 from framework.parallel.pipeline.schedules.base import DEFAULT
 from framework.sim.clock import Costs, predict
+from framework.sim.cost.activations import peak_bytes, recompute_transient
 from framework.sim.cost.collectives import collective_s, group_link
 from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
@@ -185,18 +186,28 @@ def _rank_comm(prof: Profile, job: Job) -> dict:
     return out
 
 
-def report(prof: Profile, job: Job, r: Priced, state_bytes: float) -> dict:
+def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
     """The dry run's `cost_model` entry: the prediction and the assumptions it used.
-    `state_bytes`: the fullest rank's model states (the plan's exact formula); activations
-    are not modelled yet, so `fits` says whether the states alone fit."""
+    `state_bytes`: model states per pipeline rank (the plan's exact formula), or one number
+    for every rank. Memory per GPU: a pipeline rank's states + its saved-activation peak over
+    the schedule (activations.py) + under recomputation one block's transient set; `fits`
+    compares the fullest rank's with the device."""
+    s, lay = job.shape, job.lay
+    acts = peak_bytes(s, lay, job.pp, job.microbatches, job.schedule, job.virtual_stages)
+    states = list(state_bytes) if isinstance(state_bytes, (list, tuple)) else [state_bytes] * job.pp
+    transient = recompute_transient(s, lay)
+    need = max(st + a + transient for st, a in zip(states, acts))
+    capacity = prof.memory_gib * 2 ** 30
     return {"hardware": prof.name, "source": prof.source, "gpus": job.world, "step_s": r.step_s,
             "pipeline_s": r.pipeline_s, "bubble": r.bubble, "comm_s": r.comm_s, "optimizer_s": r.optimizer_s,
             "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
-            "hfu": r.hfu, "model_state_bytes_max": state_bytes, "memory_bytes": prof.memory_gib * 2 ** 30,
-            "fits": state_bytes <= prof.memory_gib * 2 ** 30, "dtype": job.lay.dtype,
+            "hfu": r.hfu, "model_state_bytes_max": max(states), "activation_peak_bytes_max": max(acts),
+            "recompute_transient_bytes": transient, "memory_per_gpu_bytes": need, "memory_bytes": capacity,
+            "fits": need <= capacity, "dtype": job.lay.dtype,
             "assumptions": "no overlap of communication with compute; ring collectives; host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
-                           "states only (activations not modelled yet)"}
+                           "states + saved activations (framework/sim/cost/activations.py; no allocator "
+                           "fragmentation, workspaces, p2p buffers or framework runtime)"}
 
 
 def describe(rep: dict) -> str:
@@ -204,6 +215,7 @@ def describe(rep: dict) -> str:
     return (f"cost model on {rep['hardware']} ({rep['source']}): step {rep['step_s'] * 1e3:.1f} ms | "
             f"{rep['tokens_per_s_per_gpu']:.0f} tokens/s, {rep['tflops_per_gpu']:.1f} TFLOP/s per GPU | MFU "
             f"{rep['mfu']:.1%} (HFU {rep['hfu']:.1%}, {rep['dtype']} peak) | bubble {rep['bubble']:.3f} | "
-            f"communication {comm or 'none'} | optimizer {rep['optimizer_s'] * 1e3:.1f} ms | model states "
-            f"{rep['model_state_bytes_max'] / 2 ** 30:.1f} of {rep['memory_bytes'] / 2 ** 30:.1f} GiB per GPU "
-            f"({'fits' if rep['fits'] else 'OUT OF MEMORY'})\n  assumed: {rep['assumptions']}")
+            f"communication {comm or 'none'} | optimizer {rep['optimizer_s'] * 1e3:.1f} ms | memory "
+            f"{rep['memory_per_gpu_bytes'] / 2 ** 30:.1f} of {rep['memory_bytes'] / 2 ** 30:.1f} GiB per GPU "
+            f"({'fits' if rep['fits'] else 'OUT OF MEMORY'}; model states {rep['model_state_bytes_max'] / 2 ** 30:.1f}"
+            f", activations {rep['activation_peak_bytes_max'] / 2 ** 30:.1f} GiB)\n  assumed: {rep['assumptions']}")

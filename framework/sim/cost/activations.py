@@ -1,0 +1,126 @@
+"""Saved activations: the bytes autograd keeps from a micro-batch's forward until its backward,
+per (micro-batch, chunk) on one rank, and the peak over the schedule's real action list.
+
+What is counted is what the framework's ActivationTracker (metrics/memory.py) measures: each
+tensor saved for backward, storages counted once, parameters excluded. The terms are read off
+the framework's own models (transformers' blocks under SDPA's flash path; the tp layers of
+parallel/tensor_parallel.py), per token of the micro-batch; `t` the micro-batch's tokens, `tn`
+the tokens of norms and residuals (t / tp under sequence parallelism), `a` the activation dtype:
+- GPT-2: LayerNorm saves its input and mean / rstd; c_attn its input (the norm's output, or
+  under SP its sequence shard: _SequenceGatherLinear gathers again in backward); SDPA q, k, v
+  (views of c_attn's output: 3 h / tp), its output (which c_proj reads as a view) and the
+  log-sum-exp per head; GELU (tanh form: x, tanh, 0.5 x, 1 + tanh) four 4 h / tp tensors and
+  c_proj's input one more. 4 h tn + t (4 h + heads + 5 ffn) / tp, plus 4 tn statistics.
+- Llama: RMSNorm saves its input, the normalised tensor and (as the next linear's input) its
+  output, which under SP is the gathered (t, h) tensor (one gather for q, k, v); rotary's cos
+  and sin (s x head_dim each, per block); SDPA q, k, v (grouped: kv / tp), output and
+  log-sum-exp; SwiGLU gate, silu(gate), up and their product, 4 ffn / tp.
+- Qwen3-MoE: llama's attention plus q_norm / k_norm (input, rstd, normalised); per layer the
+  router's probabilities (E), top-k indices (int64), weights, the permuted tokens (t k h), each
+  expert's gate-up / silu / product (4 expert_ffn per assignment), the combine's expert outputs
+  and weighted outputs (t k h each) and three index tensors (int64). Under ep, t k assignments
+  per rank is the expectation: a rank's real share depends on the routing.
+- Embedding (first stage): the ids (int64; GPT-2's positions too; under tp the local ids and a
+  bool mask). Head (last stage): the final norm as above, the LM head's input, the logits'
+  log-softmax (at least fp32: the loss upcasts), the labels and the loss's weight; under tp the
+  vocab-parallel loss's softmax of the padded shard (t Vp / tp), local targets and their mask.
+Recomputation (trainer.activation_checkpointing) keeps each block's input only (h tn); in its
+backward one block's full set lives again for a moment: `recompute_transient`, added to the
+memory per GPU, not to the saved peak (the tracker sees only what checkpointing keeps).
+
+The terms are exact for fp32 and fp64 runs here (tests/test_comm_bytes.py compares them with
+the measured peak of every layout it runs). Under bf16 autocast the framework also saves fp32
+or bf16 copies the terms do not count; 16-bit runs take `a` = 2 with fp32 statistics, as
+Korthikanti et al. (2022) count them. Dropout masks are not counted (the presets' dropout is 0).
+"""
+
+from __future__ import annotations
+
+from framework.parallel.pipeline.partition import uniform
+from framework.parallel.pipeline.schedules import get
+from framework.parallel.pipeline.schedules.base import Op
+from framework.sim.cost.shapes import Layout, ModelShape
+
+INDEX = 8  # int64 ids, labels and routing indices
+
+
+def _stats_bytes(lay: Layout) -> int:
+    return 4 if lay.act_bytes < 4 else lay.act_bytes  # norms' statistics and the log-sum-exp: fp32 at least
+
+
+def block_bytes(s: ModelShape, lay: Layout) -> float:
+    """One block's saved bytes for one micro-batch on one rank (no recomputation)."""
+    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), lay.tokens
+    tn = t // tp if lay.sp else t
+    h, kv, heads = s.hidden, s.kv_dim, s.heads
+    lse = t * heads // tp * st
+    if s.arch == "gpt2":
+        return 4 * h * tn * a + t * (4 * h + 5 * s.ffn) // tp * a + 4 * tn * st + lse
+    norm = (2 * h * tn + h * t) * a + tn * st  # input, normalised, output (the linears' input)
+    attn = 2 * norm + t * (2 * h + 2 * kv) // tp * a + lse + 2 * lay.seq_len * s.head_dim * a
+    if s.arch == "qwen3_moe":  # q_norm / k_norm: input and normalised per head, rstd
+        attn += t * (2 * h + 2 * kv) // tp * a + t * (heads + s.kv_heads) // tp * st
+    if not s.experts:
+        return attn + 4 * t * s.ffn // tp * a
+    k, e = s.top_k, s.experts
+    routed = t * k  # assignments this rank computes (the expectation under ep)
+    return (attn + t * (e + 1 + k) * a + t * k * INDEX  # router: probabilities, sum, weights; top-k
+            + routed * (3 * h + 4 * s.expert_ffn + 1) * a  # permuted, expert outputs, weighted; SwiGLU; weights
+            + 3 * routed * INDEX)
+
+
+def embedding_bytes(s: ModelShape, lay: Layout) -> float:
+    """The ids (under tp: this shard's local ids and the bool mask of the others'), GPT-2's positions."""
+    return lay.tokens * (INDEX + (lay.tp > 1)) + (lay.seq_len * INDEX if s.arch == "gpt2" else 0)
+
+
+def head_bytes(s: ModelShape, lay: Layout) -> float:
+    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), lay.tokens
+    tn = t // tp if lay.sp else t
+    h, logit = s.hidden, max(a, 4)
+    if s.arch == "gpt2":
+        norm = 2 * h * tn * a + 2 * tn * st  # input, output (the head's input; its shard under SP)
+    else:
+        norm = (2 * h * tn + h * t) * a + tn * st
+    if tp > 1:  # the vocab-parallel loss: softmax of the padded shard, local targets, their mask
+        return norm + t * -(-s.vocab // tp) * logit + t * (INDEX + 1)
+    return norm + t * s.vocab * logit + t * INDEX + logit  # log-softmax, labels, the loss's weight
+
+
+def chunk_bytes(s: ModelShape, lay: Layout, blocks: int, first: bool, last: bool) -> float:
+    """One (micro-batch, chunk)'s saved bytes: its blocks (their inputs only under
+    recomputation), the embedding on the first stage, the head on the last."""
+    tn = lay.tokens // lay.tp if lay.sp else lay.tokens
+    per_block = s.hidden * tn * lay.act_bytes if lay.recompute else block_bytes(s, lay)
+    return (blocks * per_block + (embedding_bytes(s, lay) if first else 0.0)
+            + (head_bytes(s, lay) if last else 0.0))
+
+
+def recompute_transient(s: ModelShape, lay: Layout) -> float:
+    """Under recomputation, one block's full saved set while its backward runs."""
+    return block_bytes(s, lay) if lay.recompute else 0.0
+
+
+def peak_bytes(s: ModelShape, lay: Layout, pp: int, microbatches: int, schedule: str, v: int = 1) -> list[float]:
+    """Per pipeline rank: the most saved bytes alive at once, walking the schedule's action
+    list (an F adds its chunk's bytes, the action ending its backward, B or W, frees them)."""
+    sched = get(schedule)
+    smap = sched.stage_map(pp, v)
+    parts = uniform(s.layers, pp * v)
+    size = {}
+    for stage, blocks in enumerate(parts):
+        size[(smap.rank(stage), smap.chunk(stage))] = chunk_bytes(s, lay, len(blocks), stage == 0,
+                                                                 stage == len(parts) - 1)
+    if pp == 1:
+        return [size[(0, 0)]]
+    out = []
+    for r, acts in sorted(sched.generate(pp, microbatches, v, 1).items()):
+        alive = peak = 0.0
+        for act in acts:
+            if act.op is Op.F:
+                alive += size[(r, act.chunk)]
+                peak = max(peak, alive)
+            elif act.op.ends_backward:
+                alive -= size[(r, act.chunk)]
+        out.append(peak)
+    return out
