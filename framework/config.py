@@ -87,6 +87,7 @@ _CHECKPOINTS = dict(when=lambda r: r.trainer.checkpoint_interval > 0, when_text=
                     base=("trainer.checkpoint_interval=2",))
 _WANDB = dict(when=lambda r: r.logger.name == "wandb", when_text="logger=wandb",
               base=("logger=wandb", "logger.mode=disabled"))
+_CP = dict(when=lambda r: r.parallelism.cp > 1, when_text="parallelism.cp > 1", base=("parallelism.cp=2",))
 _LABEL = "a free label (only shown)"
 
 
@@ -158,7 +159,7 @@ class DataConfig:
 @dataclass
 class ParallelismConfig:
     name: str = key("single", free=_LABEL)
-    dp: Optional[int] = key(1, ge=1, le=MAX_RANKS)  # null = world_size / (tp * pp) (a layout search fixes the world size)
+    dp: Optional[int] = key(1, ge=1, le=MAX_RANKS)  # null = world_size / (tp * pp * cp) (a layout search fixes the world size)
     tp: int = key(1, ge=1, le=MAX_RANKS)
     pp: int = key(1, ge=1, le=MAX_RANKS)
     # expert parallel: each MoE layer's experts split over ep ranks carved out of dp (docs/moe.md)
@@ -168,10 +169,21 @@ class ParallelismConfig:
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
-    # null = dp * tp * pp; set it to assert the launch size (or to derive dp)
+    # context parallel: each sequence cut over cp ranks (framework/parallel/context_parallel.py);
+    # gradients and ZeRO over dp x cp; checked in framework/validate/context.py
+    cp: int = key(1, ge=1, le=MAX_RANKS)
+    cp_comm: str = key("allgather", choices=("allgather",), **_CP)  # K / V all-gathered (Llama 3's)
+    cp_balance: str = key("headtail", choices=("headtail", "contiguous"), **_CP)  # which 2 cp chunks a rank holds
+    # null = dp * cp * tp * pp; set it to assert the launch size (or to derive dp)
     world_size: Optional[int] = key(None, ge=1, le=MAX_RANKS)
     # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]
     partition: Any = key("uniform", free="a method or a list: checked on the meta model (validate_model)")
+
+    @property
+    def replicas(self) -> int:
+        """The ranks a parameter is replicated over (per tp and pp coordinate): dp x cp. Its
+        gradients are averaged, and ZeRO shards it, over them."""
+        return self.dp * self.cp
 
 
 @dataclass
@@ -385,7 +397,7 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         p = self.parallelism
-        return p.dp * p.tp * p.pp
+        return p.dp * p.cp * p.tp * p.pp
 
     @property
     def global_batch(self) -> int:
@@ -436,7 +448,7 @@ def _sim_from(cfg):
 
 def derive_layout(run: RunConfig) -> None:
     """Fill the sizes left to derive, so everything downstream reads plain ints:
-    parallelism.dp = world_size / (tp * pp) when dp is null, and with
+    parallelism.dp = world_size / (tp * pp * cp) when dp is null, and with
     trainer.global_batch_size either schedule.microbatches (micro_batch_size set: the
     default) or trainer.micro_batch_size (null). Sizes that are not positive are left for
     framework.validate to name."""
@@ -444,11 +456,11 @@ def derive_layout(run: RunConfig) -> None:
     _clamp_skip_first(run)
     _sizes_from_csv(s)
     if p.dp is None:
-        if p.world_size is None or p.tp < 1 or p.pp < 1 or p.world_size % (p.tp * p.pp):
-            raise ConfigError("parallelism.dp", None, f"null derives dp = world_size / (tp * pp), but world_size = "
-                              f"{p.world_size} and tp * pp = {p.tp}*{p.pp}",
-                              "set parallelism.dp, or a parallelism.world_size divisible by tp * pp")
-        p.dp = p.world_size // (p.tp * p.pp)
+        if p.world_size is None or min(p.tp, p.pp, p.cp) < 1 or p.world_size % (p.tp * p.pp * p.cp):
+            raise ConfigError("parallelism.dp", None, f"null derives dp = world_size / (tp * pp * cp), but world_size = "
+                              f"{p.world_size} and tp * pp * cp = {p.tp}*{p.pp}*{p.cp}",
+                              "set parallelism.dp, or a parallelism.world_size divisible by tp * pp * cp")
+        p.dp = p.world_size // (p.tp * p.pp * p.cp)
     g = t.global_batch_size
     if g is None:
         if t.micro_batch_size is None:

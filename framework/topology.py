@@ -4,11 +4,17 @@ Ranks are laid out as `arange(world).view(pp, dp, tp)`, as in Megatron-LM's mode
 unit: tp innermost so tensor-parallel peers are neighbouring ranks (same node, fastest
 links), then dp, then pp outermost. This is the only place that layout is written.
 
+The `dp` coordinate counts the replicas of the parameters: data parallel x context parallel
+ranks (Megatron's order tp-cp-dp-pp: cp inside dp). dp rank = data_rank * cp + cp_rank, so a
+`cp` group is cp consecutive dp ranks (one sequence cut over them, the same samples) and the
+`dp` group, over which gradients are averaged and ZeRO shards, spans data x cp. cp = 1: the
+dp coordinate is the data rank.
+
 Expert parallelism is carved out of dp (Megatron's order tp-cp-ep-dp-pp with expert tp =
 tp): dp rank = edp_rank * ep + ep_rank, so an `ep` group is ep consecutive dp ranks (the
 experts of a MoE layer are split over it) and an `edp` group (expert data parallel: the
 ranks holding the same experts) strides by ep through dp. ep = 1: each ep group is one rank
-and edp is dp.
+and edp is dp. (ep with cp > 1 is not built: framework/validate/context.py.)
 `ParallelDims` is pure (no torch.distributed) so the rank math is testable without
 processes; `ParallelContext.create` builds the process groups from it, once per rank, and
 the context is passed explicitly to every wrapper (no module-level state).
@@ -35,13 +41,36 @@ class ParallelDims:
     dp: int
     tp: int
     ep: int = 1  # expert parallel size: divides dp
+    cp: int = 1  # context parallel size: divides dp (the replicas: data x cp)
 
     def __post_init__(self):
-        for k in ("pp", "dp", "tp", "ep"):
+        for k in ("pp", "dp", "tp", "ep", "cp"):
             if getattr(self, k) < 1:
                 raise ValueError(f"ParallelDims.{k}={getattr(self, k)} must be >= 1")
         if self.dp % self.ep:
             raise ValueError(f"ParallelDims.ep={self.ep} must divide dp={self.dp}")
+        if self.dp % self.cp:
+            raise ValueError(f"ParallelDims.cp={self.cp} must divide dp={self.dp} (the replicas: data x cp)")
+
+    @classmethod
+    def of(cls, p) -> ParallelDims:
+        """From a ParallelismConfig (the dp coordinate: its replicas, dp x cp)."""
+        return cls(pp=p.pp, dp=p.dp * p.cp, tp=p.tp, ep=p.ep, cp=p.cp)
+
+    @property
+    def data(self) -> int:
+        """Data-parallel size: the replicas that read different samples (parallelism.dp)."""
+        return self.dp // self.cp
+
+    def data_rank(self, c: Coords) -> int:
+        return c.dp // self.cp
+
+    def cp_rank(self, c: Coords) -> int:
+        return c.dp % self.cp
+
+    def named(self, c: Coords) -> dict:
+        """The coordinates as reports name them: pp, dp (the data rank), tp; and cp when cp > 1."""
+        return {"pp": c.pp, "dp": self.data_rank(c), "tp": c.tp, **({"cp": self.cp_rank(c)} if self.cp > 1 else {})}
 
     @property
     def edp(self) -> int:
@@ -70,15 +99,17 @@ class ParallelDims:
         return Coords(pp=pp, dp=dp, tp=tp)
 
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group of `dim` ('tp' | 'dp' | 'pp' | 'ep' | 'edp'): ranks that differ only in
-        that coordinate (ep and edp: the two parts of the dp coordinate)."""
+        """Every group of `dim` ('tp' | 'dp' | 'pp' | 'cp' | 'ep' | 'edp'): ranks that differ only
+        in that coordinate (cp, ep and edp: parts of the dp coordinate)."""
+        if dim == "cp":
+            return sorted(g[j * self.cp:(j + 1) * self.cp] for g in self.groups("dp") for j in range(self.data))
         if dim in ("ep", "edp"):
             inner = dim == "ep"
             return sorted(g[j * self.ep:(j + 1) * self.ep] if inner else g[j::self.ep]
                           for g in self.groups("dp") for j in range(self.edp if inner else self.ep))
         sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         if dim not in sizes:
-            raise ValueError(f"unknown dimension {dim!r}; use pp, dp, tp, ep or edp")
+            raise ValueError(f"unknown dimension {dim!r}; use pp, dp, tp, cp, ep or edp")
         others = [d for d in ("pp", "dp", "tp") if d != dim]
         out = []
         for a in range(sizes[others[0]]):
@@ -122,6 +153,11 @@ class ParallelContext:
         return self.groups["pp"]
 
     @property
+    def cp_group(self):
+        """Context parallel: the ranks one sequence is cut over (None when cp = 1)."""
+        return self.groups.get("cp")
+
+    @property
     def ep_group(self):
         """Expert parallel: the ranks a MoE layer's experts are split over (None when ep = 1)."""
         return self.groups.get("ep")
@@ -144,7 +180,8 @@ class ParallelContext:
         import torch.distributed as dist
 
         groups, members = {}, {}
-        dims_made = ("pp", "dp", "tp", "embedding") + (("ep", "edp") if dims.ep > 1 else ())
+        dims_made = ("pp", "dp", "tp", "embedding") + (("ep", "edp") if dims.ep > 1 else ()) + (
+            ("cp",) if dims.cp > 1 else ())
         for dim in dims_made:
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the one it belongs to.

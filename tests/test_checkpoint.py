@@ -102,11 +102,14 @@ LAYOUTS = {"single": ["parallelism=single", "schedule.microbatches=4"],
            "pp4": ["parallelism=pp4", "schedule=flush", "schedule.microbatches=4"],
            "zero3": ["parallelism=zero3", "schedule.microbatches=2"],
            "zero1": ["parallelism=zero1", "schedule.microbatches=2"],
-           "3d": ["parallelism=3d_2x2x2", "schedule=flush", "schedule.microbatches=2"]}
+           "3d": ["parallelism=3d_2x2x2", "schedule=flush", "schedule.microbatches=2"],
+           "cp2": ["parallelism=single", "parallelism.cp=2", "schedule.microbatches=4"],
+           "cp2_pp2": ["parallelism=pp2", "parallelism.cp=2", "schedule=flush", "schedule.microbatches=4"]}
 # Each chain: the first layout runs until a fault at the start of step 3 (checkpoint step_2);
 # each next one resumes the previous one's newest checkpoint, saves every 2 steps and (but
-# the last) fails at the start of step 5. dp2 -> tp2 -> pp2 covers two of the pairs in one chain.
-CHAINS = [("dp2", "tp2", "pp2"), ("pp2", "pp4"), ("zero3", "zero1"), ("3d", "dp2")]
+# the last) fails at the start of step 5. dp2 -> tp2 -> pp2 covers two of the pairs in one chain;
+# cp2 -> dp2 -> cp2_pp2 takes a context-parallel run to cp 1 and back.
+CHAINS = [("dp2", "tp2", "pp2"), ("pp2", "pp4"), ("zero3", "zero1"), ("3d", "dp2"), ("cp2", "dp2", "cp2_pp2")]
 
 
 @pytest.fixture(scope="module")

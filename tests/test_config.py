@@ -117,14 +117,14 @@ def test_schedule_presets_set_only_schedule_keys():
 
 
 BAD = [
-    (["parallelism.world_size=3"], "parallelism.world_size=3", "dp*tp*pp"),
+    (["parallelism.world_size=3"], "parallelism.world_size=3", "dp*cp*tp*pp"),
     (["model.n_head=3"], "model.n_head=3", "does not divide model.n_embd=128"),
     (["model=llama-tiny", "model.n_kv_head=3"], "model.n_kv_head=3", "must divide n_head"),
     (["data.seq_len=512"], "data.seq_len=512", "must be <= model.max_positions (model.max_positions=256)"),
     (["trainer.global_batch_size=10"], "trainer.global_batch_size=10", "not divisible"),
     (["trainer.micro_batch_size=null"], "trainer.micro_batch_size=None", "null derives it"),
     (["parallelism.dp=null"], "parallelism.dp=None", "world_size = None"),
-    (["parallelism.dp=null", "parallelism.world_size=3"], "parallelism.dp=None", "tp * pp = 1*2"),
+    (["parallelism.dp=null", "parallelism.world_size=3"], "parallelism.dp=None", "tp * pp * cp = 1*2*1"),
     (["model.arch=gpt3"], "model.arch='gpt3'", "unknown name"),
     (["data.name=books"], "data.name='books'", "unknown name"),
     (["schedule.name=zb"], "schedule.name='zb'", "unknown name"),

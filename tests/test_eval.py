@@ -180,7 +180,7 @@ def _eval_rank(rank: int, world: int, run, info, prepared) -> dict:
 
     torch.set_num_threads(1)
     p = run.parallelism
-    ctx = ParallelContext.create(ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp), rank, torch.device("cpu"))
+    ctx = ParallelContext.create(ParallelDims.of(p), rank, torch.device("cpu"))
     runner, _ = build_runner(run, info, ctx)
     batches = Batches(run, info, ctx)
     heldout = HeldOut(run, prepared.val_tokens_path, prepared.val_num_samples, ctx)
@@ -230,6 +230,12 @@ def test_zero3_evaluates_the_single_process_val_loss_and_leaves_no_unit_gathered
 def test_tp2_pp2_interleaved_sp_evaluates_the_single_process_val_loss(direct_single, data_cache):
     out = _direct(data_cache, "parallelism=tp2_pp2", "parallelism.sequence_parallel=true", "schedule=interleaved",
                   "schedule.microbatches=4", "schedule.virtual_stages=2")
+    _assert_single_process_val_loss(out, direct_single)
+
+
+def test_cp2_tp2_evaluates_the_single_process_val_loss(direct_single, data_cache):
+    """Context parallel evaluation: each cp rank's mean over its tokens, averaged."""
+    out = _direct(data_cache, "parallelism=tp2", "parallelism.cp=2", "schedule.microbatches=4")
     _assert_single_process_val_loss(out, direct_single)
 
 

@@ -41,7 +41,7 @@ def test_bad_dims_and_ranks_are_errors():
     with pytest.raises(ValueError, match="outside world size 4"):
         ParallelDims(pp=1, dp=4, tp=1).coords(4)
     with pytest.raises(ValueError, match="unknown dimension"):
-        ParallelDims(pp=1, dp=1, tp=1).groups("cp")
+        ParallelDims(pp=1, dp=1, tp=1).groups("sp")
 
 
 def _megatron_groups(world: int, sizes: list[int], mask: list[bool]) -> list[list[int]]:
@@ -97,3 +97,20 @@ def test_eight_ranks_ep2_groups_by_hand():
     assert dims.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
         ParallelDims(pp=1, dp=4, tp=1, ep=3)
+
+
+@pytest.mark.parametrize("pp,data,cp,tp", [(1, 1, 2, 1), (1, 2, 2, 2), (2, 2, 4, 1), (2, 3, 2, 2)])
+def test_cp_groups_are_megatrons(pp, data, cp, tp):
+    """Megatron's dense rank generator in its order tp-cp-dp-pp: its cp groups, its data-parallel
+    groups (same cp rank) and its dp-cp groups (over which it reduces gradients) are ours, with
+    our dp coordinate holding data x cp."""
+    dims = ParallelDims(pp=pp, dp=data * cp, tp=tp, cp=cp)
+    world = dims.world_size
+    sizes = [tp, cp, data, pp]
+    assert dims.groups("cp") == sorted(_megatron_groups(world, sizes, [False, True, False, False]))
+    assert dims.groups("dp") == sorted(_megatron_groups(world, sizes, [False, True, True, False]))
+    for dim, i in (("tp", 0), ("pp", 3)):
+        assert dims.groups(dim) == sorted(_megatron_groups(world, sizes, [j == i for j in range(4)]))
+    same_cp_rank = sorted(_megatron_groups(world, sizes, [False, False, True, False]))
+    assert sorted([r for r in g if dims.cp_rank(dims.coords(r)) == k] for g in dims.groups("dp")
+                  for k in range(cp)) == same_cp_rank

@@ -24,7 +24,7 @@ from framework.parallel.tensor_parallel import shard_numels
 from framework.parallel.pipeline.schedules import resolve
 from framework.sim.clock import grid
 from framework.precision import policy_of
-from framework.topology import ParallelDims
+from framework.topology import Coords, ParallelDims
 
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
 
@@ -65,14 +65,17 @@ def stage_table(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> lis
 
 def draw_layout(dims: ParallelDims) -> str:
     """Rank numbers per pipeline stage as a dp x tp grid (the cube of Megatron's docstring, sliced)."""
-    out = [f"ranks = arange({dims.world_size}).view(pp={dims.pp}, dp={dims.dp}, tp={dims.tp})"]
+    cp = f", cp={dims.cp}" if dims.cp > 1 else ""  # cp inside the replica coordinate (topology.py)
+    out = [f"ranks = arange({dims.world_size}).view(pp={dims.pp}, dp={dims.data}{cp}, tp={dims.tp})"]
     width = len(str(dims.world_size - 1))
     for pp in range(min(dims.pp, MAX_DRAWN["pp"])):
         out.append(f"pp stage {pp}:" + " " * 4 + "  ".join(f"tp{t:<{width - 1}}" for t in range(min(dims.tp, MAX_DRAWN["tp"]))))
         for dp in range(min(dims.dp, MAX_DRAWN["dp"])):
             ranks = [(pp * dims.dp + dp) * dims.tp + t for t in range(min(dims.tp, MAX_DRAWN["tp"]))]
             more = " ..." if dims.tp > MAX_DRAWN["tp"] else ""
-            out.append(f"  dp {dp:<{len(str(dims.dp))}} [ " + "  ".join(f"{r:>{max(width, 3)}}" for r in ranks) + f" ]{more}")
+            row = f"dp {dims.data_rank(Coords(pp, dp, 0)):<{len(str(dims.data))}}" + (
+                f" cp {dp % dims.cp}" if dims.cp > 1 else "")
+            out.append(f"  {row} [ " + "  ".join(f"{r:>{max(width, 3)}}" for r in ranks) + f" ]{more}")
         if dims.dp > MAX_DRAWN["dp"]:
             out.append(f"  ... {dims.dp - MAX_DRAWN['dp']} more dp rows")
     if dims.pp > MAX_DRAWN["pp"]:
@@ -82,7 +85,7 @@ def draw_layout(dims: ParallelDims) -> str:
 
 def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     p, s = run.parallelism, run.schedule
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep)
+    dims = ParallelDims.of(p)
     stages = stage_table(run, hf_model, ranges)
     ratio = optimizer_state_ratio(run.optimizer)
     memory = []
@@ -94,10 +97,10 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
         # padding, no step counters (each under dp elements / a few bytes per tensor;
         # summary.json has the exact value).
         est = {k: a + b for (k, a), b in zip(
-            config_model_states(p.zero, [n - e], p.dp, policy_of(run), ratio, offload=p.offload_optimizer).items(),
+            config_model_states(p.zero, [n - e], p.replicas, policy_of(run), ratio, offload=p.offload_optimizer).items(),
             config_model_states(p.zero, [e], p.dp // p.ep, policy_of(run), ratio,
                                 offload=p.offload_optimizer).values(), strict=True)}
-        bf16 = sum(zero_model_states(p.zero, n - e, p.dp, ratio, bf16=True).values()) + \
+        bf16 = sum(zero_model_states(p.zero, n - e, p.replicas, ratio, bf16=True).values()) + \
             sum(zero_model_states(p.zero, e, p.dp // p.ep, ratio, bf16=True).values())
         memory.append({"pp_rank": rank, "psi": n, "expert_psi": e, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})
@@ -106,9 +109,11 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     smap = sched.stage_map(p.pp, s.virtual_stages)
     schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
     return {
-        "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "tp": p.tp, "ep": p.ep}, "zero": p.zero,
+        "world_size": dims.world_size, "dims": {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep},
+        "zero": p.zero,
         "precision": policy_of(run).mode,
-        "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp") + (("ep", "edp") if p.ep > 1 else ())},
+        "groups": {d: dims.groups(d) for d in ("tp", "dp", "pp") + (("ep", "edp") if p.ep > 1 else ())
+                   + (("cp",) if p.cp > 1 else ())},
         "layout": draw_layout(dims),
         "stages": stages, "schedule": {"name": s.name, "microbatches": s.microbatches,
                                        "virtual_stages": s.virtual_stages},
@@ -122,7 +127,8 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
 
 
 def render_plan(plan: dict) -> str:
-    lines = [f"dry run: {plan['world_size']} ranks (pp {plan['dims']['pp']} x dp {plan['dims']['dp']} x "
+    cp = f"cp {plan['dims']['cp']} x " if plan["dims"].get("cp", 1) > 1 else ""
+    lines = [f"dry run: {plan['world_size']} ranks (pp {plan['dims']['pp']} x dp {plan['dims']['dp']} x {cp}"
              f"tp {plan['dims']['tp']}), no rank started", plan["layout"], "", "groups (first 4 of each):"]
     for d, gs in plan["groups"].items():
         lines.append(f"  {d}: {len(gs)} groups of {len(gs[0])}: " + " ".join(str(g) for g in gs[:4]) + (" ..." if len(gs) > 4 else ""))

@@ -119,15 +119,15 @@ def formula_report(runner, run) -> dict:
         # padding is by dim-0 rows, so this is exact only where rows divide by dp.
         stage = 3
         policy = replace(policy, param_dtype=policy.state_dtype, master_dtype=None)
-    exact = _added(config_model_states(stage, stepped_numels(runner), p.dp, policy, ratio, scalars,
+    exact = _added(config_model_states(stage, stepped_numels(runner), p.replicas, policy, ratio, scalars,
                                        p.offload_optimizer),
                    config_model_states(stage, stepped_numels(runner, experts=True), edp, policy, ratio, scalars,
                                        p.offload_optimizer))
     policy = policy_of(run)
-    mixed = sum(zero_model_states(p.zero, psi, p.dp, ratio, bf16=True).values()) + \
+    mixed = sum(zero_model_states(p.zero, psi, p.replicas, ratio, bf16=True).values()) + \
         sum(zero_model_states(p.zero, psi_experts, edp, ratio, bf16=True).values())
     word = bytes_of(policy.state_dtype)
-    full = sum(zero_model_states(p.zero, psi, p.dp, ratio, word=word).values()) + \
+    full = sum(zero_model_states(p.zero, psi, p.replicas, ratio, word=word).values()) + \
         sum(zero_model_states(p.zero, psi_experts, edp, ratio, word=word).values())
     psi += psi_experts
     return {"psi": psi, "model_state_formula_bytes": sum(exact.values()), "model_state_formula": exact,

@@ -17,10 +17,13 @@ class GPT2Embedding(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
         self.seq_shard = (0, 1)  # (rank, shards): sequence parallelism keeps T/shards positions
+        self.positions = None  # context parallelism: the ids' places in the whole sequence
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rank, shards = self.seq_shard
-        pos = torch.arange(input_ids.size(1), device=input_ids.device).chunk(shards)[rank]  # (T/shards,)
+        pos = (torch.arange(input_ids.size(1), device=input_ids.device) if self.positions is None
+               else self.positions.to(input_ids.device))
+        pos = pos.chunk(shards)[rank]  # (T/shards,)
         return self.drop(self.wte(input_ids) + self.wpe(pos))  # (B, T/shards, H)
 
 

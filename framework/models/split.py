@@ -37,6 +37,9 @@ class SplitLM(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.head = head
         self.checkpoint_blocks = checkpoint_blocks
+        # context parallelism (framework/parallel/context_parallel.py): the first stage keeps
+        # this rank's tokens of the ids, the last its tokens of the labels; None: all of them
+        self.context = None
         # Kept outside the module tree: registering it would list every parameter twice in
         # state_dict. It gives the transformers names for checkpoints and comparisons.
         object.__setattr__(self, "_hf", hf_model)
@@ -48,8 +51,10 @@ class SplitLM(nn.Module):
     def stage(self, blocks: range, first: bool, last: bool) -> SplitLM:
         """A pipeline stage: blocks[i] for i in `blocks`, the embedding if first, the head if
         last; the same modules (not copies) and the same loss."""
-        return SplitLM(self.embedding if first else None, [self.blocks[i] for i in blocks], self.head if last else None,
-                       self.hf_model, self.checkpoint_blocks, self.loss_fn)
+        stage = SplitLM(self.embedding if first else None, [self.blocks[i] for i in blocks],
+                        self.head if last else None, self.hf_model, self.checkpoint_blocks, self.loss_fn)
+        stage.context = self.context
+        return stage
 
     def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -63,6 +68,9 @@ class SplitLM(nn.Module):
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids (B, T) on the first stage, hidden states (B, T, H) elsewhere. Returns the
         loss on the last stage when labels are given, logits (B, T, V) without, else (B, T, H)."""
+        if self.context is not None:  # (B, T) -> this cp rank's (B, T / cp) tokens
+            x = self.context.shard(x) if self.embedding is not None else x
+            labels = self.context.shard(labels) if labels is not None and self.head is not None else labels
         h = self.embedding(x) if self.embedding is not None else x  # (B, T, H)
         h = self.run_blocks(h)
         if self.head is None:
@@ -85,11 +93,13 @@ class HFBlock(nn.Module):
         # so sharing one instance across blocks adds nothing to the state dict.
         self.rotary = rotary
         self.seq_shards = 1  # sequence parallelism: h holds T/seq_shards positions, attention all T
+        self.positions: Optional[torch.Tensor] = None  # context parallelism: the tokens' places in the sequence
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:
             out = self.layer(h)
         else:
-            pos = torch.arange(h.size(1) * self.seq_shards, device=h.device).unsqueeze(0)  # (1, T)
+            pos = (torch.arange(h.size(1) * self.seq_shards, device=h.device) if self.positions is None
+                   else self.positions.to(h.device)).unsqueeze(0)  # (1, T)
             out = self.layer(h, position_ids=pos, position_embeddings=self.rotary(h, pos))
         return out[0] if isinstance(out, tuple) else out

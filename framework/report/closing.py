@@ -24,7 +24,8 @@ def summary_lines(summary: dict) -> str:
                      f"({summary['schedule']} at the measured op "
                      f"times: {ops or 'none'})")
     for r in summary["ranks"]:
-        lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
+        cp = f", cp {r['cp']}" if "cp" in r else ""
+        lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}{cp}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
                      f" | grads {r['grads_bytes'] / 2**20:.1f} MiB | master {r['master_bytes'] / 2**20:.1f} MiB"
                      f" | optimizer {r['optimizer_bytes'] / 2**20:.1f} MiB"
                      f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")

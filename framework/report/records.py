@@ -75,6 +75,7 @@ class StepRecord:
     weight_version_bytes: int
     p2p_buffer_peak_bytes: int
     tp_comm_bytes: int
+    cp_comm_bytes: int  # context parallel attention's all-gathers / reduce-scatters (0 at cp = 1)
     actions: list[tuple[str, float, float, float]]  # (action, start, compute_start, end), unix seconds
     states: StateBytes
     loss_scale: Optional[float] = None

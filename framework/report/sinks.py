@@ -13,8 +13,8 @@ gathers them to rank 0 once per log interval and rank 0 merges them into one row
               framework/train/pipeline_runner.py); _max and per rank beside it
   loss_scale, overflow, skipped_steps  fp16-mixed only: the scale the step ran at, whether it
               was skipped (grad_norm is then null), overflowed steps so far
-  tp_comm_bytes bytes one rank sent in tp collectives during the step (forward, backward,
-              grad sync; ring-algorithm count, framework/parallel/tp_comm.py), max over ranks
+  tp_comm_bytes, cp_comm_bytes  bytes one rank sent in tp (cp) collectives during the step
+              (ring-algorithm count, framework/parallel/tp_comm.py), max over ranks
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
 when the run completes), summary.json (written last, atomically: its presence means the
 run completed), and for pipelines trace.json (the actions of at most metrics.trace_steps + 1
@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict
 from typing import Optional
 
 import torch.distributed as dist
@@ -53,7 +52,7 @@ from framework.report.wandb_sink import wandb_mode  # noqa: F401 (also imported 
 from framework.report.wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
-               "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes")
+               "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes", "cp_comm_bytes")
 # Of each step's row, what rank 0 keeps for the summary (the rest is in metrics.jsonl): a few
 # numbers a step, not every rank's lists.
 KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
@@ -141,6 +140,7 @@ class RunLogger:
             "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
             "rank_tp_comm_bytes": [r.tp_comm_bytes for r in per_rank],
+            "cp_comm_bytes": max(r.cp_comm_bytes for r in per_rank),
             "rank_step_time_s": [r.step_time_s for r in per_rank],
             "rank_bubble_fraction": [r.bubble for r in per_rank],
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds
@@ -231,7 +231,7 @@ class RunLogger:
     def finish(self, rank_memory: dict) -> Optional[dict]:
         """Gather each rank's memory, write summary.json and finalise metrics.jsonl."""
         gathered = [None] * self.run.world_size if self.is_logger else None
-        mem = {"rank": self.ctx.rank, **asdict(self.ctx.coords), **rank_memory}
+        mem = {"rank": self.ctx.rank, **self.ctx.dims.named(self.ctx.coords), **rank_memory}
         dist.gather_object(mem, gathered, dst=0, group=self.ctx.log_group)
         if not self.is_logger:
             return None
@@ -279,7 +279,7 @@ class RunLogger:
                if "loss_scale" in self.records[-1] else {}),
             "layout": layout_keys(run)["layout"],
             "world_size": run.world_size, "dp": run.parallelism.dp, "tp": run.parallelism.tp,
-            "pp": run.parallelism.pp, "zero": run.parallelism.zero,
+            "pp": run.parallelism.pp, "cp": run.parallelism.cp, "zero": run.parallelism.zero,
             "sequence_parallel": run.parallelism.sequence_parallel and run.parallelism.tp > 1,
             "global_batch": run.global_batch, "micro_batch_size": run.trainer.micro_batch_size,
             "tokens_per_step": run.tokens_per_step, "flops_per_token": info.flops_per_token,

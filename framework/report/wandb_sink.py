@@ -149,7 +149,7 @@ def layout_keys(run: RunConfig) -> dict:
     (and framework.report.compare) compare runs by, with no nesting to dig through."""
     p, s, t = run.parallelism, run.schedule, run.trainer
     return {
-        "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
+        "dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "cp": p.cp, "zero": p.zero, "schedule": s.name, "microbatches": s.microbatches,
         "virtual_stages": s.virtual_stages, "world_size": run.world_size, "micro_batch_size": t.micro_batch_size,
         "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step, "seq_len": run.data.seq_len,
         "sequence_parallel": p.sequence_parallel and p.tp > 1, "offload_optimizer": p.offload_optimizer,
@@ -157,7 +157,8 @@ def layout_keys(run: RunConfig) -> dict:
         "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
         "zero_impl": p.zero_impl, "zero_states": zero_states(run),
         "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-{zero_label(run)}-{s.name}-m{s.microbatches}"
-                  + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else ""),
+                  + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else "")
+                  + (f"-cp{p.cp}-{p.cp_balance}" if p.cp > 1 else ""),
     }
 
 

@@ -60,8 +60,8 @@ class HeldOut:
         self.data = TokenData.load_heldout(run, val_tokens_path, val_num_samples)
         assert self.data.num_samples == val_num_samples > 0, (self.data.num_samples, val_num_samples)
         t = run.trainer
-        self.indices = eval_indices(val_num_samples, t.micro_batch_size, run.schedule.microbatches, ctx.coords.dp,
-                                    ctx.dims.dp, t.eval_batches)
+        self.indices = eval_indices(val_num_samples, t.micro_batch_size, run.schedule.microbatches,
+                                    ctx.dims.data_rank(ctx.coords), ctx.dims.data, t.eval_batches)
         self.device = ctx.device
 
     def microbatches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -88,8 +88,8 @@ class PipelineRunner:
         tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened
         self.stage = self.smap.stage(ctx.coords.pp, 0)
         peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, self.smap)
-        # Sequence parallelism: stages exchange their sequence shard (B, T/tp, H).
-        seq = run.data.seq_len // (tp_comm.size if run.parallelism.sequence_parallel else 1)
+        # Context parallelism: a rank's T / cp tokens; sequence parallelism: their tp shard.
+        seq = run.data.seq_len // run.parallelism.cp // (tp_comm.size if run.parallelism.sequence_parallel else 1)
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)
         act_dtype = self.policy.comm_dtype  # p2p messages: the precision policy's
         # Every rank derives every rank's batches from the same lists: the plan check.py proves.

@@ -38,6 +38,7 @@ from framework.train.optim import lr_at
 from framework.parallel.expert_parallel import EPComm
 from framework.train.pipeline_runner import PipelineRunner
 from framework.parallel.pipeline.schedules import Op
+from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
 from framework.precision import autocast_context
 from framework.report.records import RunInfo, StepRecord, StepResult
@@ -59,6 +60,10 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
                         tp_comm, run.parallelism.sequence_parallel, run.trainer.precision, on_meta=True,
                         whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
+    cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords)) if d.cp > 1 else None
+    if cp_comm is not None:  # attention over the cp group, ids / labels / positions of this rank's tokens
+        context_parallel.install(model, context_parallel.ContextParallel(
+            cp_comm, run.data.seq_len, run.parallelism.cp_balance, ctx.device))
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):
@@ -68,8 +73,11 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
         return stack
 
     if run.parallelism.pp == 1:
-        return AccumulationRunner(run, ctx, model, tracker, tp_comm), model
-    return PipelineRunner(run, ctx, model, tracker, forward_context, tp_comm, first_step), model
+        runner = AccumulationRunner(run, ctx, model, tracker, tp_comm)
+    else:
+        runner = PipelineRunner(run, ctx, model, tracker, forward_context, tp_comm, first_step)
+    runner.cp_comm = cp_comm  # its bytes: the step record's cp_comm_bytes
+    return runner, model
 
 
 class Batches:
@@ -78,7 +86,7 @@ class Batches:
     def __init__(self, run: RunConfig, info: RunInfo, ctx: ParallelContext):
         self.data = TokenData.load(run, info.tokens_path)
         self.sampler = ShardedSampler(self.data.num_samples, run.trainer.micro_batch_size, run.schedule.microbatches,
-                                      ctx.coords.dp, ctx.dims.dp, run.trainer.seed)
+                                      ctx.dims.data_rank(ctx.coords), ctx.dims.data, run.trainer.seed)
         self.m, self.device = run.schedule.microbatches, ctx.device
 
     def load(self, keys: list[tuple[int, int]]) -> dict:
@@ -111,6 +119,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
                       p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
+                      cp_comm_bytes=runner.cp_comm.take_bytes() if runner.cp_comm is not None else 0,
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner),
                       actions=[(r.action, r.start, r.compute_start, r.end) for r in out.records], states=out.states)

@@ -18,6 +18,7 @@ from framework.parallel.pipeline.partition import PartitionError
 from framework.parallel.pipeline.schedules import never_flushes
 from framework.validate.common import first_line
 from framework.validate.expert import check_expert_parallel, check_moe
+from framework.validate.context import check_context_parallel
 from framework.validate.fsdp2 import check_fsdp2
 from framework.validate.hardware import check_hardware
 from framework.validate.environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
@@ -57,10 +58,11 @@ def _parallelism(run: RunConfig) -> None:
     p = run.parallelism
     if p.world_size is not None and p.world_size != run.world_size:
         raise ConfigError("parallelism.world_size", p.world_size,
-                          f"does not match dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {run.world_size}",
-                          "change dp/tp/pp so their product is the world size, or leave world_size null")
+                          f"does not match dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {run.world_size}",
+                          "change dp/cp/tp/pp so their product is the world size, or leave world_size null")
     _zero(run)
     check_expert_parallel(run)
+    check_context_parallel(run)
     if p.tp > 1:
         _tensor_parallel(run)
 

@@ -1,0 +1,100 @@
+"""Context parallelism (`parallelism.cp`): each sequence cut over the cp ranks of a group.
+
+Sharded: the sequence dimension of every activation. A sample's T tokens are cut into 2 cp
+chunks; under `cp_balance=headtail` cp rank r holds chunks r and 2 cp - 1 - r, so every rank
+has an early and a late piece and the causal attention work is equal across the group
+(`contiguous`: rank r holds chunks 2r and 2r + 1, kept to measure the imbalance). Positions
+follow the tokens: GPT-2's learned positions and Llama's / Qwen3's rotary are taken at each
+token's place in the whole sequence (`ContextParallel.index`).
+Replicated: the parameters, whole on every cp rank. Their gradients are averaged, and ZeRO
+shards them, over dp x cp (topology.py's dp group spans both); every cp rank holds the same
+number of tokens, so the mean of the ranks' mean losses is the mean over every token of the
+global batch.
+Collectives: attention only; every other op is token-local. `cp_comm=allgather` (Llama 3's):
+forward all-gathers K and V over the cp group and attends the local queries to the whole
+sequence under a causal mask of the tokens' global positions; backward reduce-scatters dK
+and dV (each rank gets the sum of every rank's queries' gradient for its own keys). The
+attention runs through transformers' attention interface (`ATTENTION`, registered once), so
+the models are not copied. `cp_comm_bytes` tallies the bytes as `tp_comm_bytes` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from framework.parallel.tp_comm import TPComm
+
+ATTENTION = "framework_context_parallel"
+
+
+def token_index(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:
+    """The positions (in the whole sequence) of the tokens cp rank `rank` holds, in order."""
+    chunk = seq_len // (2 * cp)
+    pieces = (rank, 2 * cp - 1 - rank) if balance == "headtail" else (2 * rank, 2 * rank + 1)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in pieces])
+
+
+class ContextParallel:
+    """One rank's cp group: its comm (with the byte tally) and where its tokens sit."""
+
+    def __init__(self, comm: TPComm, seq_len: int, balance: str, device):
+        self.comm = comm
+        index = [token_index(seq_len, comm.size, r, balance) for r in range(comm.size)]
+        self.index = index[comm.rank].to(device)  # this rank's tokens
+        self.gathered = torch.cat(index).to(device)  # the keys' positions after the all-gather, rank order
+        self.tokens = len(index[0])
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a (B, T) batch."""
+        return x[:, self.index].contiguous()
+
+    def mask(self, device) -> torch.Tensor:
+        """(local queries, all keys): True where a query may attend (its key is not later)."""
+        return self.index.to(device)[:, None] >= self.gathered.to(device)[None, :]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather dim 2 (the sequence of (B, heads, T / cp, d)) in forward; reduce-scatter in backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x, 2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.reduce_scatter(g, 2), None
+
+
+def attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention interface: (B, heads, T/cp, d) q, k, v of this rank's tokens ->
+    (B, T/cp, heads, d). K and V are gathered over cp; the causal mask is of global positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cp: ContextParallel = module.context_parallel
+    if attention_mask is not None:  # the split models pass none (packed, unpadded sequences)
+        raise ValueError("context parallelism takes no attention mask: the causal mask is built from positions")
+    key, value = _GatherSequence.apply(key, cp.comm), _GatherSequence.apply(value, cp.comm)
+    return sdpa_attention_forward(module, query, key, value, cp.mask(query.device), dropout=dropout,
+                                  scaling=scaling, is_causal=False)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+
+
+def install(model: nn.Module, cp: ContextParallel) -> None:
+    """Route every attention module of a split model (split.py's SplitLM) through `attention`,
+    give its embedding and blocks the tokens' global positions, and let it cut ids and labels
+    to this rank's tokens."""
+    _register()
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and hasattr(module, "config"):  # transformers' attention
+            module.context_parallel = cp
+            module.config._attn_implementation = ATTENTION
+        if hasattr(module, "positions"):  # the GPT-2 embedding, split.py's blocks
+            module.positions = cp.index
+    model.context = cp

@@ -1,0 +1,40 @@
+"""`parallelism.cp` (framework/parallel/context_parallel.py): what context parallelism composes
+with, checked before any rank starts. Each rejection says why and what to change; what is not
+rejected here is proved equal to the single process in fp64 (tests/test_context_parallel.py)."""
+
+from __future__ import annotations
+
+from framework.config import ConfigError, RunConfig
+from framework.parallel.pipeline.schedules import never_flushes
+
+
+def check_context_parallel(run: RunConfig) -> None:
+    p, m, key = run.parallelism, run.model, "parallelism.cp"
+    if p.cp == 1:
+        return
+    seq = run.data.seq_len
+    if seq % (2 * p.cp):
+        raise ConfigError("data.seq_len", seq, f"is cut into 2 x cp = {2 * p.cp} chunks (parallelism.cp={p.cp}: "
+                          "each rank an early and a late one)",
+                          f"use a multiple of {2 * p.cp}, e.g. data.seq_len={2 * p.cp * max(1, seq // (2 * p.cp))}")
+    if p.sequence_parallel and p.tp > 1 and (seq // p.cp) % p.tp:
+        raise ConfigError("data.seq_len", seq, f"sequence parallelism splits a cp rank's {seq // p.cp} tokens over "
+                          f"tp={p.tp}", f"use a multiple of {2 * p.cp * p.tp}")
+    if m.arch == "qwen3_moe":
+        raise ConfigError(key, p.cp, "with a MoE model is not built yet: capacity and the sequence-level aux loss "
+                          "count whole sequences, and expert parallelism is carved out of the same replicas",
+                          "use parallelism.cp=1 with model.arch=qwen3_moe, or a dense model (gpt2, llama)")
+    if m.dropout > 0:
+        raise ConfigError("model.dropout", m.dropout, f"with parallelism.cp={p.cp} every cp rank would draw the same "
+                          "dropout masks for its different tokens, which is not the single model's dropout",
+                          "use model.dropout=0 with context parallelism")
+    if p.pp > 1 and never_flushes(run.schedule):
+        raise ConfigError(key, p.cp, f"schedule={run.schedule.name} is asynchronous and averages no gradients over "
+                          "replicas; cp ranks are replicas (their gradients are averaged over dp x cp)",
+                          "use a flushing schedule (e.g. schedule=flush) with parallelism.cp > 1")
+    if p.zero and p.zero_impl == "fsdp2":
+        raise ConfigError("parallelism.zero_impl", p.zero_impl, "FSDP2 with context parallelism is not built yet "
+                          "(its mesh is the dp group's)", "use parallelism.zero_impl=ours with parallelism.cp > 1")
+    if run.hardware.name != "none":
+        raise ConfigError("hardware", run.hardware.name, "the cost model does not price context parallelism yet",
+                          "use hardware=none with parallelism.cp > 1, or parallelism.cp=1 to price the layout")

@@ -1,0 +1,102 @@
+"""Context parallelism reproduces the single process (fp64, rtol 1e-9: losses, gradient norms,
+final parameters), for GPT-2 (learned positions) and Llama (rotary, grouped-query attention),
+alone and with each other dimension: dp, tp with sequence parallelism, pp (flush, and Llama
+interleaved), ZeRO 3 over dp x cp, head-tail and contiguous chunks, cp 2 and 4. Same global
+batch everywhere (8 sequences of 32 tokens); a cp rank holds 32 / cp of each sequence's tokens.
+Plus what the rank layout and the token cut are, checked without processes."""
+
+import pytest
+import torch
+
+from framework.parallel.context_parallel import token_index
+from framework.topology import Coords, ParallelDims
+
+from .conftest import FP64, TINY, assert_config_error, assert_same_training, final_params, read_metrics, run_local
+
+MODELS = {"gpt2": ["model=gpt2-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=4"],
+          "llama": ["model=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
+                    "model.n_inner=64"]}
+SP = "parallelism.sequence_parallel=true"
+LAYOUTS = {
+    "single": ["parallelism=single", "schedule.microbatches=4"],
+    "cp2": ["parallelism=single", "parallelism.cp=2", "schedule.microbatches=4"],
+    "cp4_contiguous": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_balance=contiguous",
+                       "schedule.microbatches=4"],
+    "cp2_dp2_zero3": ["parallelism=dp2", "parallelism.cp=2", "parallelism.zero=3", "schedule.microbatches=2"],
+    "cp2_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", SP, "schedule.microbatches=4"],
+    "cp2_pp2": ["parallelism=pp2", "parallelism.cp=2", "schedule=flush", "schedule.microbatches=4"],
+    "cp2_pp2_interleaved": ["parallelism=pp2", "parallelism.cp=2", "schedule=interleaved",
+                            "schedule.virtual_stages=2", "schedule.microbatches=4"],
+}
+CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2")] + [
+    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved")]
+
+
+def _common(data_cache):
+    return [*[a for a in TINY if not a.startswith("model.")], "data=pycode", "data.max_files=20",
+            f"data.cache_dir={data_cache}", "trainer.steps=3", "trainer.warmup_steps=1",
+            "trainer.save_checkpoint=true", "optimizer.lr=3e-3", FP64]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    out = {}
+    for model, layout in [(m, "single") for m in MODELS] + CASES:
+        job = tmp_path_factory.mktemp(f"{model}_{layout}")
+        summary = run_local(job, *MODELS[model], *LAYOUTS[layout], *_common(data_cache))
+        out[model, layout] = (summary, read_metrics(job), final_params(job))
+    return out
+
+
+@pytest.mark.parametrize("model,layout", CASES)
+def test_cp_reproduces_the_single_process(runs, model, layout):
+    summary, metrics, params = runs[model, layout]
+    _, ref_metrics, ref_params = runs[model, "single"]
+    assert summary["world_size"] == (2 if layout == "cp2" else 4)
+    assert_same_training(metrics, params, ref_metrics, ref_params)
+
+
+def test_cp_comm_bytes_count_the_key_value_gathers(runs):
+    """Per layer and micro-batch: K and V all-gathered forward, dK and dV reduce-scattered
+    backward, each (cp - 1) / cp of the gathered (B, heads, T, d) tensor (fp64: 8 bytes)."""
+    layers, micro, batch, seq, hidden = 4, 4, 2, 32, 32
+    expected = layers * micro * 4 * batch * seq * hidden * 8 // 2  # cp 2
+    assert {m["cp_comm_bytes"] for m in runs["gpt2", "cp2"][1]} == {expected}
+    assert {m["cp_comm_bytes"] for m in runs["gpt2", "single"][1]} == {0}
+    assert runs["gpt2", "cp2"][0]["cp_comm_bytes"] == expected
+
+
+def test_headtail_gives_every_rank_an_early_and_a_late_chunk():
+    cut = [token_index(16, 4, r, "headtail").tolist() for r in range(4)]
+    assert cut == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # causal attention work of rank r: sum over its queries of the keys at or before them
+    work = [sum(q + 1 for q in c) for c in cut]
+    assert len(set(work)) == 1
+    contiguous = [token_index(16, 4, r, "contiguous").tolist() for r in range(4)]
+    assert contiguous == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert sorted(sum(cut, [])) == list(range(16))
+
+
+def test_cp_groups_sit_between_tp_and_dp():
+    """Megatron's order tp-cp-dp-pp: a cp group is cp neighbouring tp blocks; the dp group,
+    over which gradients are averaged, spans data x cp."""
+    d = ParallelDims(pp=2, dp=4, tp=2, cp=2)  # dp 2 x cp 2 replicas
+    assert d.world_size == 16 and d.data == 2
+    assert d.groups("cp")[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert d.group_of("dp", 0) == [0, 2, 4, 6]
+    c = d.coords(6)
+    assert (c.pp, c.dp, c.tp, d.data_rank(c), d.cp_rank(c)) == (0, 3, 0, 1, 1)
+    assert d.rank(Coords(pp=1, dp=1, tp=1)) == 11
+
+
+@pytest.mark.parametrize("overrides, head, problem", [
+    (["parallelism.cp=3"], "data.seq_len=128", "2 x cp = 6 chunks"),
+    (["parallelism.cp=2", "parallelism=tp4", SP, "data.seq_len=12"], "data.seq_len=12", "splits a cp rank's 6"),
+    (["parallelism.cp=2", "model=moe-tiny"], "parallelism.cp=2", "MoE model is not built yet"),
+    (["parallelism.cp=2", "model.dropout=0.1"], "model.dropout=0.1", "same dropout masks"),
+    (["parallelism.cp=2", "parallelism=pp2", "schedule=1f1b"], "parallelism.cp=2", "asynchronous"),
+    (["parallelism.cp=2", "parallelism=dp2", "parallelism.zero=2", "parallelism.zero_impl=fsdp2"],
+     "parallelism.zero_impl='fsdp2'", "FSDP2 with context parallelism"),
+])
+def test_what_cp_cannot_take_is_rejected_before_launch(overrides, head, problem):
+    assert_config_error(["data=synthetic", *overrides], head, problem)
