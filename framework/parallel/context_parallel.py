@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from framework.parallel.tp_comm import TPComm
+from framework.parallel.tp_comm import TPComm, gather_from_sequence_parallel_region
 
 ATTENTION = "framework_context_parallel"
 
@@ -54,19 +54,6 @@ class ContextParallel:
         return self.index.to(device)[:, None] >= self.gathered.to(device)[None, :]
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather dim 2 (the sequence of (B, heads, T / cp, d)) in forward; reduce-scatter in backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_gather(x, 2)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.reduce_scatter(g, 2), None
-
-
 def attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface: (B, heads, T/cp, d) q, k, v of this rank's tokens ->
     (B, T/cp, heads, d). K and V are gathered over cp; the causal mask is of global positions."""
@@ -75,7 +62,7 @@ def attention(module: nn.Module, query, key, value, attention_mask, dropout: flo
     cp: ContextParallel = module.context_parallel
     if attention_mask is not None:  # the split models pass none (packed, unpadded sequences)
         raise ValueError("context parallelism takes no attention mask: the causal mask is built from positions")
-    key, value = _GatherSequence.apply(key, cp.comm), _GatherSequence.apply(value, cp.comm)
+    key, value = (gather_from_sequence_parallel_region(t, cp.comm, dim=2) for t in (key, value))  # (B, h, T, d)
     return sdpa_attention_forward(module, query, key, value, cp.mask(query.device), dropout=dropout,
                                   scaling=scaling, is_causal=False)
 

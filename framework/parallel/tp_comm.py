@@ -121,16 +121,17 @@ class _GatherFromTP(torch.autograd.Function):
 
 
 class _GatherFromSP(torch.autograd.Function):
-    """All-gather the sequence dim in forward, reduce-scatter it in backward."""
+    """All-gather the sequence dim (1 of (B, T, H); context parallelism's K / V: 2) in forward,
+    reduce-scatter it in backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_gather(x, 1)
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.all_gather(x, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.reduce_scatter(g, 1), None
+        return ctx.comm.reduce_scatter(g, ctx.dim), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -162,8 +163,8 @@ def gather_from_tp_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return _GatherFromTP.apply(x, comm)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    return _GatherFromSP.apply(x, comm)
+def gather_from_sequence_parallel_region(x: torch.Tensor, comm: TPComm, dim: int = 1) -> torch.Tensor:
+    return _GatherFromSP.apply(x, comm, dim)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
