@@ -1,7 +1,8 @@
 """Context parallelism reproduces the single process (fp64, rtol 1e-9: losses, gradient norms,
 final parameters), for GPT-2 (learned positions) and Llama (rotary, grouped-query attention),
 alone and with each other dimension: dp, tp with sequence parallelism, pp (flush, and Llama
-interleaved), ZeRO 3 over dp x cp, head-tail and contiguous chunks, cp 2 and 4. Same global
+interleaved), ZeRO 3 over dp x cp, head-tail and contiguous chunks, cp 2 and 4, K / V
+all-gathered and passed around the ring. Same global
 batch everywhere (8 sequences of 32 tokens); a cp rank holds 32 / cp of each sequence's tokens.
 Plus what the rank layout and the token cut are, checked without processes."""
 
@@ -27,9 +28,15 @@ LAYOUTS = {
     "cp2_pp2": ["parallelism=pp2", "parallelism.cp=2", "schedule=flush", "schedule.microbatches=4"],
     "cp2_pp2_interleaved": ["parallelism=pp2", "parallelism.cp=2", "schedule=interleaved",
                             "schedule.virtual_stages=2", "schedule.microbatches=4"],
+    "cp4_ring": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_comm=ring", "schedule.microbatches=4"],
+    "cp2_ring_dp2_pp2": ["parallelism=dp2_pp2", "parallelism.cp=2", "parallelism.cp_comm=ring", "schedule=flush",
+                         "schedule.microbatches=2"],
+    "cp2_ring_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=ring", SP,
+                        "schedule.microbatches=4"],
 }
-CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2")] + [
-    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved")]
+CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2", "cp4_ring",
+                               "cp2_ring_dp2_pp2")] + [
+    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp")]
 
 
 def _common(data_cache):
@@ -52,7 +59,7 @@ def runs(tmp_path_factory, data_cache):
 def test_cp_reproduces_the_single_process(runs, model, layout):
     summary, metrics, params = runs[model, layout]
     _, ref_metrics, ref_params = runs[model, "single"]
-    assert summary["world_size"] == (2 if layout == "cp2" else 4)
+    assert summary["world_size"] == {"cp2": 2, "cp2_ring_dp2_pp2": 8}.get(layout, 4)
     assert_same_training(metrics, params, ref_metrics, ref_params)
 
 
@@ -64,6 +71,10 @@ def test_cp_comm_bytes_count_the_key_value_gathers(runs):
     assert {m["cp_comm_bytes"] for m in runs["gpt2", "cp2"][1]} == {expected}
     assert {m["cp_comm_bytes"] for m in runs["gpt2", "single"][1]} == {0}
     assert runs["gpt2", "cp2"][0]["cp_comm_bytes"] == expected
+    # the ring at cp 4: 3 passes of a rank's K and V (B, heads, T / 4, 2 d) forward, 3 of their
+    # gradients backward: what the all-gather sends too, in 6 messages to neighbours
+    ring = layers * micro * 6 * batch * (seq // 4) * 2 * hidden * 8
+    assert ring == 3 * expected // 2 and {m["cp_comm_bytes"] for m in runs["gpt2", "cp4_ring"][1]} == {ring}
 
 
 def test_headtail_gives_every_rank_an_early_and_a_late_chunk():

@@ -10,7 +10,8 @@ Replicated: the parameters, whole on every cp rank. Their gradients are averaged
 shards them, over dp x cp (topology.py's dp group spans both); every cp rank holds the same
 number of tokens, so the mean of the ranks' mean losses is the mean over every token of the
 global batch.
-Collectives: attention only; every other op is token-local. `cp_comm=allgather` (Llama 3's):
+Collectives: attention only; every other op is token-local. `cp_comm=ring`: K / V blocks
+passed around the group by p2p, merged by log-sum-exp (ring_attention.py). `cp_comm=allgather` (Llama 3's):
 forward all-gathers K and V over the cp group and attends the local queries to the whole
 sequence under a causal mask of the tokens' global positions; backward reduce-scatters dK
 and dV (each rank gets the sum of every rank's queries' gradient for its own keys). The
@@ -20,9 +21,12 @@ the models are not copied. `cp_comm_bytes` tallies the bytes as `tp_comm_bytes` 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from framework.parallel.ring_attention import ring_attention
 from framework.parallel.tp_comm import TPComm, gather_from_sequence_parallel_region
 
 ATTENTION = "framework_context_parallel"
@@ -38,12 +42,14 @@ def token_index(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:
 class ContextParallel:
     """One rank's cp group: its comm (with the byte tally) and where its tokens sit."""
 
-    def __init__(self, comm: TPComm, seq_len: int, balance: str, device):
-        self.comm = comm
-        index = [token_index(seq_len, comm.size, r, balance) for r in range(comm.size)]
-        self.index = index[comm.rank].to(device)  # this rank's tokens
-        self.gathered = torch.cat(index).to(device)  # the keys' positions after the all-gather, rank order
-        self.tokens = len(index[0])
+    def __init__(self, comm: TPComm, seq_len: int, balance: str, device, method: str = "allgather",
+                 ranks: Optional[list[int]] = None):
+        self.comm, self.method = comm, method
+        self.ranks = ranks  # the cp group's global ranks, in cp-rank order (the ring's peers)
+        self.indices = [token_index(seq_len, comm.size, r, balance).to(device) for r in range(comm.size)]
+        self.index = self.indices[comm.rank]  # this rank's tokens
+        self.gathered = torch.cat(self.indices)  # the keys' positions after the all-gather, rank order
+        self.tokens = len(self.index)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (B, T) batch."""
@@ -52,6 +58,10 @@ class ContextParallel:
     def mask(self, device) -> torch.Tensor:
         """(local queries, all keys): True where a query may attend (its key is not later)."""
         return self.index.to(device)[:, None] >= self.gathered.to(device)[None, :]
+
+    def mask_of(self, rank: int, device) -> torch.Tensor:
+        """(local queries, cp rank `rank`'s keys): the ring's block mask."""
+        return self.index.to(device)[:, None] >= self.indices[rank].to(device)[None, :]
 
 
 def attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -62,6 +72,8 @@ def attention(module: nn.Module, query, key, value, attention_mask, dropout: flo
     cp: ContextParallel = module.context_parallel
     if attention_mask is not None:  # the split models pass none (packed, unpadded sequences)
         raise ValueError("context parallelism takes no attention mask: the causal mask is built from positions")
+    if cp.method == "ring":
+        return ring_attention(cp, query, key, value, scaling if scaling is not None else query.size(-1) ** -0.5), None
     key, value = (gather_from_sequence_parallel_region(t, cp.comm, dim=2) for t in (key, value))  # (B, h, T, d)
     return sdpa_attention_forward(module, query, key, value, cp.mask(query.device), dropout=dropout,
                                   scaling=scaling, is_causal=False)

@@ -63,7 +63,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
     cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords)) if d.cp > 1 else None
     if cp_comm is not None:  # attention over the cp group, ids / labels / positions of this rank's tokens
         context_parallel.install(model, context_parallel.ContextParallel(
-            cp_comm, run.data.seq_len, run.parallelism.cp_balance, ctx.device))
+            cp_comm, run.data.seq_len, run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
+            ctx.group_ranks["cp"]))
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):

@@ -1,0 +1,77 @@
+"""Ring attention (`parallelism.cp_comm=ring`): context parallelism's K / V passed around the
+cp group by point-to-point instead of all-gathered (Liu et al., 2023; Megatron's `p2p`).
+
+Sharded: as in context_parallel.py (each rank's tokens; parameters whole). Forward: cp - 1
+passes; at pass s a rank holds the K / V block of cp rank (r - s) mod cp, sends it on to
+r + 1 and receives the next from r - 1 (one batch of an isend and an irecv: NCCL's one Work
+per batch). Each block's scores against the local queries are masked by global positions and
+merged by the online softmax (running max, sum of exponentials, weighted values; in at least
+fp32): the log-sum-exp merge, so the result is softmax over every key. A block wholly in the
+queries' future is passed on without a product. Backward: autograd's; the pass's conjugate
+sends each block's gradient back the other way, so dK and dV travel back around the ring to
+the rank that owns the keys.
+
+The blocks are products under autograd (no fused kernel): each saves its (B, heads, T/cp,
+T/cp) probabilities, so a rank's attention memory is that of its queries against the whole
+sequence, as with the all-gather; what the ring changes is the traffic (p2p to neighbours,
+never the whole K / V at once). Passes do not overlap the products (one CPU thread).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _Pass(torch.autograd.Function):
+    """Forward: to the next cp rank, from the previous. Backward: the gradient the other way."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return exchange(cp, x, +1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return exchange(ctx.cp, g.contiguous(), -1), None
+
+
+def exchange(cp, x: torch.Tensor, step: int) -> torch.Tensor:
+    """Send `x` to cp rank r + step, receive the same shape from r - step (one batch)."""
+    me, n = cp.comm.rank, cp.comm.size
+    out = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n]), dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n])]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    cp.comm.bytes_sent += x.numel() * x.element_size()
+    return out
+
+
+def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(B, heads, n, d) local queries, (B, kv heads, n, d) local K / V -> (B, n, heads, d)."""
+    groups, d = query.size(1) // key.size(1), key.size(-1)
+    acc_dtype = torch.promote_types(query.dtype, torch.float32)
+    kv = torch.cat([key, value], dim=-1)  # one message per pass
+    run_max = total = acc = None
+    for s in range(cp.comm.size):
+        if s:
+            kv = _Pass.apply(kv, cp)
+        allowed = cp.mask_of((cp.comm.rank - s) % cp.comm.size, query.device)  # (n, n) of this block
+        if not bool(allowed.any()):
+            continue  # wholly in the queries' future: passed on, never multiplied
+        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in kv.split(d, dim=-1))
+        scores = (query @ k.transpose(-1, -2)).to(acc_dtype) * scaling
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        # The first block (s = 0) is the rank's own, where every query sees at least itself: the
+        # running max is finite from then on. It is a constant of the merge (detached).
+        block_max = scores.amax(-1, keepdim=True)
+        new_max = (block_max if run_max is None else torch.maximum(run_max, block_max)).detach()
+        p = torch.exp(scores - new_max)
+        pv, ps = p @ v.to(acc_dtype), p.sum(-1, keepdim=True)
+        if run_max is None:
+            acc, total = pv, ps
+        else:
+            rescale = torch.exp(run_max - new_max)
+            acc, total = acc * rescale + pv, total * rescale + ps
+        run_max = new_max
+    return (acc / total).to(query.dtype).transpose(1, 2).contiguous()
