@@ -219,7 +219,9 @@ class TrainerConfig:
     grad_clip: float = key(1.0, ge=0)  # global grad-norm clip; 0 disables
     # fp32 | bf16-autocast (alias bf16) | bf16-mixed | fp16-mixed | fp64; framework/precision.py
     precision: str = key("fp32", choices=PRECISIONS)
-    activation_checkpointing: bool = False
+    # none | selective (the attention core recomputed in backward) | full (each block recomputed)
+    recompute: str = key("none", choices=("none", "selective", "full"))
+    activation_checkpointing: bool = False  # the old name of recompute=full (derive_layout keeps them in step)
     seed: int = key(1234, ge=0, lt=1 << 32)  # numpy's default_rng takes [0, 2**32)
     log_interval: int = key(5, ge=1, le=1 << 40)
     save_checkpoint: bool = False  # write final_model.pt (full state dict) in the job dir
@@ -455,6 +457,7 @@ def derive_layout(run: RunConfig) -> None:
     p, t, s = run.parallelism, run.trainer, run.schedule
     _clamp_skip_first(run)
     _sizes_from_csv(s)
+    _recompute(t)
     if p.dp is None:
         if p.world_size is None or min(p.tp, p.pp, p.cp) < 1 or p.world_size % (p.tp * p.pp * p.cp):
             raise ConfigError("parallelism.dp", None, f"null derives dp = world_size / (tp * pp * cp), but world_size = "
@@ -495,6 +498,18 @@ def _sizes_from_csv(s: ScheduleConfig) -> None:
         return
     s.microbatches = extra["microbatches"] if s.microbatches is None else s.microbatches
     s.virtual_stages = extra["virtual_stages"] if s.virtual_stages is None else s.virtual_stages
+
+
+def _recompute(t) -> None:
+    """trainer.activation_checkpointing=true is trainer.recompute=full by its old name: each is
+    set from the other, so code reading either sees the same mode."""
+    if t.activation_checkpointing and t.recompute == "selective":
+        raise ConfigError("trainer.activation_checkpointing", True, "is the old name of trainer.recompute=full and "
+                          "contradicts trainer.recompute=selective",
+                          "drop trainer.activation_checkpointing and set trainer.recompute=full or selective")
+    if t.activation_checkpointing:
+        t.recompute = "full"
+    t.activation_checkpointing = t.recompute == "full"
 
 
 def _clamp_skip_first(run: RunConfig) -> None:

@@ -184,3 +184,16 @@ def pipeline_job_files(tmp_path_factory) -> Path:
 def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def modelled_activation_peak(job_dir) -> float:
+    """framework/sim/cost/activations.py's peak (the fullest pipeline rank) for a finished job."""
+    import json
+
+    from framework.config import read_config
+    from framework.sim.cost.activations import peak_bytes
+    from framework.sim.cost.price import job_of
+
+    vocab = json.loads((job_dir / "run_info.json").read_text())["vocab_size"]
+    job = job_of(read_config(str(job_dir / "config.yaml")), vocab)
+    return max(peak_bytes(job.shape, job.lay, job.pp, job.microbatches, job.schedule, job.virtual_stages))

@@ -12,7 +12,8 @@ import torch
 from framework.parallel.context_parallel import token_index
 from framework.topology import Coords, ParallelDims
 
-from .conftest import FP64, TINY, assert_config_error, assert_same_training, final_params, read_metrics, run_local
+from .conftest import (FP64, TINY, assert_config_error, assert_same_training, final_params, modelled_activation_peak,
+                       read_metrics, run_local)
 
 MODELS = {"gpt2": ["model=gpt2-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=4"],
           "llama": ["model=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
@@ -51,16 +52,21 @@ def runs(tmp_path_factory, data_cache):
     for model, layout in [(m, "single") for m in MODELS] + CASES:
         job = tmp_path_factory.mktemp(f"{model}_{layout}")
         summary = run_local(job, *MODELS[model], *LAYOUTS[layout], *_common(data_cache))
-        out[model, layout] = (summary, read_metrics(job), final_params(job))
+        out[model, layout] = (summary, read_metrics(job), final_params(job), job)
     return out
 
 
 @pytest.mark.parametrize("model,layout", CASES)
 def test_cp_reproduces_the_single_process(runs, model, layout):
-    summary, metrics, params = runs[model, layout]
-    _, ref_metrics, ref_params = runs[model, "single"]
+    summary, metrics, params, job = runs[model, layout]
+    _, ref_metrics, ref_params, _ = runs[model, "single"]
     assert summary["world_size"] == {"cp2": 2, "cp2_ring_dp2_pp2": 8}.get(layout, 4)
     assert_same_training(metrics, params, ref_metrics, ref_params)
+    if "ring" not in layout:  # the activation model: the all-gather's saved tensors, byte for byte ...
+        # ... but for Llama under tp + SP, where it counts 9 % high (measured: 438,208 modelled
+        # against 401,344 B): its attention's copies there are not worked out term by term yet
+        rel = 0.1 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
+        assert modelled_activation_peak(job) == pytest.approx(summary["activation_peak_bytes_max"], rel=rel, abs=0)
 
 
 def test_cp_comm_bytes_count_the_key_value_gathers(runs):

@@ -205,7 +205,9 @@ BAD = [
     (["parallelism=dp2", "parallelism.tp=2", "parallelism.zero=3", FSDP2, "parallelism.sequence_parallel=true"],
      "parallelism.sequence_parallel=True", "DTensors"),
     (["parallelism=dp2", "parallelism.zero=2", FSDP2, "trainer.activation_checkpointing=true"],
-     "trainer.activation_checkpointing=True", "not yet verified"),
+     "trainer.recompute='full'", "not yet verified"),
+    (["parallelism=dp2", "parallelism.zero=2", FSDP2, "trainer.recompute=selective"],
+     "trainer.recompute='selective'", "not yet verified"),
     (["parallelism=dp2", "parallelism.zero=2", "parallelism.zero_impl=deepspeed"], "parallelism.zero_impl='deepspeed'",
      "unknown name"),
 ]

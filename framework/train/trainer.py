@@ -38,6 +38,7 @@ from framework.train.optim import lr_at
 from framework.parallel.expert_parallel import EPComm
 from framework.train.pipeline_runner import PipelineRunner
 from framework.parallel.pipeline.schedules import Op
+from framework.models import recompute
 from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
 from framework.precision import autocast_context
@@ -65,6 +66,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
         context_parallel.install(model, context_parallel.ContextParallel(
             cp_comm, run.data.seq_len, run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
             ctx.group_ranks["cp"]))
+    if run.trainer.recompute == "selective":  # after cp: it wraps the attention function in use
+        recompute.install(model)
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):

@@ -36,7 +36,7 @@ def check_fsdp2(run: RunConfig) -> None:
         raise ConfigError("parallelism.sequence_parallel", True, "the tp sum of the replicated parameters' "
                           "gradients (tensor_parallel.sync_replicated_grads) flattens plain tensors, and FSDP2's "
                           "gradients are DTensors", "use sequence_parallel=false with fsdp2, or zero_impl=ours")
-    if run.trainer.activation_checkpointing:
-        raise ConfigError("trainer.activation_checkpointing", True, "not yet verified against the single process "
+    if run.trainer.recompute != "none":
+        raise ConfigError("trainer.recompute", run.trainer.recompute, "not yet verified against the single process "
                           "with zero_impl=fsdp2 (the recomputed forward runs inside FSDP2's backward hooks)",
-                          "set trainer.activation_checkpointing=false, or use zero_impl=ours (zero 2)")
+                          "set trainer.recompute=none, or use zero_impl=ours (zero 2)")

@@ -48,16 +48,39 @@ def _stats_bytes(lay: Layout) -> int:
     return 4 if lay.act_bytes < 4 else lay.act_bytes  # norms' statistics and the log-sum-exp: fp32 at least
 
 
+def _tokens(lay: Layout) -> int:
+    """A micro-batch's tokens on one rank: a cp rank holds 1 / cp of each sequence."""
+    return lay.tokens // lay.cp
+
+
+def _core(s: ModelShape, lay: Layout) -> float:
+    """What the attention core adds beyond q, k, v and its output: SDPA's log-sum-exp; under
+    cp's all-gather the gathered K and V (SDPA takes the mask, so GQA's are expanded to every
+    head) in place of the local k, v, and the causal mask SDPA saves as an additive float
+    (per sequence: (seq / cp) x seq). Under selective recomputation nothing (its inputs stay)."""
+    if lay.selective:
+        return 0.0
+    if lay.cp > 1 and lay.cp_comm != "allgather":
+        raise ValueError(f"the activation model has no terms for cp_comm={lay.cp_comm} (the ring's blockwise "
+                         "products) yet")
+    tp, a, t = lay.tp, lay.act_bytes, _tokens(lay)
+    out = t * s.heads // tp * _stats_bytes(lay)
+    if lay.cp > 1:
+        local_kv = 0 if s.arch == "gpt2" else 2 * s.kv_dim * t // tp  # GPT-2's are views of c_attn's output
+        out += (2 * s.hidden * lay.tokens // tp - local_kv) * a + lay.seq_len // lay.cp * lay.seq_len * a
+    return out
+
+
 def block_bytes(s: ModelShape, lay: Layout) -> float:
-    """One block's saved bytes for one micro-batch on one rank (no recomputation)."""
-    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), lay.tokens
+    """One block's saved bytes for one micro-batch on one rank (no full recomputation)."""
+    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay)
     tn = t // tp if lay.sp else t
     h, kv, heads = s.hidden, s.kv_dim, s.heads
-    lse = t * heads // tp * st
+    core = _core(s, lay)
     if s.arch == "gpt2":
-        return 4 * h * tn * a + t * (4 * h + 5 * s.ffn) // tp * a + 4 * tn * st + lse
+        return 4 * h * tn * a + t * (4 * h + 5 * s.ffn) // tp * a + 4 * tn * st + core
     norm = (2 * h * tn + h * t) * a + tn * st  # input, normalised, output (the linears' input)
-    attn = 2 * norm + t * (2 * h + 2 * kv) // tp * a + lse + 2 * lay.seq_len * s.head_dim * a
+    attn = 2 * norm + t * (2 * h + 2 * kv) // tp * a + core + 2 * lay.seq_len // lay.cp * s.head_dim * a
     if s.arch == "qwen3_moe":  # q_norm / k_norm: input and normalised per head, rstd
         attn += t * (2 * h + 2 * kv) // tp * a + t * (heads + s.kv_heads) // tp * st
     if not s.experts:
@@ -70,12 +93,14 @@ def block_bytes(s: ModelShape, lay: Layout) -> float:
 
 
 def embedding_bytes(s: ModelShape, lay: Layout) -> float:
-    """The ids (under tp: this shard's local ids and the bool mask of the others'), GPT-2's positions."""
-    return lay.tokens * (INDEX + (lay.tp > 1)) + (lay.seq_len * INDEX if s.arch == "gpt2" else 0)
+    """The ids (under tp: this shard's local ids and the bool mask of the others'), GPT-2's
+    positions (a new arange per micro-batch; under cp the rank's one index tensor, counted
+    once per rank by `peak_bytes` instead)."""
+    return _tokens(lay) * (INDEX + (lay.tp > 1)) + (lay.seq_len * INDEX if s.arch == "gpt2" and lay.cp == 1 else 0)
 
 
 def head_bytes(s: ModelShape, lay: Layout) -> float:
-    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), lay.tokens
+    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay)
     tn = t // tp if lay.sp else t
     h, logit = s.hidden, max(a, 4)
     if s.arch == "gpt2":
@@ -90,7 +115,7 @@ def head_bytes(s: ModelShape, lay: Layout) -> float:
 def chunk_bytes(s: ModelShape, lay: Layout, blocks: int, first: bool, last: bool) -> float:
     """One (micro-batch, chunk)'s saved bytes: its blocks (their inputs only under
     recomputation), the embedding on the first stage, the head on the last."""
-    tn = lay.tokens // lay.tp if lay.sp else lay.tokens
+    tn = _tokens(lay) // lay.tp if lay.sp else _tokens(lay)
     per_block = s.hidden * tn * lay.act_bytes if lay.recompute else block_bytes(s, lay)
     return (blocks * per_block + (embedding_bytes(s, lay) if first else 0.0)
             + (head_bytes(s, lay) if last else 0.0))
@@ -111,8 +136,10 @@ def peak_bytes(s: ModelShape, lay: Layout, pp: int, microbatches: int, schedule:
     for stage, blocks in enumerate(parts):
         size[(smap.rank(stage), smap.chunk(stage))] = chunk_bytes(s, lay, len(blocks), stage == 0,
                                                                  stage == len(parts) - 1)
+    # cp: GPT-2's positions are the rank's one index tensor, shared by its micro-batches
+    shared = {smap.rank(0): lay.seq_len // lay.cp * INDEX if s.arch == "gpt2" and lay.cp > 1 else 0.0}
     if pp == 1:
-        return [size[(0, 0)]]
+        return [size[(0, 0)] + shared[0]]
     out = []
     for r, acts in sorted(sched.generate(pp, microbatches, v, 1).items()):
         alive = peak = 0.0
@@ -122,5 +149,5 @@ def peak_bytes(s: ModelShape, lay: Layout, pp: int, microbatches: int, schedule:
                 peak = max(peak, alive)
             elif act.op.ends_backward:
                 alive -= size[(r, act.chunk)]
-        out.append(peak)
+        out.append(peak + shared.get(r, 0.0))
     return out

@@ -77,7 +77,8 @@ def job_of(run, vocab: int) -> Job:
 
     pol, p, s = policy_of(run), run.parallelism, run.schedule
     lay = Layout(run.trainer.micro_batch_size, run.data.seq_len, p.tp, p.sequence_parallel and p.tp > 1, p.ep,
-                 run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype))
+                 run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
+                 run.trainer.recompute == "selective")
     return Job(ModelShape.of(run.model, vocab), lay, p.dp, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype))
 

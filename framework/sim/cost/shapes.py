@@ -122,6 +122,9 @@ class Layout:
     recompute: bool = False
     dtype: str = "bf16"  # the GEMMs' dtype in the profile's tables
     activation_bytes: int = 0  # bytes per activation element; 0: the GEMMs' dtype's
+    cp: int = 1  # context parallel: a rank holds tokens / cp of each sequence (activations.py only)
+    cp_comm: str = "allgather"
+    selective: bool = False  # trainer.recompute=selective: the attention core recomputed (activations.py)
 
     @property
     def tokens(self) -> int:
