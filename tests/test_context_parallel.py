@@ -83,6 +83,19 @@ def test_cp_comm_bytes_count_the_key_value_gathers(runs):
     assert ring == 3 * expected // 2 and {m["cp_comm_bytes"] for m in runs["gpt2", "cp4_ring"][1]} == {ring}
 
 
+def test_the_dry_run_estimates_the_activation_peak_the_run_measured(runs, data_cache, tmp_path):
+    """plan.json's per-rank activation estimate (launch/plan.py through the activation model,
+    with the plan's own partition and schedule) for the cp 2 x pp 2 run: the measured peak."""
+    import json
+
+    summary = runs["gpt2", "cp2_pp2"][0]
+    run_local(tmp_path, *MODELS["gpt2"], *LAYOUTS["cp2_pp2"], *_common(data_cache), "dry_run=true")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    estimate = [m["activation_bytes"] for m in plan["memory_estimate_per_rank"]]
+    assert max(estimate) == summary["activation_peak_bytes_max"] and estimate[0] > estimate[1]
+    assert plan["activation_estimate"].startswith("saved tensors at their peak")
+
+
 def test_headtail_gives_every_rank_an_early_and_a_late_chunk():
     cut = [token_index(16, 4, r, "headtail").tolist() for r in range(4)]
     assert cut == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]

@@ -14,6 +14,8 @@ embedding sits on the first and the last stage, as in Megatron.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from framework.config import RunConfig
@@ -105,6 +107,9 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
         memory.append({"pp_rank": rank, "psi": n, "expert_psi": e, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16)})
     sched = resolve(s)
+    activations, why = _activations(run, hf_model, ranges, sched)
+    for mem, act in zip(memory, activations or [None] * p.pp):
+        mem["activation_bytes"] = act  # saved activations' peak (framework/sim/cost/activations.py)
     lists = sched.generate(p.pp, s.microbatches, s.virtual_stages, 2)
     smap = sched.stage_map(p.pp, s.virtual_stages)
     schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
@@ -123,7 +128,26 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
         "schedule_grid": schedule_grid,
         "global_batch": run.global_batch, "tokens_per_step": run.tokens_per_step,
         "optimizer_state_ratio": ratio, "memory_estimate_per_rank": memory,
+        "activation_estimate": why,
     }
+
+
+def _activations(run: RunConfig, hf_model: nn.Module, ranges: list[range], sched) -> tuple[Optional[list], str]:
+    """Each pipeline rank's saved-activation peak by the cost model's activation model (the
+    tensors autograd keeps in this framework's models, over the schedule's action list), and
+    what it assumes, or None and why it has no estimate."""
+    from framework.sim.cost.activations import peak_bytes, recompute_transient
+    from framework.sim.cost.price import job_of
+
+    p, s = run.parallelism, run.schedule
+    try:
+        job = job_of(run, hf_model.config.vocab_size)
+        peaks = peak_bytes(job.shape, job.lay, p.pp, s.microbatches, sched, s.virtual_stages, [len(r) for r in ranges])
+    except (ValueError, TypeError) as e:
+        return None, f"not estimated: {e}"
+    extra = recompute_transient(job.shape, job.lay)
+    return [a + extra for a in peaks], ("saved tensors at their peak over the schedule" + (
+        ", plus one block's recomputed set" if extra else "") + "; no p2p buffers, workspaces or fragmentation")
 
 
 def render_plan(plan: dict) -> str:
@@ -141,7 +165,10 @@ def render_plan(plan: dict) -> str:
         lines.append(f"  pp rank {mem['pp_rank']} per rank est.: params {mem['params_bytes'] / 2**20:.1f} MiB, "
                      f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, master {mem['master_bytes'] / 2**20:.1f} MiB, "
                      f"optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB (ZeRO-{plan['zero']}, {plan['precision']}; "
-                     f"the paper's 2 + 2 + 12 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} MiB in all)")
+                     f"the paper's 2 + 2 + 12 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} MiB in all), "
+                     + (f"activations {mem['activation_bytes'] / 2**20:.1f} MiB" if mem.get("activation_bytes") is not None
+                        else "activations not estimated"))
+    lines.append(f"  activations: {plan['activation_estimate']}")
     s = plan["schedule"]
     lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
                  f"{analytic_label(plan['bubble_analytic_source'])} bubble {plan['bubble_fraction_analytic']:.3f} "

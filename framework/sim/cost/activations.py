@@ -36,6 +36,8 @@ Korthikanti et al. (2022) count them. Dropout masks are not counted (the presets
 
 from __future__ import annotations
 
+from typing import Optional
+
 from framework.parallel.pipeline.partition import uniform
 from framework.parallel.pipeline.schedules import get
 from framework.parallel.pipeline.schedules.base import Op
@@ -126,16 +128,17 @@ def recompute_transient(s: ModelShape, lay: Layout) -> float:
     return block_bytes(s, lay) if lay.recompute else 0.0
 
 
-def peak_bytes(s: ModelShape, lay: Layout, pp: int, microbatches: int, schedule: str, v: int = 1) -> list[float]:
+def peak_bytes(s: ModelShape, lay: Layout, pp: int, microbatches: int, schedule, v: int = 1,
+               blocks: Optional[list[int]] = None) -> list[float]:
     """Per pipeline rank: the most saved bytes alive at once, walking the schedule's action
-    list (an F adds its chunk's bytes, the action ending its backward, B or W, frees them)."""
-    sched = get(schedule)
+    list (an F adds its chunk's bytes, the action ending its backward, B or W, frees them).
+    `schedule`: a registry name or a Schedule; `blocks`: per stage (default: uniform)."""
+    sched = get(schedule) if isinstance(schedule, str) else schedule
     smap = sched.stage_map(pp, v)
-    parts = uniform(s.layers, pp * v)
+    counts = blocks or [len(r) for r in uniform(s.layers, pp * v)]
     size = {}
-    for stage, blocks in enumerate(parts):
-        size[(smap.rank(stage), smap.chunk(stage))] = chunk_bytes(s, lay, len(blocks), stage == 0,
-                                                                 stage == len(parts) - 1)
+    for stage, n in enumerate(counts):
+        size[(smap.rank(stage), smap.chunk(stage))] = chunk_bytes(s, lay, n, stage == 0, stage == len(counts) - 1)
     # cp: GPT-2's positions are the rank's one index tensor, shared by its micro-batches
     shared = {smap.rank(0): lay.seq_len // lay.cp * INDEX if s.arch == "gpt2" and lay.cp > 1 else 0.0}
     if pp == 1:
