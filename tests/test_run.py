@@ -155,7 +155,7 @@ def test_dry_run_plans_1024_ranks_without_starting_any(tmp_path):
                  "schedule.microbatches=8", f"hydra.run.dir={tmp_path}"])
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["world_size"] == 1024 and plan["dims"] == {"pp": 4, "dp": 32, "tp": 8, "ep": 1}
+    assert plan["world_size"] == 1024 and plan["dims"] == {"pp": 4, "dp": 32, "cp": 1, "tp": 8, "ep": 1}
     assert plan["groups"]["tp"][1] == list(range(8, 16)) and plan["groups"]["pp"][0] == [0, 256, 512, 768]
     assert [s["blocks"] for s in plan["stages"]] == [[0, 5], [6, 11], [12, 17], [18, 23]]
     assert plan["stages"][0]["embedding"] and plan["stages"][3]["head"]
