@@ -168,7 +168,8 @@ def render_plan(plan: dict) -> str:
                      f"the paper's 2 + 2 + 12 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} MiB in all), "
                      + (f"activations {mem['activation_bytes'] / 2**20:.1f} MiB" if mem.get("activation_bytes") is not None
                         else "activations not estimated"))
-    lines.append(f"  activations: {plan['activation_estimate']}")
+    if plan.get("activation_estimate"):  # absent from a plan.json written before the estimate existed
+        lines.append(f"  activations: {plan['activation_estimate']}")
     s = plan["schedule"]
     lines.append(f"schedule {s['name']}: {s['microbatches']} micro-batches, {s['virtual_stages']} virtual stage(s); "
                  f"{analytic_label(plan['bubble_analytic_source'])} bubble {plan['bubble_fraction_analytic']:.3f} "
