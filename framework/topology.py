@@ -55,7 +55,7 @@ class ParallelDims:
     @classmethod
     def of(cls, p) -> ParallelDims:
         """From a ParallelismConfig (the dp coordinate: its replicas, dp x cp)."""
-        return cls(pp=p.pp, dp=p.dp * p.cp, tp=p.tp, ep=p.ep, cp=p.cp)
+        return cls(pp=p.pp, dp=p.replicas, tp=p.tp, ep=p.ep, cp=p.cp)
 
     @property
     def data(self) -> int:
