@@ -172,7 +172,7 @@ class ParallelismConfig:
     # context parallel: each sequence cut over cp ranks (framework/parallel/context_parallel.py);
     # gradients and ZeRO over dp x cp; checked in framework/validate/context.py
     cp: int = key(1, ge=1, le=MAX_RANKS)
-    cp_comm: str = key("allgather", choices=("allgather", "ring"), **_CP)  # K / V all-gathered (Llama 3's) or passed around
+    cp_comm: str = key("allgather", choices=("allgather", "ring", "a2a"), **_CP)  # K / V gathered, ringed, or heads <-> seq
     cp_balance: str = key("headtail", choices=("headtail", "contiguous"), **_CP)  # which 2 cp chunks a rank holds
     # null = dp * cp * tp * pp; set it to assert the launch size (or to derive dp)
     world_size: Optional[int] = key(None, ge=1, le=MAX_RANKS)

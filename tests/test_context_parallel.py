@@ -2,7 +2,7 @@
 final parameters), for GPT-2 (learned positions) and Llama (rotary, grouped-query attention),
 alone and with each other dimension: dp, tp with sequence parallelism, pp (flush, and Llama
 interleaved), ZeRO 3 over dp x cp, head-tail and contiguous chunks, cp 2 and 4, K / V
-all-gathered and passed around the ring. Same global
+all-gathered, passed around the ring, and heads <-> sequence all-to-all (Ulysses). Same global
 batch everywhere (8 sequences of 32 tokens); a cp rank holds 32 / cp of each sequence's tokens.
 Plus what the rank layout and the token cut are, checked without processes."""
 
@@ -34,10 +34,13 @@ LAYOUTS = {
                          "schedule.microbatches=2"],
     "cp2_ring_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=ring", SP,
                         "schedule.microbatches=4"],
+    "cp2_a2a": ["parallelism=single", "parallelism.cp=2", "parallelism.cp_comm=a2a", "schedule.microbatches=4"],
+    "cp2_a2a_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=a2a", SP,
+                       "schedule.microbatches=4"],
 }
 CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2", "cp4_ring",
-                               "cp2_ring_dp2_pp2")] + [
-    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp")]
+                               "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp")] + [
+    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a")]
 
 
 def _common(data_cache):
@@ -60,12 +63,13 @@ def runs(tmp_path_factory, data_cache):
 def test_cp_reproduces_the_single_process(runs, model, layout):
     summary, metrics, params, job = runs[model, layout]
     _, ref_metrics, ref_params, _ = runs[model, "single"]
-    assert summary["world_size"] == {"cp2": 2, "cp2_ring_dp2_pp2": 8}.get(layout, 4)
+    assert summary["world_size"] == {"cp2": 2, "cp2_a2a": 2, "cp2_ring_dp2_pp2": 8}.get(layout, 4)
     assert_same_training(metrics, params, ref_metrics, ref_params)
-    if "ring" not in layout:  # the activation model: the all-gather's saved tensors, byte for byte ...
-        # ... but for Llama under tp + SP, where it counts 9 % high (measured: 438,208 modelled
-        # against 401,344 B): its attention's copies there are not worked out term by term yet
-        rel = 0.1 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
+    if "ring" not in layout:  # the activation model: the cp core's saved tensors, byte for byte ...
+        # ... but for Llama under tp + SP with the all-gather, where it counts one (seq / cp x seq)
+        # mask's worth per layer high (4,096 B of 138,688 at one layer; +1.0 % here): not
+        # worked out term by term yet (the same run without SP is exact)
+        rel = 0.015 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
         assert modelled_activation_peak(job) == pytest.approx(summary["activation_peak_bytes_max"], rel=rel, abs=0)
 
 
@@ -81,6 +85,37 @@ def test_cp_comm_bytes_count_the_key_value_gathers(runs):
     # gradients backward: what the all-gather sends too, in 6 messages to neighbours
     ring = layers * micro * 6 * batch * (seq // 4) * 2 * hidden * 8
     assert ring == 3 * expected // 2 and {m["cp_comm_bytes"] for m in runs["gpt2", "cp4_ring"][1]} == {ring}
+    # a2a at tp 2: q, k, v to (all tokens, heads / cp) and the output back, forward, and their
+    # conjugates backward: 8 all-to-alls of a (B, heads / tp, T / cp, d) tensor, half of it sent
+    a2a = layers * micro * 8 * batch * (seq // 2) * (hidden // 2) * 8 // 2
+    assert {m["cp_comm_bytes"] for m in runs["gpt2", "cp2_a2a_tp2_sp"][1]} == {a2a}
+
+
+def test_cp_times_its_comm_and_each_ranks_attention(runs):
+    """cp_comm_s and the attention compute per rank are measured in every step (their values
+    are machine-dependent; experiments/long_context compares them); none at cp = 1."""
+    for layout, ranks in (("cp2", 2), ("cp4_ring", 4), ("cp2_a2a_tp2_sp", 4)):
+        summary, metrics = runs["gpt2", layout][:2]
+        for m in metrics:
+            assert m["cp_comm_s"] > 0 and len(m["rank_cp_attention_s"]) == ranks
+            assert min(m["rank_cp_attention_s"]) > 0 and m["cp_attention_imbalance"] >= 1.0
+        assert summary["cp_comm_s"] > 0 and summary["cp_attention_imbalance"] >= 1.0
+    summary, metrics = runs["gpt2", "single"][:2]
+    assert summary["cp_comm_s"] == 0 and summary["cp_attention_imbalance"] is None
+    assert all("rank_cp_attention_s" not in m for m in metrics)
+
+
+def test_the_imbalance_is_the_worst_cp_groups_max_over_mean():
+    from types import SimpleNamespace
+
+    from framework.metrics.cp import step_metrics
+
+    per_rank = [SimpleNamespace(cp_comm_bytes=b, cp_comm_s=c, cp_attention_s=a)
+                for b, c, a in ((8, 0.1, 1.0), (8, 0.3, 3.0), (8, 0.2, 2.0), (4, 0.2, 2.0))]
+    out = step_metrics(per_rank, [[0, 1], [2, 3]])
+    assert out == {"cp_comm_bytes": 8, "cp_comm_s": 0.3, "cp_attention_imbalance": 1.5,
+                   "rank_cp_attention_s": [1.0, 3.0, 2.0, 2.0]}
+    assert step_metrics(per_rank, [[0], [1], [2], [3]])["cp_attention_imbalance"] is None
 
 
 def test_the_dry_run_estimates_the_activation_peak_the_run_measured(runs, data_cache, tmp_path):
@@ -123,6 +158,10 @@ def test_cp_groups_sit_between_tp_and_dp():
     (["parallelism.cp=3"], "data.seq_len=128", "2 x cp = 6 chunks"),
     (["parallelism.cp=2", "parallelism=tp4", SP, "data.seq_len=12"], "data.seq_len=12", "splits a cp rank's 6"),
     (["parallelism.cp=2", "model=moe-tiny"], "parallelism.cp=2", "MoE model is not built yet"),
+    (["parallelism.cp=4", "parallelism.cp_comm=a2a", "model=llama-tiny", "model.n_head=4", "model.n_kv_head=2"],
+     "model.n_kv_head=2", "a tp rank's 2 heads"),
+    (["parallelism.cp=2", "parallelism=tp2", "parallelism.cp_comm=a2a", "model.n_head=2"], "model.n_head=2",
+     "a tp rank's 1 heads"),
     (["parallelism.cp=2", "model.dropout=0.1"], "model.dropout=0.1", "same dropout masks"),
     (["parallelism.cp=2", "parallelism=pp2", "schedule=1f1b"], "parallelism.cp=2", "asynchronous"),
     (["parallelism.cp=2", "parallelism=dp2", "parallelism.zero=2", "parallelism.zero_impl=fsdp2"],

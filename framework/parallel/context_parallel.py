@@ -11,7 +11,9 @@ shards them, over dp x cp (topology.py's dp group spans both); every cp rank hol
 number of tokens, so the mean of the ranks' mean losses is the mean over every token of the
 global batch.
 Collectives: attention only; every other op is token-local. `cp_comm=ring`: K / V blocks
-passed around the group by p2p, merged by log-sum-exp (ring_attention.py). `cp_comm=allgather` (Llama 3's):
+passed around the group by p2p, merged by log-sum-exp (ring_attention.py). `cp_comm=a2a`
+(Ulysses): all-to-alls trade the sequence split for a head split around the core
+(ulysses.py). `cp_comm=allgather` (Llama 3's):
 forward all-gathers K and V over the cp group and attends the local queries to the whole
 sequence under a causal mask of the tokens' global positions; backward reduce-scatters dK
 and dV (each rank gets the sum of every rank's queries' gradient for its own keys). The
@@ -26,8 +28,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from framework.metrics.timestamps import now
 from framework.parallel.ring_attention import ring_attention
 from framework.parallel.tp_comm import TPComm, gather_from_sequence_parallel_region
+from framework.parallel.ulysses import ulysses_attention
 
 ATTENTION = "framework_context_parallel"
 
@@ -44,12 +48,26 @@ class ContextParallel:
 
     def __init__(self, comm: TPComm, seq_len: int, balance: str, device, method: str = "allgather",
                  ranks: Optional[list[int]] = None):
-        self.comm, self.method = comm, method
+        self.comm, self.method, self.device = comm, method, device
+        comm.clock = device  # cp_comm_s: seconds inside this group's collectives
+        self.attention_s, self._backward = 0.0, []  # this step's attention forward seconds; backward spans
         self.ranks = ranks  # the cp group's global ranks, in cp-rank order (the ring's peers)
         self.indices = [token_index(seq_len, comm.size, r, balance).to(device) for r in range(comm.size)]
         self.index = self.indices[comm.rank]  # this rank's tokens
         self.gathered = torch.cat(self.indices)  # the keys' positions after the all-gather, rank order
         self.tokens = len(self.index)
+
+    def take(self) -> dict:
+        """This step's (since the last call) `cp_comm_bytes`, `cp_comm_s` (seconds inside cp
+        collectives, waits for peers included) and `cp_attention_s`: the attention functions'
+        forward and backward seconds less `cp_comm_s`, i.e. this rank's attention compute, what
+        the cp ranks' imbalance compares."""
+        spans = sum(c["end"] - c["start"] for c in self._backward if "start" in c and "end" in c)
+        comm_s = self.comm.seconds
+        out = {"cp_comm_bytes": self.comm.take_bytes(), "cp_comm_s": comm_s,
+               "cp_attention_s": max(0.0, self.attention_s + spans - comm_s)}
+        self.comm.seconds, self.attention_s, self._backward = 0.0, 0.0, []
+        return out
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (B, T) batch."""
@@ -64,19 +82,50 @@ class ContextParallel:
         return self.index.to(device)[:, None] >= self.indices[rank].to(device)[None, :]
 
 
+class _Stamp(torch.autograd.Function):
+    """Identity; its backward stamps the time into `span[what]`: on the attention's output the
+    backward's start, on its inputs its end (the latest of q, k, v)."""
+
+    @staticmethod
+    def forward(ctx, x, cp, span, what):
+        ctx.cp, ctx.span, ctx.what = cp, span, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        t = now(ctx.cp.device)
+        ctx.span[ctx.what] = t if ctx.what == "start" else max(t, ctx.span.get("end", t))
+        return g, None, None, None
+
+
 def attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface: (B, heads, T/cp, d) q, k, v of this rank's tokens ->
-    (B, T/cp, heads, d). K and V are gathered over cp; the causal mask is of global positions."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    (B, T/cp, heads, d), timed forward and backward (`ContextParallel.take`)."""
     cp: ContextParallel = module.context_parallel
     if attention_mask is not None:  # the split models pass none (packed, unpadded sequences)
         raise ValueError("context parallelism takes no attention mask: the causal mask is built from positions")
+    t0, span = now(cp.device), {}
+    if torch.is_grad_enabled():
+        cp._backward.append(span)  # a span whose backward never runs (a recomputed forward's) is not counted
+        query, key, value = (_Stamp.apply(t, cp, span, "end") for t in (query, key, value))
+    out = _core(cp, module, query, key, value, dropout, scaling)
+    if torch.is_grad_enabled():
+        out = _Stamp.apply(out, cp, span, "start")
+    cp.attention_s += now(cp.device) - t0
+    return out, None
+
+
+def _core(cp: ContextParallel, module, query, key, value, dropout, scaling) -> torch.Tensor:
+    """K and V over the cp group by `cp.method`; the causal mask is of global positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     if cp.method == "ring":
-        return ring_attention(cp, query, key, value, scaling if scaling is not None else query.size(-1) ** -0.5), None
+        return ring_attention(cp, query, key, value, scaling if scaling is not None else query.size(-1) ** -0.5)
+    if cp.method == "a2a":
+        return ulysses_attention(cp, module, query, key, value, dropout, scaling)
     key, value = (gather_from_sequence_parallel_region(t, cp.comm, dim=2) for t in (key, value))  # (B, h, T, d)
     return sdpa_attention_forward(module, query, key, value, cp.mask(query.device), dropout=dropout,
-                                  scaling=scaling, is_causal=False)
+                                  scaling=scaling, is_causal=False)[0]
 
 
 def _register() -> None:

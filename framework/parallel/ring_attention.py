@@ -41,8 +41,9 @@ def exchange(cp, x: torch.Tensor, step: int) -> torch.Tensor:
     me, n = cp.comm.rank, cp.comm.size
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n]), dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n])]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    with cp.comm.timed():
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     cp.comm.bytes_sent += x.numel() * x.element_size()
     return out
 

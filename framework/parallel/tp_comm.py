@@ -16,8 +16,13 @@ memory; NCCL may pick trees).
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+
+from framework.metrics.timestamps import now
 
 
 # torch 2.13 renamed the tensor-in / tensor-out collectives; 2.6-2.12 have the older names.
@@ -29,9 +34,22 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 class TPComm:
     """One rank's tp group: size, rank, and the collectives with their byte tally."""
 
-    def __init__(self, group, size: int, rank: int):
+    def __init__(self, group, size: int, rank: int, clock: Optional[torch.device] = None):
         self.group, self.size, self.rank = group, size, rank
         self.bytes_sent = 0
+        # With a device: the seconds inside the collectives too (cp's comm; tp's stays untimed,
+        # as `now` synchronises CUDA's compute stream): on CPU the transfer plus the wait for
+        # the slowest peer, on CUDA the same at the cost of a sync per call.
+        self.clock, self.seconds = clock, 0.0
+
+    @contextlib.contextmanager
+    def timed(self):
+        if self.clock is None:
+            yield
+            return
+        t0 = now(self.clock)
+        yield
+        self.seconds += now(self.clock) - t0
 
     def _tally(self, full: torch.Tensor, factor: float) -> None:
         self.bytes_sent += int(full.numel() * full.element_size() * factor * (self.size - 1) / self.size)
@@ -44,7 +62,8 @@ class TPComm:
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         out = x.contiguous().clone()  # never reduce in place: autograd may share the input
         self._tally(out, 2)
-        dist.all_reduce(out, op=op, group=self.group)
+        with self.timed():
+            dist.all_reduce(out, op=op, group=self.group)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -52,7 +71,8 @@ class TPComm:
         x = x.contiguous()
         out = torch.empty((self.size * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
         self._tally(out, 1)
-        all_gather_single(out, x, group=self.group)
+        with self.timed():
+            all_gather_single(out, x, group=self.group)
         return out if dim == 0 else torch.cat(out.chunk(self.size, 0), dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -61,7 +81,8 @@ class TPComm:
         stacked = torch.cat(chunks, 0).contiguous() if dim != 0 else x.contiguous()
         out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         self._tally(stacked, 1)
-        reduce_scatter_single(out, stacked, group=self.group)
+        with self.timed():
+            reduce_scatter_single(out, stacked, group=self.group)
         return out
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -75,12 +75,17 @@ class StepRecord:
     weight_version_bytes: int
     p2p_buffer_peak_bytes: int
     tp_comm_bytes: int
-    cp_comm_bytes: int  # context parallel attention's all-gathers / reduce-scatters (0 at cp = 1)
     actions: list[tuple[str, float, float, float]]  # (action, start, compute_start, end), unix seconds
     states: StateBytes
     loss_scale: Optional[float] = None
     overflow: bool = False
     moe: Optional[dict] = None  # StepResult.moe
+    # context parallelism (ContextParallel.take; 0 at cp = 1): bytes this rank sent in the cp
+    # group's collectives, seconds inside them, and its attention compute (forward + backward
+    # seconds of the attention functions less cp_comm_s)
+    cp_comm_bytes: int = 0
+    cp_comm_s: float = 0.0
+    cp_attention_s: float = 0.0
     a2a_bytes: int = 0  # expert parallelism: bytes this rank sent by all-to-all
     a2a_s: float = 0.0  # and host seconds inside all-to-all
     a2a_spans: list[tuple[str, float, float]] = field(default_factory=list)  # each call: (what, start, end)

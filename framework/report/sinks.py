@@ -13,8 +13,8 @@ gathers them to rank 0 once per log interval and rank 0 merges them into one row
               framework/train/pipeline_runner.py); _max and per rank beside it
   loss_scale, overflow, skipped_steps  fp16-mixed only: the scale the step ran at, whether it
               was skipped (grad_norm is then null), overflowed steps so far
-  tp_comm_bytes, cp_comm_bytes  bytes one rank sent in tp (cp) collectives during the step
-              (ring-algorithm count, framework/parallel/tp_comm.py), max over ranks
+  tp_comm_bytes  bytes one rank sent in tp collectives in the step (framework/parallel/tp_comm.py), max
+  cp_comm_bytes, cp_comm_s, cp_attention_imbalance  context parallelism (framework/metrics/cp.py)
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
 when the run completes), summary.json (written last, atomically: its presence means the
 run completed), and for pipelines trace.json (the actions of at most metrics.trace_steps + 1
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from framework.config import RunConfig
 from framework.report.files import write_atomic
 from framework.metrics.bubble import analytic_at_measured, analytic_label
+from framework.metrics.cp import step_metrics as cp_metrics
 from framework.metrics.flops import executed_flops_per_token, mfu
 from framework.metrics.memory import memory_summary
 from framework.metrics.moe import step_metrics
@@ -52,9 +53,9 @@ from framework.report.wandb_sink import wandb_mode  # noqa: F401 (also imported 
 from framework.report.wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
-               "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes", "cp_comm_bytes")
-# Of each step's row, what rank 0 keeps for the summary (the rest is in metrics.jsonl): a few
-# numbers a step, not every rank's lists.
+               "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes", "cp_comm_bytes", "cp_comm_s",
+               "cp_attention_imbalance")
+# Of each step's row, what rank 0 keeps for the summary: a few numbers, not every rank's lists.
 KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
                            "loss_scale", "skipped_steps")
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
@@ -140,7 +141,7 @@ class RunLogger:
             "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
             "rank_tp_comm_bytes": [r.tp_comm_bytes for r in per_rank],
-            "cp_comm_bytes": max(r.cp_comm_bytes for r in per_rank),
+            **cp_metrics(per_rank, self.ctx.dims.groups("cp")),  # framework/metrics/cp.py
             "rank_step_time_s": [r.step_time_s for r in per_rank],
             "rank_bubble_fraction": [r.bubble for r in per_rank],
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds

@@ -61,11 +61,12 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
                         tp_comm, run.parallelism.sequence_parallel, run.trainer.precision, on_meta=True,
                         whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
-    cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords)) if d.cp > 1 else None
-    if cp_comm is not None:  # attention over the cp group, ids / labels / positions of this rank's tokens
-        context_parallel.install(model, context_parallel.ContextParallel(
-            cp_comm, run.data.seq_len, run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
-            ctx.group_ranks["cp"]))
+    cp = None
+    if d.cp > 1:  # attention over the cp group, ids / labels / positions of this rank's tokens
+        cp = context_parallel.ContextParallel(TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords)), run.data.seq_len,
+                                              run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
+                                              ctx.group_ranks["cp"])
+        context_parallel.install(model, cp)
     if run.trainer.recompute == "selective":  # after cp: it wraps the attention function in use
         recompute.install(model)
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
@@ -80,7 +81,7 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
         runner = AccumulationRunner(run, ctx, model, tracker, tp_comm)
     else:
         runner = PipelineRunner(run, ctx, model, tracker, forward_context, tp_comm, first_step)
-    runner.cp_comm = cp_comm  # its bytes: the step record's cp_comm_bytes
+    runner.context = cp  # its bytes and seconds: the step record's cp_* fields
     return runner, model
 
 
@@ -123,7 +124,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
                       p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
-                      cp_comm_bytes=runner.cp_comm.take_bytes() if runner.cp_comm is not None else 0,
+                      **(runner.context.take() if runner.context is not None else {}),
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner),
                       actions=[(r.action, r.start, r.compute_start, r.end) for r in out.records], states=out.states)
@@ -203,6 +204,8 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                 rec.val_loss = evaluate(runner, heldout, run, ctx)
                 rec.eval_s = time.time() - t0
                 runner.tp_comm.take_bytes()  # evaluation's tp traffic is not the next step's
+                if runner.context is not None:  # nor its cp traffic and attention time
+                    runner.context.take()
                 _a2a(runner)  # nor its all-to-alls
             pending.append(rec)
             # The first step too, so the console shows numbers before log_interval steps.

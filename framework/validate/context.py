@@ -20,6 +20,13 @@ def check_context_parallel(run: RunConfig) -> None:
     if p.sequence_parallel and p.tp > 1 and (seq // p.cp) % p.tp:
         raise ConfigError("data.seq_len", seq, f"sequence parallelism splits a cp rank's {seq // p.cp} tokens over "
                           f"tp={p.tp}", f"use a multiple of {2 * p.cp * p.tp}")
+    if p.cp_comm == "a2a":
+        for name, heads in (("model.n_head", m.n_head), ("model.n_kv_head", m.n_kv_head or m.n_head)):
+            if (heads // p.tp) % p.cp:
+                raise ConfigError(name, heads, f"parallelism.cp_comm=a2a gives each of cp={p.cp} ranks a share of "
+                                  f"a tp rank's {heads // p.tp} heads (tp={p.tp}), which must divide evenly",
+                                  f"use a head count divisible by tp x cp = {p.tp * p.cp}, or "
+                                  "parallelism.cp_comm=allgather or ring (no head condition)")
     if m.arch == "qwen3_moe":
         raise ConfigError(key, p.cp, "with a MoE model is not built yet: capacity and the sequence-level aux loss "
                           "count whole sequences, and expert parallelism is carved out of the same replicas",

@@ -55,22 +55,36 @@ def _tokens(lay: Layout) -> int:
     return lay.tokens // lay.cp
 
 
+def _expanded(s: ModelShape, kv_heads: int) -> int:
+    """Width (features per token, all heads) of K or V as SDPA saves them when the core gets a
+    mask: transformers repeats GQA's KV heads to every query head, a copy unless one KV head
+    is left (then the repeat is a view of it)."""
+    return s.hidden if kv_heads > 1 else s.kv_dim
+
+
 def _core(s: ModelShape, lay: Layout) -> float:
-    """What the attention core adds beyond q, k, v and its output: SDPA's log-sum-exp; under
-    cp's all-gather the gathered K and V (SDPA takes the mask, so GQA's are expanded to every
-    head) in place of the local k, v, and the causal mask SDPA saves as an additive float
-    (per sequence: (seq / cp) x seq). Under selective recomputation nothing (its inputs stay)."""
+    """What the attention core adds beyond q, k, v and its output: SDPA's log-sum-exp, and
+    under cp (SDPA takes a mask, so GQA's K / V are expanded, `_expanded`):
+    all-gather: the gathered K and V in place of the local k, v, and the causal mask SDPA saves
+    as an additive float (per sequence: (seq / cp) x seq);
+    a2a: the all-to-all's q, K, V (every token, heads / cp) in place of the local q, k, v, the
+    core's output before the all-to-all back (a new tensor: the local output is another), and
+    the (seq x seq) mask. Under selective recomputation nothing (its inputs stay)."""
     if lay.selective:
         return 0.0
-    if lay.cp > 1 and lay.cp_comm != "allgather":
+    if lay.cp > 1 and lay.cp_comm == "ring":
         raise ValueError(f"the activation model has no terms for cp_comm={lay.cp_comm} (the ring's blockwise "
                          "products) yet")
     tp, a, t = lay.tp, lay.act_bytes, _tokens(lay)
     out = t * s.heads // tp * _stats_bytes(lay)
-    if lay.cp > 1:
-        local_kv = 0 if s.arch == "gpt2" else 2 * s.kv_dim * t // tp  # GPT-2's are views of c_attn's output
-        out += (2 * s.hidden * lay.tokens // tp - local_kv) * a + lay.seq_len // lay.cp * lay.seq_len * a
-    return out
+    if lay.cp == 1:
+        return out
+    kv_heads = s.kv_heads // tp
+    if lay.cp_comm == "a2a":
+        kv = _expanded(s, kv_heads // lay.cp)
+        return out + (t * s.hidden + 2 * (kv - s.kv_dim) * t) // tp * a + lay.seq_len * lay.seq_len * a
+    local_kv = 0 if s.arch == "gpt2" else 2 * s.kv_dim * t // tp  # GPT-2's are views of c_attn's output
+    return out + (2 * _expanded(s, kv_heads) * lay.tokens // tp - local_kv) * a + lay.seq_len // lay.cp * lay.seq_len * a
 
 
 def block_bytes(s: ModelShape, lay: Layout) -> float:
