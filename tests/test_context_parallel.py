@@ -65,12 +65,14 @@ def test_cp_reproduces_the_single_process(runs, model, layout):
     _, ref_metrics, ref_params, _ = runs[model, "single"]
     assert summary["world_size"] == {"cp2": 2, "cp2_a2a": 2, "cp2_ring_dp2_pp2": 8}.get(layout, 4)
     assert_same_training(metrics, params, ref_metrics, ref_params)
-    if "ring" not in layout:  # the activation model: the cp core's saved tensors, byte for byte ...
-        # ... but for Llama under tp + SP with the all-gather, where it counts one (seq / cp x seq)
-        # mask's worth per layer high (4,096 B of 138,688 at one layer; +1.0 % here): not
-        # worked out term by term yet (the same run without SP is exact)
-        rel = 0.015 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
-        assert modelled_activation_peak(job) == pytest.approx(summary["activation_peak_bytes_max"], rel=rel, abs=0)
+    # the activation model (framework/sim/cost/activations.py): the cp core's saved tensors,
+    # byte for byte, but where a difference is not worked out term by term yet: Llama under tp +
+    # SP with the all-gather (one (seq / cp x seq) mask's worth per layer high: 4,096 B of
+    # 138,688 at one layer, the same run without SP exact) and the ring (exact for GPT-2 at cp 2
+    # and Llama with GQA at cp 2; up to 4 % high with pp, whose peak falls between the blocks'
+    # passes; the measured ring peak moved by 0.5 % between two runs of gpt2 cp 4): within 5 %
+    rel = 0.05 if "ring" in layout else 0.015 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
+    assert modelled_activation_peak(job) == pytest.approx(summary["activation_peak_bytes_max"], rel=rel, abs=0)
 
 
 def test_cp_comm_bytes_count_the_key_value_gathers(runs):
@@ -89,6 +91,25 @@ def test_cp_comm_bytes_count_the_key_value_gathers(runs):
     # conjugates backward: 8 all-to-alls of a (B, heads / tp, T / cp, d) tensor, half of it sent
     a2a = layers * micro * 8 * batch * (seq // 2) * (hidden // 2) * 8 // 2
     assert {m["cp_comm_bytes"] for m in runs["gpt2", "cp2_a2a_tp2_sp"][1]} == {a2a}
+
+
+@pytest.mark.parametrize("model,layout", [("gpt2", "cp2"), ("gpt2", "cp4_ring"), ("gpt2", "cp2_a2a_tp2_sp"),
+                                          ("llama", "cp2"), ("llama", "cp2_a2a")])
+def test_the_cost_models_cp_traffic_is_what_the_run_sent(runs, model, layout):
+    """traffic.py's cp collectives of a step, counted as the run counts them (each rank's
+    (n - 1) / n of a gathered, scattered or all-to-all'd buffer; a ring pass whole), equal the
+    run's cp_comm_bytes."""
+    from framework.config import read_config
+    from framework.sim.cost.collectives import FACTORS
+    from framework.sim.cost.price import job_of
+    from framework.sim.cost.traffic import step_collectives
+
+    summary, _, _, job_dir = runs[model, layout]
+    job = job_of(read_config(str(job_dir / "config.yaml")), summary["vocab_size"] if "vocab_size" in summary
+                 else __import__("json").loads((job_dir / "run_info.json").read_text())["vocab_size"])
+    calls = [c for c in step_collectives(job, 0) if c.dim == "cp"]
+    modelled = sum(c.total * (1.0 if c.op == "ring" else FACTORS[c.op](c.n)) for c in calls)
+    assert modelled == summary["cp_comm_bytes"] > 0
 
 
 def test_cp_times_its_comm_and_each_ranks_attention(runs):

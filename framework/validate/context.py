@@ -42,6 +42,3 @@ def check_context_parallel(run: RunConfig) -> None:
     if p.zero and p.zero_impl == "fsdp2":
         raise ConfigError("parallelism.zero_impl", p.zero_impl, "FSDP2 with context parallelism is not built yet "
                           "(its mesh is the dp group's)", "use parallelism.zero_impl=ours with parallelism.cp > 1")
-    if run.hardware.name != "none":
-        raise ConfigError("hardware", run.hardware.name, "the cost model does not price context parallelism yet",
-                          "use hardware=none with parallelism.cp > 1, or parallelism.cp=1 to price the layout")

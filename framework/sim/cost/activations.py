@@ -52,7 +52,7 @@ def _stats_bytes(lay: Layout) -> int:
 
 def _tokens(lay: Layout) -> int:
     """A micro-batch's tokens on one rank: a cp rank holds 1 / cp of each sequence."""
-    return lay.tokens // lay.cp
+    return lay.tokens
 
 
 def _expanded(s: ModelShape, kv_heads: int) -> int:
@@ -73,8 +73,7 @@ def _core(s: ModelShape, lay: Layout) -> float:
     if lay.selective:
         return 0.0
     if lay.cp > 1 and lay.cp_comm == "ring":
-        raise ValueError(f"the activation model has no terms for cp_comm={lay.cp_comm} (the ring's blockwise "
-                         "products) yet")
+        return _ring(s, lay)
     tp, a, t = lay.tp, lay.act_bytes, _tokens(lay)
     out = t * s.heads // tp * _stats_bytes(lay)
     if lay.cp == 1:
@@ -84,7 +83,26 @@ def _core(s: ModelShape, lay: Layout) -> float:
         kv = _expanded(s, kv_heads // lay.cp)
         return out + (t * s.hidden + 2 * (kv - s.kv_dim) * t) // tp * a + lay.seq_len * lay.seq_len * a
     local_kv = 0 if s.arch == "gpt2" else 2 * s.kv_dim * t // tp  # GPT-2's are views of c_attn's output
-    return out + (2 * _expanded(s, kv_heads) * lay.tokens // tp - local_kv) * a + lay.seq_len // lay.cp * lay.seq_len * a
+    gathered = 2 * _expanded(s, kv_heads) * lay.micro_batch * lay.seq_len // tp
+    return out + (gathered - local_kv) * a + lay.seq_len // lay.cp * lay.seq_len * a
+
+
+def _ring(s: ModelShape, lay: Layout) -> float:
+    """ring_attention.py's saved tensors, in place of the local q, k, v (which it copies) and
+    SDPA's log-sum-exp. Per block it multiplies (cp of them on the fullest rank: head-tail
+    gives every rank's late chunk some of every block): the query's copy for the product, K
+    (GQA's repeated; else the passed K / V buffer), the bool mask, the scores and the
+    probabilities (B, heads, n, n) and the row maxima in the accumulation dtype (fp32 at
+    least), and V (its accumulation-dtype copy when that differs, autocast's bf16 of it and
+    of the probabilities besides); then each merge's rescale, and the final acc and total."""
+    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay)
+    n, hd, rows = lay.seq_len // lay.cp, s.hidden // tp, lay.micro_batch * s.heads // tp * (lay.seq_len // lay.cp)
+    grouped = s.heads != s.kv_heads
+    b = lay.micro_batch
+    k = b * n * hd * a if grouped else 2 * b * n * s.kv_dim // tp * a
+    v = (b * n * hd * (st + a) + rows * n * a) if a < st else (b * n * hd * a if grouped else 0)
+    block = b * n * hd * a + k + v + n * n + (2 * rows * n + rows) * st
+    return lay.cp * block + (lay.cp - 1) * rows * st + rows * (s.head_dim + 1) * st - t * (s.hidden + 2 * s.kv_dim) // tp * a
 
 
 def block_bytes(s: ModelShape, lay: Layout) -> float:

@@ -40,10 +40,10 @@ def crosses_nodes(group: list[int], gpus_per_node: int) -> bool:
 
 
 def first_group(dims: ParallelDims, dim: str) -> list[int]:
-    """Rank 0's group of `dim`: the ranks whose other coordinates are 0 (ep: the first ep dp
-    ranks), without listing every group of a 16k-rank world (topology.groups does)."""
-    size = {"tp": dims.tp, "dp": dims.dp, "pp": dims.pp, "ep": dims.ep}[dim]
-    axis = "dp" if dim == "ep" else dim
+    """Rank 0's group of `dim`: the ranks whose other coordinates are 0 (ep, cp: the first ep
+    (cp) dp ranks), without listing every group of a 16k-rank world (topology.groups does)."""
+    size = {"tp": dims.tp, "dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "cp": dims.cp}[dim]
+    axis = "dp" if dim in ("ep", "cp") else dim
     return [dims.rank(Coords(**{"pp": 0, "dp": 0, "tp": 0, axis: i})) for i in range(size)]
 
 

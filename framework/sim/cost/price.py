@@ -6,6 +6,9 @@ all-gathers and reduce-scatters) and ep's all-to-alls, each on the critical path
 without its overlap options). Host time: a block's launch path (the profile's `host_us`)
 either overlaps the kernels (`host_overlaps`: a GPU's asynchronous stream; the pass takes
 the larger) or adds to them (a CPU, where one thread does both).
+Context parallelism (traffic.py's cp collectives): the all-gather's and the all-to-all's
+exposed; the ring's p2p passes overlap the blockwise products they feed (Megatron's p2p,
+picotron's ring): a pass costs only what exceeds its block's attention.
 The pipeline: the schedule's real plan (p2p.comm_plan) through the clock (clock.py) under
 NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
 After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
@@ -39,7 +42,7 @@ class Job:
 
     shape: ModelShape
     lay: Layout
-    dp: int = 1
+    dp: int = 1  # the replicas, data x cp: the gradient reduction's (and ZeRO's) group
     pp: int = 1
     microbatches: int = 1
     schedule: str = DEFAULT
@@ -53,7 +56,7 @@ class Job:
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.lay.tp
+        return self.dp * self.pp * self.lay.tp  # dp: the replicas (cp included)
 
 
 @dataclass
@@ -79,7 +82,7 @@ def job_of(run, vocab: int) -> Job:
     lay = Layout(run.trainer.micro_batch_size, run.data.seq_len, p.tp, p.sequence_parallel and p.tp > 1, p.ep,
                  run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
                  run.trainer.recompute == "selective")
-    return Job(ModelShape.of(run.model, vocab), lay, p.dp, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
+    return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype))
 
 
@@ -91,6 +94,10 @@ def dtype_of(run) -> str:
 
 # the link a dimension's groups run at (edp spans dp's ranks; the tied table's pair, pp's)
 LINK_OF = {"edp": "dp", "embedding": "pp"}
+
+
+def dims_of(job: Job) -> ParallelDims:
+    return ParallelDims(job.pp, job.dp, job.lay.tp, job.lay.ep, job.lay.cp)
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
@@ -107,15 +114,23 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
     back, hb = dev["I"] + dev["W"], blocks * host["B"] * 1e-6
     for ph in "IW":  # the backward's host time, split as its kernels' time
         out[ph] = _combine(prof, dev[ph], hb * (dev[ph] / back if back else 0.5))
-    comm = pass_collectives(job, blocks, first, last)  # tp and ep: on the critical path
-    out["F"] += _seconds(prof, job, comm["F"])
-    out["I"] += _seconds(prof, job, comm["B"])
+    comm = pass_collectives(job, blocks, first, last)  # tp, ep and cp's collectives: on the critical path ...
+    out["cp"] = 0.0
+    for ph, pas in (("F", "F"), ("B", "I")):
+        ring = [c for c in comm[ph] if c.op == "ring"]  # ... but the ring's passes, each hidden behind
+        attention = prof.seconds([o for o in ops if o.kind == "attention"], lay.dtype, pas)  # a block's product
+        exposed = max(0.0, _seconds(prof, job, ring) - attention)
+        cp = _seconds(prof, job, [c for c in comm[ph] if c.dim == "cp" and c.op != "ring"]) + exposed
+        out[pas] += _seconds(prof, job, [c for c in comm[ph] if c.op != "ring"]) + exposed
+        out["cp"] += cp
     return out, flops(ops, model=False), flops(ops)
 
 
 def _seconds(prof: Profile, job: Job, calls: list[Collective]) -> float:
-    dims = ParallelDims(job.pp, job.dp, job.lay.tp, job.lay.ep)
-    return sum(collective_s(c.op, c.nbytes, c.n, group_link(prof, dims, LINK_OF.get(c.dim, c.dim))) * c.calls
+    """The calls' seconds, cp's ring passes as p2p (pp's sends are the pipeline clock's)."""
+    dims = dims_of(job)
+    return sum(collective_s("p2p" if c.op == "ring" else c.op, c.nbytes, c.n,
+                            group_link(prof, dims, LINK_OF.get(c.dim, c.dim))) * c.calls
                for c in calls if c.op != "send" and c.n > 1 and c.calls and c.nbytes)  # no group: no link needed
 
 
@@ -126,7 +141,7 @@ def price(prof: Profile, job: Job) -> Priced:
         raise ValueError(f"schedule {job.schedule} never flushes: the cost model prices flushing schedules")
     smap = sched.stage_map(p, v)
     parts = uniform(s.layers, p * v)
-    compute, executed, model = {}, 0.0, 0.0
+    compute, executed, model, cp_s = {}, 0.0, 0.0, [0.0] * p
     for stage, blocks in enumerate(parts):
         t, ex, mo = stage_times(prof, job, len(blocks), stage == 0, stage == len(parts) - 1)
         r, c = smap.rank(stage), smap.chunk(stage)
@@ -134,8 +149,11 @@ def price(prof: Profile, job: Job) -> Priced:
             compute[(r, c, op)] = t[op]
         compute[(r, c, "B")] = t["I"] + t["W"]
         executed, model = executed + ex * m, model + mo * m
-    dims = ParallelDims(p, job.dp, lay.tp, lay.ep)
+        cp_s[r] += t["cp"] * m
+    dims = dims_of(job)
     comm = _rank_comm(prof, job)
+    if lay.cp > 1:  # exposed: inside F and B already; the ring's less what its products hide
+        comm["cp"] = max(cp_s)
     after, gather = comm.pop("after"), comm.pop("gather")
     for key in [k for k in compute if k[2] in "FIB"]:  # ZeRO 3: a chunk's parameters gathered before its F and B
         compute[key] = max(compute[key], gather) if job.zero3_prefetch else compute[key] + gather
@@ -171,7 +189,7 @@ def _rank_comm(prof: Profile, job: Job) -> dict:
     pipeline); `zero3_gather`, ZeRO 3's gathers; `after`, what runs once the pipeline is done
     (the reductions, ZeRO 1 / 2's gather); `gather`, ZeRO 3's gather before one micro-batch's
     F or B of one chunk."""
-    def zero3(c: Collective) -> bool:
+    def zero3(c: Collective) -> bool:  # (cp: stage_times', where the ring's overlap is known)
         return job.zero == 3 and c.op == "all_gather"
 
     out: dict = {}

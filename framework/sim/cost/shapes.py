@@ -112,7 +112,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class Layout:
     """What the op lists are cut for: one micro-batch of `micro_batch` sequences of
-    `seq_len` tokens on one rank of tp / sp / ep, in `dtype_bytes` activations."""
+    `seq_len` tokens on one rank of tp / sp / ep / cp, in `dtype_bytes` activations."""
 
     micro_batch: int
     seq_len: int
@@ -122,13 +122,14 @@ class Layout:
     recompute: bool = False
     dtype: str = "bf16"  # the GEMMs' dtype in the profile's tables
     activation_bytes: int = 0  # bytes per activation element; 0: the GEMMs' dtype's
-    cp: int = 1  # context parallel: a rank holds tokens / cp of each sequence (activations.py only)
-    cp_comm: str = "allgather"
+    cp: int = 1  # context parallel: a rank holds seq_len / cp of each sequence (its `tokens`)
+    cp_comm: str = "allgather"  # ops.py's attention, traffic.py's cp collectives, activations.py
     selective: bool = False  # trainer.recompute=selective: the attention core recomputed (activations.py)
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """A micro-batch's tokens on one rank (1 / cp of each sequence)."""
+        return self.micro_batch * self.seq_len // self.cp
 
     @property
     def act_bytes(self) -> int:

@@ -23,6 +23,11 @@ coordinate 0, as the framework runs them:
   tokens x top_k rows of h (dropless routing; the ep group's mean: one rank's share
   depends on where its tokens are routed).
 - dp, MoE: the step's routing statistics (a row per layer) and smallest margin.
+- cp, per block and micro-batch (framework/parallel/context_parallel.py): allgather, K and V
+  all-gathered forward ((B, kv heads / tp, T, d) each), reduce-scattered backward; ring,
+  cp - 1 passes of the rank's K and V to its neighbour forward and of their gradients
+  backward ("ring": p2p, priced as a send); a2a, q, k, v and the output all-to-all forward,
+  the four conjugates backward. Selective and full recomputation repeat the forward's.
 Left out: single scalars (the overflow flag, gradient norms' partial sums, the flush's
 1-element all-reduce) and integer payloads (routing counts, DDP's bucket layout).
 """
@@ -39,8 +44,8 @@ from framework.sim.cost.shapes import ModelShape
 
 @dataclass(frozen=True)
 class Collective:
-    dim: str  # tp | dp | pp | ep | edp | embedding
-    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send
+    dim: str  # tp | dp | pp | ep | edp | embedding | cp
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send | ring (cp's p2p pass)
     nbytes: float  # one call's payload
     n: int  # group size
     calls: float  # per step
@@ -199,6 +204,7 @@ def pass_collectives(job, blocks: int, first: bool, last: bool) -> dict[str, lis
     `blocks` blocks, calls per micro-batch}; B includes what recomputation repeats."""
     lay, s = job.lay, job.shape
     out: dict[str, list[Collective]] = {"F": [], "B": []}
+    _cp(out, s, lay, blocks)
     if s.experts and lay.ep > 1:  # dispatch and combine, forward and backward
         rows = (lay.tokens // lay.tp if lay.sp else lay.tokens) * s.top_k
         a2a = Collective("ep", "all_to_all", rows * s.hidden * lay.act_bytes, lay.ep, 2 * blocks)
@@ -239,6 +245,26 @@ def pass_collectives(job, blocks: int, first: bool, last: bool) -> dict[str, lis
         # the vocab-parallel loss: a max, the target logit and a sum of exponentials per token
         add("F", "all_reduce", 3, lay.tokens * lay.act_bytes)
     return out
+
+
+def _cp(out: dict, s: ModelShape, lay, blocks: int) -> None:
+    """Context parallelism's attention traffic of one micro-batch through `blocks` blocks."""
+    if lay.cp == 1:
+        return
+    a, tp, n = lay.act_bytes, lay.tp, lay.cp
+    again = lay.recompute or lay.selective  # the forward's collectives once more inside the backward
+    kv = lay.tokens * s.kv_dim // tp * a  # the rank's K (or V)
+    if lay.cp_comm == "allgather":
+        fwd, bwd = [("all_gather", kv * n, 2)], [("reduce_scatter", kv * n, 2)]
+    elif lay.cp_comm == "ring":
+        fwd = bwd = [("ring", 2 * kv, n - 1)]
+    else:
+        q = lay.tokens * s.hidden // tp * a
+        fwd = bwd = [("all_to_all", q, 2), ("all_to_all", kv, 2)]
+    out["F"] += [Collective("cp", op, nbytes, n, calls * blocks) for op, nbytes, calls in fwd]
+    out["B"] += [Collective("cp", op, nbytes, n, calls * blocks) for op, nbytes, calls in bwd]
+    if again:
+        out["B"] += [Collective("cp", op, nbytes, n, calls * blocks) for op, nbytes, calls in fwd]
 
 
 def _dp(job, units: list[Unit]) -> list[Collective]:
