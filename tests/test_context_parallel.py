@@ -190,3 +190,42 @@ def test_cp_groups_sit_between_tp_and_dp():
 ])
 def test_what_cp_cannot_take_is_rejected_before_launch(overrides, head, problem):
     assert_config_error(["data=synthetic", *overrides], head, problem)
+
+
+def test_a_128k_token_layout_is_planned_on_an_h100_cluster(capsys):
+    """Llama 3 405B's long-context stage (its paper's Table 4: 131,072 tokens, tp 8, cp 16,
+    pp 16, dp 8 on 16,384 H100s), priced from the command line's entry point: the cp ranks'
+    token shares add up to the global batch, the attention's model FLOPs over the 16 cp ranks
+    are the whole sequence's and its executed ones twice the causal count (the explicit mask
+    computes the rectangle); the all-gather is exposed, the ring's passes hide behind the
+    blockwise products at this length; only full recomputation fits 80 GB."""
+    import json
+
+    from framework.sim.cli import main
+    from framework.sim.cost.ops import block_ops
+    from framework.sim.cost.shapes import Layout, ModelShape
+
+    from .test_cost_model import LLAMA_405B
+
+    seq = 131072
+    layout = [*[a for a in LLAMA_405B if not a.startswith(("data.seq_len", "model.max_positions"))],
+              f"data.seq_len={seq}", f"model.max_positions={seq}", "hardware=h100-sxm", "hardware.gpus=16384",
+              "parallelism.dp=8", "parallelism.cp=16", "parallelism.tp=8", "parallelism.pp=16",
+              "parallelism.sequence_parallel=true", "parallelism.zero=1", "schedule=interleaved",
+              "schedule.virtual_stages=2", "schedule.microbatches=16"]
+    reps = {}
+    for comm, recompute in (("allgather", "full"), ("ring", "full"), ("allgather", "selective")):
+        assert main([*layout, f"parallelism.cp_comm={comm}", f"trainer.recompute={recompute}", "--json"]) == 0
+        reps[comm, recompute] = json.loads(capsys.readouterr().out)
+    full = reps["allgather", "full"]
+    assert full["gpus"] == 16384 and full["fits"] and not reps["allgather", "selective"]["fits"]
+    assert full["tokens_per_s_per_gpu"] == pytest.approx(seq * 16 * 8 / full["step_s"] / 16384)
+    assert full["comm_s"]["cp"] > 0 and reps["ring", "full"]["comm_s"]["cp"] == 0
+    assert reps["ring", "full"]["step_s"] < full["step_s"]
+    shape = ModelShape(arch="llama", layers=1, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, tied=False)
+
+    def attention(cp, model):
+        ops = block_ops(shape, Layout(1, seq, tp=8, sp=True, cp=cp))
+        return sum(o.model_flops if model else o.flops for o in ops if o.kind == "attention")
+    assert 16 * attention(16, True) == pytest.approx(attention(1, True))
+    assert 16 * attention(16, False) == pytest.approx(2 * attention(1, False))
