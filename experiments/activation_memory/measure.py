@@ -73,7 +73,7 @@ def model_bytes(args: list[str]) -> float:
         run = load_config(compose("config", overrides=[*MODEL, "model.n_layer=3", *args]))
     job = job_of(run, 256)
     if job.lay.recompute:
-        tn = job.lay.tokens // job.lay.cp // (job.lay.tp if job.lay.sp else 1)
+        tn = job.lay.tokens // (job.lay.tp if job.lay.sp else 1)  # a cp rank's tokens
         return job.shape.hidden * tn * job.lay.act_bytes
     return block_bytes(job.shape, job.lay)
 

@@ -223,7 +223,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
             "hfu": r.hfu, "model_state_bytes_max": max(states), "activation_peak_bytes_max": max(acts),
             "recompute_transient_bytes": transient, "memory_per_gpu_bytes": need, "memory_bytes": capacity,
             "fits": need <= capacity, "dtype": job.lay.dtype,
-            "assumptions": "no overlap of communication with compute (but cp's ring passes); ring collectives; host path "
+            "assumptions": "no overlap of communication with compute (but cp's ring passes); ring collectives; "
+                           "host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
                            "states + saved activations (framework/sim/cost/activations.py; no allocator "
                            "fragmentation, workspaces, p2p buffers or framework runtime)"}
