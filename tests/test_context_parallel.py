@@ -17,7 +17,11 @@ from .conftest import (FP64, TINY, assert_config_error, assert_same_training, fi
 
 MODELS = {"gpt2": ["model=gpt2-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=4"],
           "llama": ["model=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
-                    "model.n_inner=64"]}
+                    "model.n_inner=64"],
+          # dropless, every aux loss and the bias update: their counts span the cp ranks' pieces
+          "moe": ["model=moe-tiny", "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
+                  "model.moe.expert_inner=32", "model.moe.bias_update_rate=0.01",
+                  "model.moe.aux_losses=[{type:aux,coeff:0.01},{type:seq_aux,coeff:0.01},{type:z,coeff:0.001}]"]}
 SP = "parallelism.sequence_parallel=true"
 LAYOUTS = {
     "single": ["parallelism=single", "schedule.microbatches=4"],
@@ -34,13 +38,15 @@ LAYOUTS = {
                          "schedule.microbatches=2"],
     "cp2_ring_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=ring", SP,
                         "schedule.microbatches=4"],
+    "cp2_ep2_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.ep=2", SP, "schedule.microbatches=4"],
     "cp2_a2a": ["parallelism=single", "parallelism.cp=2", "parallelism.cp_comm=a2a", "schedule.microbatches=4"],
     "cp2_a2a_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=a2a", SP,
                        "schedule.microbatches=4"],
 }
 CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2", "cp4_ring",
                                "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp")] + [
-    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a")]
+    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a")] + [
+    ("moe", "cp2"), ("moe", "cp2_ep2_tp2_sp")]
 
 
 def _common(data_cache):
@@ -49,14 +55,25 @@ def _common(data_cache):
             "trainer.save_checkpoint=true", "optimizer.lr=3e-3", FP64]
 
 
+class _Runs(dict):
+    """(model, layout) -> (summary, metrics rows, final parameters, job dir), each run on first
+    use: a test run alone (-k) costs only the runs it reads."""
+
+    def __init__(self, factory, data_cache: str):
+        super().__init__()
+        self.factory, self.data_cache = factory, data_cache
+
+    def __missing__(self, key):
+        model, layout = key
+        job = self.factory.mktemp(f"{model}_{layout}")
+        summary = run_local(job, *MODELS[model], *LAYOUTS[layout], *_common(self.data_cache))
+        self[key] = (summary, read_metrics(job), final_params(job), job)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    out = {}
-    for model, layout in [(m, "single") for m in MODELS] + CASES:
-        job = tmp_path_factory.mktemp(f"{model}_{layout}")
-        summary = run_local(job, *MODELS[model], *LAYOUTS[layout], *_common(data_cache))
-        out[model, layout] = (summary, read_metrics(job), final_params(job), job)
-    return out
+    return _Runs(tmp_path_factory, data_cache)
 
 
 @pytest.mark.parametrize("model,layout", CASES)
@@ -71,7 +88,9 @@ def test_cp_reproduces_the_single_process(runs, model, layout):
     # 138,688 at one layer, the same run without SP exact) and the ring (exact for GPT-2 at cp 2
     # and Llama with GQA at cp 2; up to 4 % high with pp, whose peak falls between the blocks'
     # passes; the measured ring peak moved by 0.5 % between two runs of gpt2 cp 4): within 5 %
-    rel = 0.05 if "ring" in layout else 0.015 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
+    # MoE: within 2 % without ep; with ep the measured rank is the fullest, the model the
+    # expectation, and 16 tokens a micro-batch per rank route unevenly (-15 % here)
+    rel = 0.05 if "ring" in layout else 0.2 if "ep2" in layout else 0.02 if model == "moe" else 0.015 if (model, layout) == ("llama", "cp2_tp2_sp") else 0.0
     assert modelled_activation_peak(job) == pytest.approx(summary["activation_peak_bytes_max"], rel=rel, abs=0)
 
 
@@ -178,7 +197,8 @@ def test_cp_groups_sit_between_tp_and_dp():
 @pytest.mark.parametrize("overrides, head, problem", [
     (["parallelism.cp=3"], "data.seq_len=128", "2 x cp = 6 chunks"),
     (["parallelism.cp=2", "parallelism=tp4", SP, "data.seq_len=12"], "data.seq_len=12", "splits a cp rank's 6"),
-    (["parallelism.cp=2", "model=moe-tiny"], "parallelism.cp=2", "MoE model is not built yet"),
+    (["parallelism.cp=2", "model=moe-tiny", "model.moe.capacity_factor=1.0"], "model.moe.capacity_factor=1.0",
+     "a cp rank's pieces are not contiguous"),
     (["parallelism.cp=4", "parallelism.cp_comm=a2a", "model=llama-tiny", "model.n_head=4", "model.n_kv_head=2"],
      "model.n_kv_head=2", "a tp rank's 2 heads"),
     (["parallelism.cp=2", "parallelism=tp2", "parallelism.cp_comm=a2a", "model.n_head=2"], "model.n_head=2",

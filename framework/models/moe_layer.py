@@ -30,6 +30,9 @@ from framework.models.moe_routing import AuxLossScale, attach_aux_loss, route, u
 class MoERuntime:
     def __init__(self, cfg: MoEConfig, ep_comm: Optional[EPComm], sp_group=None):
         self.cfg, self.ep_comm, self.sp_group = cfg, ep_comm, sp_group
+        # context parallelism (context_parallel.install): the cp group holds the other pieces of
+        # these sequences; its ranks' gradients are averaged, so each aux share counts cp times
+        self.cp_group, self.cp = None, 1
         self.aux_scale = AuxLossScale()
         self.gates: dict[int, nn.Module] = {}  # layer -> its router (which holds expert_bias)
         self.sums: dict[int, torch.Tensor] = {}  # layer -> the step's statistics so far (_row's layout)
@@ -83,6 +86,7 @@ class MoERuntime:
             dropped, entropy_sum, tokens, calls = row[e:e + 4].tolist()
             if tp_group is not None:  # each tp rank ran the micro-batch's sequence shard: one call
                 calls /= dist.get_world_size(tp_group)
+            calls /= self.cp  # and each cp rank its pieces (the dp group spans cp)
             aux = {a["type"]: float(v) for a, v in zip(self.cfg.aux_losses, row[e + 4:e + 4 + len(self.cfg.aux_losses)],
                                                         strict=True)}
             out[i] = {"tokens_per_expert": counts.tolist(), "dropped": dropped, "entropy_sum": entropy_sum,
@@ -142,10 +146,10 @@ def forward(block: nn.Module, rt: MoERuntime, layer: int, hidden_states: torch.T
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     r = route(block.gate.weight, x, rt.cfg, seq_len=shape[1] if len(shape) == 3 else x.size(0),
-              bias=getattr(block.gate, "expert_bias", None), sp_group=rt.sp_group)
+              bias=getattr(block.gate, "expert_bias", None), sp_group=rt.sp_group, cp_group=rt.cp_group)
     y, received = run_routed(block.experts, x, r.index, r.weights, rt.ep_comm)
-    if r.aux_loss is not None and torch.is_grad_enabled():
-        y = attach_aux_loss(y, r.aux_loss, rt.aux_scale)
+    if r.aux_loss is not None and torch.is_grad_enabled():  # x cp: the cp ranks' gradients are averaged
+        y = attach_aux_loss(y, r.aux_loss * rt.cp if rt.cp > 1 else r.aux_loss, rt.aux_scale)
     if _counting():
         rt.record(layer, r.stats, received, x.device)
     return y.reshape(shape)

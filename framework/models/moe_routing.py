@@ -32,6 +32,9 @@ gradient needs no collective). Capacity decides per whole sequence: the shards' 
 pairs are all-gathered over `sp_group` first (one small collective), so every layout drops
 exactly the single process's assignments given the same scores. How close the scores came to
 a decision is `stats["margin"]`: layouts agree while their score round-off stays below it.
+Context parallelism (`cp_group`) cuts sequences into pieces the same way for the counts (summed
+over cp too); its ranks' gradients are averaged, not summed, so moe_layer.py scales each
+rank's share by cp.
 """
 
 from __future__ import annotations
@@ -65,12 +68,14 @@ class Routing:
 
 
 def route(weight: torch.Tensor, hidden: torch.Tensor, cfg: MoEConfig, seq_len: int, *,
-          bias: Optional[torch.Tensor] = None, sp_group=None) -> Routing:
+          bias: Optional[torch.Tensor] = None, sp_group=None, cp_group=None) -> Routing:
     """Route `hidden` (N, H), row-major over (batch, seq) with `seq_len` tokens of each sequence
     on this rank, with the router `weight` (E, H). `bias` (E,): DeepSeek-V3's expert bias, for
     the choice only. `sp_group`: the sequence-parallel group whose ranks hold the other shards
     of these sequences (tp rank order); it defines the aux losses' counts and the capacity
-    groups (module docstring). None runs no collective."""
+    groups (module docstring). None runs no collective. `cp_group`: the context-parallel group,
+    whose ranks hold the sequences' other pieces: the aux losses' counts are summed over it too
+    (dropless routing only: capacity's per-sequence decision assumes contiguous shards)."""
     logits = F.linear(hidden, weight)  # (N, E)
     n, e, k = logits.shape[0], logits.shape[1], cfg.top_k
     scores = _scores(logits, cfg.score)  # (N, E) in at least fp32
@@ -104,7 +109,7 @@ def route(weight: torch.Tensor, hidden: torch.Tensor, cfg: MoEConfig, seq_len: i
                  "margin": margin.to(torch.float64)}
     aux_loss = None
     if cfg.aux_losses:
-        losses = _aux_losses(logits, normed, routing_map, cfg, seq_len, sp_group)
+        losses = _aux_losses(logits, normed, routing_map, cfg, seq_len, sp_group, cp_group)
         aux_loss = sum(float(a["coeff"]) * losses[a["type"]] for a in cfg.aux_losses)
         stats.update({name: value.detach() for name, value in losses.items()})
     return Routing(index=index, weights=weights, logits=logits, aux_loss=aux_loss, stats=stats)
@@ -196,7 +201,7 @@ def _within_capacity(index: torch.Tensor, chosen: torch.Tensor, capacity: int, p
 
 
 def _aux_losses(logits: torch.Tensor, normed: torch.Tensor, routing_map: torch.Tensor, cfg: MoEConfig,
-                seq_len: int, sp_group) -> dict[str, torch.Tensor]:
+                seq_len: int, sp_group, cp_group=None) -> dict[str, torch.Tensor]:
     """The configured losses, uncoefficiented, in normed's dtype (>= fp32). With f_e the fraction
     of assignments to expert e (no gradient, before dropping) and P_e the mean normalised score:
     aux = E * sum_e f_e P_e over the call's tokens (Megatron-core switch_load_balancing_loss_func);
@@ -212,8 +217,9 @@ def _aux_losses(logits: torch.Tensor, normed: torch.Tensor, routing_map: torch.T
     per_seq = routing_map.view(b, seq_len, e).sum(1) if b else routing_map.new_zeros(0, e, dtype=torch.int64)
     counts = torch.cat([routing_map.sum(0), routing_map.new_tensor([n], dtype=torch.int64), per_seq.reshape(-1),
                         routing_map.new_tensor([seq_len], dtype=torch.int64)])
-    if sp_group is not None:
-        dist.all_reduce(counts, group=sp_group)
+    for group in (sp_group, cp_group):  # a sequence's tokens: over tp (SP) x cp
+        if group is not None:
+            dist.all_reduce(counts, group=group)
     counts = counts.to(normed.dtype)
     per_expert, tokens, per_seq, seq_tokens = counts[:e], counts[e], counts[e + 1:e + 1 + b * e].view(b, e), counts[-1]
     out = {}

@@ -145,4 +145,6 @@ def install(model: nn.Module, cp: ContextParallel) -> None:
             module.config._attn_implementation = ATTENTION
         if hasattr(module, "positions"):  # the GPT-2 embedding, split.py's blocks
             module.positions = cp.index
+    if getattr(model, "moe", None) is not None:  # MoE's aux-loss counts span the whole sequence
+        model.moe.cp_group, model.moe.cp = cp.comm.group, cp.comm.size
     model.context = cp

@@ -27,10 +27,11 @@ def check_context_parallel(run: RunConfig) -> None:
                                   f"a tp rank's {heads // p.tp} heads (tp={p.tp}), which must divide evenly",
                                   f"use a head count divisible by tp x cp = {p.tp * p.cp}, or "
                                   "parallelism.cp_comm=allgather or ring (no head condition)")
-    if m.arch == "qwen3_moe":
-        raise ConfigError(key, p.cp, "with a MoE model is not built yet: capacity and the sequence-level aux loss "
-                          "count whole sequences, and expert parallelism is carved out of the same replicas",
-                          "use parallelism.cp=1 with model.arch=qwen3_moe, or a dense model (gpt2, llama)")
+    cf = m.moe.capacity_factor if m.arch == "qwen3_moe" else None
+    if cf is not None and cf != float("inf"):
+        raise ConfigError("model.moe.capacity_factor", cf, f"with parallelism.cp={p.cp}: capacity decides per whole "
+                          "sequence over contiguous shards, and a cp rank's pieces are not contiguous (not built)",
+                          "use model.moe.capacity_factor=null (dropless) with context parallelism")
     if m.dropout > 0:
         raise ConfigError("model.dropout", m.dropout, f"with parallelism.cp={p.cp} every cp rank would draw the same "
                           "dropout masks for its different tokens, which is not the single model's dropout",

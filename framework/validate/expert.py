@@ -24,9 +24,10 @@ def check_expert_parallel(run: RunConfig) -> None:
     if m.arch != "qwen3_moe":
         raise ConfigError("parallelism.ep", p.ep, f"splits routed experts, and model.arch={m.arch} has none",
                           "use parallelism.ep=1, or a MoE model (e.g. model=moe-tiny)")
-    if p.dp is not None and p.dp % p.ep:
-        raise ConfigError("parallelism.ep", p.ep, f"is carved out of dp and must divide parallelism.dp={p.dp}",
-                          f"use a divisor of dp, e.g. parallelism.ep={_divisor(p.dp, p.ep)}")
+    if p.dp is not None and p.replicas % p.ep:
+        raise ConfigError("parallelism.ep", p.ep, f"is carved out of dp and must divide parallelism.dp={p.dp}"
+                          + (f" x parallelism.cp={p.cp} (the replicas)" if p.cp > 1 else ""),
+                          f"use a divisor of it, e.g. parallelism.ep={_divisor(p.replicas, p.ep)}")
     if m.moe.experts % p.ep:
         raise ConfigError("parallelism.ep", p.ep, f"must divide model.moe.experts={m.moe.experts} "
                           "(each ep rank holds experts / ep of every MoE layer)",

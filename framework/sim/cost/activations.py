@@ -120,6 +120,10 @@ def block_bytes(s: ModelShape, lay: Layout) -> float:
     if not s.experts:
         return attn + 4 * t * s.ffn // tp * a
     k, e = s.top_k, s.experts
+    # Under SP the MoE layer routes this rank's sequence shard (its experts whole on every tp
+    # rank): its norm's output is not gathered, and every term counts the shard's tokens
+    attn -= (t - tn) * h * a
+    t = tn
     routed = t * k  # assignments this rank computes (the expectation under ep)
     return (attn + t * (e + 1 + k) * a + t * k * INDEX  # router: probabilities, sum, weights; top-k
             + routed * (3 * h + 4 * s.expert_ffn + 1) * a  # permuted, expert outputs, weighted; SwiGLU; weights
