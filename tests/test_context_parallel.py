@@ -29,6 +29,8 @@ LAYOUTS = {
     "cp4_contiguous": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_balance=contiguous",
                        "schedule.microbatches=4"],
     "cp2_dp2_zero3": ["parallelism=dp2", "parallelism.cp=2", "parallelism.zero=3", "schedule.microbatches=2"],
+    "cp2_dp2_fsdp2": ["parallelism=dp2", "parallelism.cp=2", "parallelism.zero=3", "parallelism.zero_impl=fsdp2",
+                      "schedule.microbatches=2"],
     "cp2_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", SP, "schedule.microbatches=4"],
     "cp2_pp2": ["parallelism=pp2", "parallelism.cp=2", "schedule=flush", "schedule.microbatches=4"],
     "cp2_pp2_interleaved": ["parallelism=pp2", "parallelism.cp=2", "schedule=interleaved",
@@ -44,7 +46,7 @@ LAYOUTS = {
                        "schedule.microbatches=4"],
 }
 CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2", "cp4_ring",
-                               "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp")] + [
+                               "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp", "cp2_dp2_fsdp2")] + [
     ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a")] + [
     ("moe", "cp2"), ("moe", "cp2_ep2_tp2_sp")]
 
@@ -205,8 +207,6 @@ def test_cp_groups_sit_between_tp_and_dp():
      "a tp rank's 1 heads"),
     (["parallelism.cp=2", "model.dropout=0.1"], "model.dropout=0.1", "same dropout masks"),
     (["parallelism.cp=2", "parallelism=pp2", "schedule=1f1b"], "parallelism.cp=2", "asynchronous"),
-    (["parallelism.cp=2", "parallelism=dp2", "parallelism.zero=2", "parallelism.zero_impl=fsdp2"],
-     "parallelism.zero_impl='fsdp2'", "FSDP2 with context parallelism"),
 ])
 def test_what_cp_cannot_take_is_rejected_before_launch(overrides, head, problem):
     assert_config_error(["data=synthetic", *overrides], head, problem)

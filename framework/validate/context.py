@@ -40,6 +40,3 @@ def check_context_parallel(run: RunConfig) -> None:
         raise ConfigError(key, p.cp, f"schedule={run.schedule.name} is asynchronous and averages no gradients over "
                           "replicas; cp ranks are replicas (their gradients are averaged over dp x cp)",
                           "use a flushing schedule with parallelism.cp > 1")
-    if p.zero and p.zero_impl == "fsdp2":
-        raise ConfigError("parallelism.zero_impl", p.zero_impl, "FSDP2 with context parallelism is not built yet "
-                          "(its mesh is the dp group's)", "use parallelism.zero_impl=ours with parallelism.cp > 1")
