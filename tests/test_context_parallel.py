@@ -249,3 +249,16 @@ def test_a_128k_token_layout_is_planned_on_an_h100_cluster(capsys):
         return sum(o.model_flops if model else o.flops for o in ops if o.kind == "attention")
     assert 16 * attention(16, True) == pytest.approx(attention(1, True))
     assert 16 * attention(16, False) == pytest.approx(2 * attention(1, False))
+
+
+def test_a_cp_run_exports_the_single_processs_model(runs):
+    """trainer.save_checkpoint's transformers export after a cp 2 x tp 2 + SP Llama run:
+    from_pretrained loads it, its weights are the run's final ones bit for bit, and those are
+    the single process's (fp64, rtol 1e-9): cp leaves no trace in the export."""
+    from transformers import AutoModelForCausalLM
+
+    job, ref = runs["llama", "cp2_tp2_sp"][3], runs["llama", "single"][2]
+    state = AutoModelForCausalLM.from_pretrained(job / "final_model", dtype=torch.float64).state_dict()
+    for name, tensor in final_params(job).items():
+        assert torch.equal(state[name], tensor), name
+        torch.testing.assert_close(tensor, ref[name], rtol=1e-9, atol=0)

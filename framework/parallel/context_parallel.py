@@ -139,10 +139,14 @@ def install(model: nn.Module, cp: ContextParallel) -> None:
     give its embedding and blocks the tokens' global positions, and let it cut ids and labels
     to this rank's tokens."""
     _register()
+    routed = 0
     for module in model.modules():
         if type(module).__name__.endswith("Attention") and hasattr(module, "config"):  # transformers' attention
             module.context_parallel = cp
             module.config._attn_implementation = ATTENTION
+            routed += 1
+    if not routed:  # a cp rank would attend to its own tokens only: wrong, and silently so
+        raise ValueError(f"context parallelism found no transformers attention module in {type(model).__name__}")
         if hasattr(module, "positions"):  # the GPT-2 embedding, split.py's blocks
             module.positions = cp.index
     if getattr(model, "moe", None) is not None:  # MoE's aux-loss counts span the whole sequence
