@@ -38,6 +38,8 @@ LAYOUTS = {
     "cp4_ring": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_comm=ring", "schedule.microbatches=4"],
     "cp2_ring_dp2_pp2": ["parallelism=dp2_pp2", "parallelism.cp=2", "parallelism.cp_comm=ring", "schedule=flush",
                          "schedule.microbatches=2"],
+    "cp4_ring_contiguous": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_comm=ring",
+                            "parallelism.cp_balance=contiguous", "schedule.microbatches=4"],
     "cp2_ring_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=ring", SP,
                         "schedule.microbatches=4"],
     "cp2_ep2_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.ep=2", SP, "schedule.microbatches=4"],
@@ -47,7 +49,8 @@ LAYOUTS = {
 }
 CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2", "cp4_ring",
                                "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp", "cp2_dp2_fsdp2")] + [
-    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a")] + [
+    ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a",
+                           "cp4_ring_contiguous")] + [
     ("moe", "cp2"), ("moe", "cp2_ep2_tp2_sp")]
 
 

@@ -145,10 +145,10 @@ def install(model: nn.Module, cp: ContextParallel) -> None:
             module.context_parallel = cp
             module.config._attn_implementation = ATTENTION
             routed += 1
-    if not routed:  # a cp rank would attend to its own tokens only: wrong, and silently so
-        raise ValueError(f"context parallelism found no transformers attention module in {type(model).__name__}")
         if hasattr(module, "positions"):  # the GPT-2 embedding, split.py's blocks
             module.positions = cp.index
+    if not routed:  # a cp rank would attend to its own tokens only: wrong, and silently so
+        raise ValueError(f"context parallelism found no transformers attention module in {type(model).__name__}")
     if getattr(model, "moe", None) is not None:  # MoE's aux-loss counts span the whole sequence
         model.moe.cp_group, model.moe.cp = cp.comm.group, cp.comm.size
     model.context = cp

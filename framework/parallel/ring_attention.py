@@ -54,12 +54,14 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     acc_dtype = torch.promote_types(query.dtype, torch.float32)
     kv = torch.cat([key, value], dim=-1)  # one message per pass
     run_max = total = acc = None
+    skipped = []
     for s in range(cp.comm.size):
         if s:
             kv = _Pass.apply(kv, cp)
         allowed = cp.mask_of((cp.comm.rank - s) % cp.comm.size, query.device)  # (n, n) of this block
         if not bool(allowed.any()):
-            continue  # wholly in the queries' future: passed on, never multiplied
+            skipped.append(kv)  # wholly in the queries' future: passed on, never multiplied
+            continue
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in kv.split(d, dim=-1))
         scores = (query @ k.transpose(-1, -2)).to(acc_dtype) * scaling
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -75,4 +77,21 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             rescale = torch.exp(run_max - new_max)
             acc, total = acc * rescale + pv, total * rescale + ps
         run_max = new_max
-    return (acc / total).to(query.dtype).transpose(1, 2).contiguous()
+    out = (acc / total).to(query.dtype).transpose(1, 2).contiguous()
+    return _Anchor.apply(out, *skipped) if skipped else out
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity on `out` that hands each skipped block a zero gradient. Without it a skipped
+    block's pass is not in the graph, its backward (a send and a receive) never runs on this
+    rank while its neighbours' does: a deadlock (cp_balance=contiguous, where the first ranks
+    skip the later blocks)."""
+
+    @staticmethod
+    def forward(ctx, out, *skipped):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in skipped]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like))
