@@ -124,13 +124,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget-mib", type=float, default=256.0)
     ap.add_argument("--only", choices=("sweep", "balance", "longest"))
+    ap.add_argument("--match", default="", help="only the configurations whose name contains this")
     o = ap.parse_args()
     out = Path(o.out)
     if o.only in (None, "sweep"):
-        measure(out, CONFIGS, SEQS, o.steps, o.repeats)
+        measure(out, {k: v for k, v in CONFIGS.items() if o.match in k}, SEQS, o.steps, o.repeats)
     if o.only in (None, "balance"):
         print()
-        measure(out, BALANCE, (4096,), o.steps, o.repeats)
+        measure(out, {k: v for k, v in BALANCE.items() if o.match in k}, (4096,), o.steps, o.repeats)
     if o.only in (None, "longest"):
         longest(o.budget_mib * 2**20)
 

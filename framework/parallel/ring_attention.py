@@ -66,9 +66,10 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         scores = (query @ k.transpose(-1, -2)).to(acc_dtype) * scaling
         scores = scores.masked_fill(~allowed, float("-inf"))
         # The first block (s = 0) is the rank's own, where every query sees at least itself: the
-        # running max is finite from then on. It is a constant of the merge (detached).
-        block_max = scores.amax(-1, keepdim=True)
-        new_max = (block_max if run_max is None else torch.maximum(run_max, block_max)).detach()
+        # running max is finite from then on. It is a constant of the merge, taken off the graph
+        # (an amax node would save the scores, and free them again once the max is dropped).
+        block_max = scores.detach().amax(-1, keepdim=True)
+        new_max = block_max if run_max is None else torch.maximum(run_max, block_max)
         p = torch.exp(scores - new_max)
         pv, ps = p @ v.to(acc_dtype), p.sum(-1, keepdim=True)
         if run_max is None:

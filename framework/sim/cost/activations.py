@@ -91,17 +91,18 @@ def _ring(s: ModelShape, lay: Layout) -> float:
     """ring_attention.py's saved tensors, in place of the local q, k, v (which it copies) and
     SDPA's log-sum-exp. Per block it multiplies (cp of them on the fullest rank: head-tail
     gives every rank's late chunk some of every block): the query's copy for the product, K
-    (GQA's repeated; else the passed K / V buffer), the bool mask, the scores and the
-    probabilities (B, heads, n, n) and the row maxima in the accumulation dtype (fp32 at
-    least), and V (its accumulation-dtype copy when that differs, autocast's bf16 of it and
-    of the probabilities besides); then each merge's rescale, and the final acc and total."""
+    (GQA's repeated; else the passed K / V buffer), the bool mask, the probabilities (B,
+    heads, n, n) in the accumulation dtype (fp32 at least), and V (its accumulation-dtype copy
+    when that differs, autocast's bf16 of it and of the probabilities besides); then each
+    merge's rescale, and the final acc and total. (The scores are not kept: the row maxima
+    are taken off the graph.)"""
     tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay)
     n, hd, rows = lay.seq_len // lay.cp, s.hidden // tp, lay.micro_batch * s.heads // tp * (lay.seq_len // lay.cp)
     grouped = s.heads != s.kv_heads
     b = lay.micro_batch
     k = b * n * hd * a if grouped else 2 * b * n * s.kv_dim // tp * a
     v = (b * n * hd * (st + a) + rows * n * a) if a < st else (b * n * hd * a if grouped else 0)
-    block = b * n * hd * a + k + v + n * n + (2 * rows * n + rows) * st
+    block = b * n * hd * a + k + v + n * n + rows * n * st
     return lay.cp * block + (lay.cp - 1) * rows * st + rows * (s.head_dim + 1) * st - t * (s.hidden + 2 * s.kv_dim) // tp * a
 
 
