@@ -2,6 +2,7 @@
 parallelism (cp 1 / 2 / 4; all-gather, ring and all-to-all; head-tail and contiguous chunks).
 
 Usage (repository root): python experiments/long_context/measure.py [--out DIR] [--steps N] [--repeats R]
+    [--only sweep|balance|longest] [--match NAME_PART] [--budget-mib MIB]
 
 Each configuration is `python run.py ...` (fp32, one micro-batch of one sequence, N steps,
 median over the steps after the first), R times, alternating configurations within a
