@@ -1,10 +1,12 @@
 """Context parallelism reproduces the single process (fp64, rtol 1e-9: losses, gradient norms,
-final parameters), for GPT-2 (learned positions) and Llama (rotary, grouped-query attention),
-alone and with each other dimension: dp, tp with sequence parallelism, pp (flush, and Llama
-interleaved), ZeRO 3 over dp x cp, head-tail and contiguous chunks, cp 2 and 4, K / V
-all-gathered, passed around the ring, and heads <-> sequence all-to-all (Ulysses). Same global
-batch everywhere (8 sequences of 32 tokens); a cp rank holds 32 / cp of each sequence's tokens.
-Plus what the rank layout and the token cut are, checked without processes."""
+final parameters), for GPT-2 (learned positions), Llama (rotary, grouped-query attention) and
+the Qwen3-MoE (dropless, every aux loss), alone and with each other dimension: dp, tp with
+sequence parallelism, pp (flush, and Llama interleaved), ZeRO 3 over dp x cp (ours and FSDP2),
+ep, head-tail and contiguous chunks, cp 2 and 4, K / V all-gathered, passed around the ring,
+and heads <-> sequence all-to-all (Ulysses). Same global batch everywhere (8 sequences of 32
+tokens); a cp rank holds 32 / cp of each sequence's tokens. Plus the cp metrics, the cost
+model's cp traffic against the runs' bytes, a 128k-token plan, and what the rank layout and
+the token cut are, checked without processes."""
 
 import pytest
 import torch
