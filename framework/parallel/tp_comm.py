@@ -9,7 +9,8 @@ tensor-parallel layer equal those of the unsplit layer. Shapes are (B, T, H): th
 `TPComm` wraps the group (passed explicitly; no module state) and tallies the bytes every
 collective moves, forward and backward, so runs can log `tp_comm_bytes` per step. The tally
 is algorithmic: the bytes each rank sends under ring algorithms (all-reduce 2(n-1)/n of the
-tensor, all-gather and reduce-scatter (n-1)/n of the full tensor), the same convention as
+tensor, all-gather and reduce-scatter (n-1)/n of the full tensor, all-to-all (n-1)/n of what a
+rank sends: cp's Ulysses uses the same comm), the same convention as
 NCCL's bus bandwidth. It is not a measurement on the wire (gloo on one host uses shared
 memory; NCCL may pick trees).
 """
@@ -83,6 +84,15 @@ class TPComm:
         self._tally(stacked, 1)
         with self.timed():
             reduce_scatter_single(out, stacked, group=self.group)
+        return out
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Block j of `x`'s dim 0 to rank j; block j of the result from rank j."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._tally(x, 1)
+        with self.timed():
+            dist.all_to_all_single(out, x, group=self.group)
         return out
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:

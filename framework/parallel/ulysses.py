@@ -16,7 +16,6 @@ dq, dk, dv). The head counts (per tp rank, KV heads too) must divide by cp
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def all_to_all(cp, x: torch.Tensor, heads_to_sequence: bool) -> torch.Tensor:
@@ -27,11 +26,7 @@ def all_to_all(cp, x: torch.Tensor, heads_to_sequence: bool) -> torch.Tensor:
         send = x.reshape(b, c, h // c, n, d).permute(1, 0, 2, 3, 4)
     else:  # send token block j (cp rank j's tokens) back to rank j; receive my tokens' head block j
         send = x.reshape(b, h, c, n // c, d).permute(2, 0, 1, 3, 4)
-    send = send.contiguous()
-    out = torch.empty_like(send)
-    with cp.comm.timed():
-        dist.all_to_all_single(out, send, group=cp.comm.group)
-    cp.comm.bytes_sent += send.numel() * send.element_size() * (c - 1) // c
+    out = cp.comm.all_to_all(send)
     if heads_to_sequence:  # (cp, B, h / cp, n, d) -> (B, h / cp, cp n, d)
         return out.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * n, d)
     return out.permute(1, 0, 2, 3, 4).reshape(b, h * c, n // c, d)  # (cp, B, h, n / cp, d)
