@@ -64,12 +64,13 @@ def test_the_papers_closed_forms(p, m):
 
 
 def test_the_executors_batches_against_the_schedules_own_graph():
-    """At the paper's 1.5B op times, ZB-H1's executor batches gate a compute on receives it
-    does not need (issue "Where the step goes" fixes that): its bubble is above the graph's;
-    ZB-H2 and 1F1B lose nothing to it."""
+    """At the paper's 1.5B op times, with its T_comm, under NCCL's rules: ZB-H1's executor
+    batches cost 0.006 over the graph (0.077 when a compute waited for its whole batch: the
+    gating rule, p2p.py), the rest being transfers that queue on one stream; ZB-H2 and 1F1B
+    lose nothing to them."""
     times = {"F": 18.522, "B": 18.086, "W": 9.337, "comm": 0.601}
     h1 = bubbles(get("zbh1"), 8, 24, 1, times)
-    assert h1["executor"]["paper"] > h1["own"]["paper"] + 0.05
+    assert h1["own"]["paper"] < h1["executor"]["paper"] < h1["own"]["paper"] + 0.006
     for name in ("zbh2", "flush"):
         b = bubbles(get(name), 8, 24, 1, times)
         assert b["executor"]["paper"] == pytest.approx(b["own"]["paper"], abs=2e-3)

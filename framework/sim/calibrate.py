@@ -280,9 +280,11 @@ class RunningCalibration:
             self._add(("latency_late",) if late else ("latency",), t - ready)
 
     def _held_by_another(self, recs: dict, sent: dict, r: int, k: int, msg, ready: float) -> bool:
-        """Whether another op of rank r's batch k became ready after `ready` (msg's own)."""
+        """Whether another op of msg's group in rank r's batch k became ready after `ready`
+        (msg's own): under NCCL the wait ends with the group's one Work."""
+        group = next(op.group for op in self.batches[r][k] if op.msg == msg)
         for op in self.batches[r][k]:
-            if op.msg == msg:
+            if op.msg == msg or op.group != group:
                 continue
             if op.op == "recv":
                 other = sent.get(op.msg)

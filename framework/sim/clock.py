@@ -17,15 +17,7 @@ from typing import Optional
 
 from framework.parallel.pipeline.messages import needs, produces, receiver_of, sender_of
 from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap
-
-
-class ScheduleError(ValueError):
-    """A rule a schedule breaks; `where`: the (rank, action) pairs it concerns (action None:
-    the rank as a whole), so a schedule file's error can name its row and cell."""
-
-    def __init__(self, message: str, where: tuple = ()):
-        super().__init__(message)
-        self.where = tuple(where)
+from framework.sim.matching import ScheduleError, match_pairs, recv_units, units
 
 
 def _duration(durations, op: Op) -> float:
@@ -155,27 +147,29 @@ class Timed:
 
 
 def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dict[int, list[Timed]]:
-    """Run every rank's plan (`p2p.RankPlan`: actions, and batch k issued after action k-1)
-    with `costs`. Each rank computes serially; a compute that needs a received tensor waits
-    for the whole batch holding its receive (as the executor does).
-    Both rules: a transfer starts once both sides' batches have started (the send issued and
-    its receive posted) and completes the send and the receive together; a batch is done
-    with its last op. rules="gloo": a batch starts when issued (each op is its own Work);
-    measured on this machine's gloo, a message sent before its receive was posted arrives
-    only after the posting (median 1.4 ms after it, against 0.4 ms after the send when the
-    receive was posted first: experiments/simulator). rules="nccl": a rank's batches also
-    run in issue order on one stream (a batch starts when issued and the previous one is
-    done)."""
-    pairs = match_pairs(plans)
+    """Run every rank's plan (`p2p.RankPlan`: actions, and batch k issued after action k-1,
+    one unit per group: matching.py) with `costs`. Each rank computes serially.
+    Both rules: a transfer starts once both sides' units have started (the send issued and
+    its receive posted) and completes the send and the receive together. rules="gloo": a
+    unit starts when issued, each op is its own Work, and a compute waits for its receive
+    alone; measured on this machine's gloo, a message sent before its receive was posted
+    arrives only after the posting (median 1.4 ms after it, against 0.4 ms after the send
+    when the receive was posted first: experiments/simulator). rules="nccl": a rank's units
+    run in issue order on one stream (a unit starts when issued and the previous one is
+    done), a unit completes with its last op, and a compute waits for its receive's whole
+    unit (one coalesced Work)."""
+    nccl = rules == "nccl"
+    ul = {r: units(p) for r, p in plans.items()}
+    pairs = match_pairs(plans, ul)
     n = {r: len(p.actions) for r, p in plans.items()}
     end = {r: [None] * n[r] for r in plans}
     cstart = {r: [None] * n[r] for r in plans}
-    bstart = {r: [None] * (n[r] + 1) for r in plans}
-    bdone = {r: [None] * (n[r] + 1) for r in plans}
-    waits = {r: recv_batches(plans[r], r, smap) for r in plans}
-    nb = {r: 0 for r in plans}  # batches started (a prefix)
+    ustart = {r: [None] * len(ul[r]) for r in plans}
+    udone = {r: [None] * len(ul[r]) for r in plans}
+    opdone: dict = {}
+    waits = {r: recv_units(plans[r], ul[r], r, smap) for r in plans}
+    ni = {r: 0 for r in plans}  # units issued (a prefix)
     na = {r: 0 for r in plans}  # actions computed (a prefix)
-    pending = {r: [] for r in plans}  # started batches not yet done
     local_ready: dict = {}  # a V's turn: handed over in memory when produced
     cost = (costs.transfer_s(), costs.transfer_s(late=True))
     progressed = True
@@ -184,34 +178,35 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
         for r, plan in plans.items():
             while True:
                 moved = False
-                k = nb[r]
-                # batch k goes out after action k-1 (nccl: and once batch k-1 is done)
-                if k <= n[r] and na[r] >= k and not (rules == "nccl" and pending[r]):
+                while ni[r] < len(ul[r]) and ul[r][ni[r]][0] <= na[r]:  # unit goes out after action k-1
+                    k, u = ul[r][ni[r]][0], ni[r]
                     issued = 0.0 if k == 0 else end[r][k - 1]
-                    bstart[r][k] = max(issued, bdone[r][k - 1]) if rules == "nccl" and k else issued
-                    nb[r] += 1
-                    pending[r].append(k)
+                    if not nccl or u == 0:
+                        ustart[r][u] = issued
+                    ni[r] += 1
                     moved = True
-                for kb in list(pending[r]):
-                    done = _batch_done(plan.batches[kb], r, kb, pairs, bstart, rules, cost)
-                    if done is None:
-                        if rules == "nccl":
-                            break  # in order on one stream
+                for u in range(ni[r]):
+                    if udone[r][u] is not None:
                         continue
-                    bdone[r][kb] = done
-                    pending[r].remove(kb)
-                    moved = True
+                    if ustart[r][u] is None:  # nccl: behind the previous unit on the stream
+                        if udone[r][u - 1] is None:
+                            break
+                        k = ul[r][u][0]
+                        ustart[r][u] = max(0.0 if k == 0 else end[r][k - 1], udone[r][u - 1])
+                    udone[r][u] = _unit_done(ul[r][u][1], r, u, pairs, ustart, cost, opdone)
+                    if udone[r][u] is None and nccl:
+                        break  # in order on one stream
+                    moved = moved or udone[r][u] is not None
                 k = na[r]
-                if k < n[r] and nb[r] > k:
+                if k < n[r]:
                     a = plan.actions[k]
                     ready = (end[r][k - 1] if k else 0.0) + costs.gap_s.get(r, 0.0)
                     kind, where = waits[r][k]
-                    if kind == "batch":
-                        ready = None if bdone[r][where] is None else max(ready, bdone[r][where])
+                    if kind == "unit":
+                        got = udone[r][where[0]] if nccl else opdone.get((r, *where))
+                        ready = None if got is None else max(ready, got)
                     elif kind == "local":
-                        ready = local_ready[where] if where in local_ready else None
-                        ready = None if ready is None else max(ready, (end[r][k - 1] if k else 0.0)
-                                                               + costs.gap_s.get(r, 0.0))
+                        ready = None if where not in local_ready else max(ready, local_ready[where])
                     if ready is not None:
                         cstart[r][k] = ready
                         end[r][k] = ready + costs.duration(r, a)
@@ -230,56 +225,18 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
                       cstart[r][k], end[r][k]) for k, a in enumerate(plans[r].actions)] for r in plans}
 
 
-def match_pairs(plans: dict) -> dict:
-    """NCCL's matching (and the coalesced gloo's): the n-th send r -> q meets q's n-th
-    receive from r, tags ignored. {(rank, batch, op index): (peer, peer's batch)} for every
-    op; ScheduleError when a channel's counts differ or a message would land in another
-    message's buffer (check.py proves plans with it; the clock runs proved ones)."""
-    sends, recvs = defaultdict(list), defaultdict(list)
-    for r, plan in plans.items():
-        for k, batch in enumerate(plan.batches):
-            for i, op in enumerate(batch):
-                (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, k, i, op.msg))
-    match = {}
-    for pair in set(sends) | set(recvs):
-        s, rv = sends.get(pair, []), recvs.get(pair, [])
-        if len(s) != len(rv):
-            raise ScheduleError(f"channel {pair[0]}->{pair[1]}: {len(s)} sends but {len(rv)} receives")
-        for (r, k, i, msg), (q, kq, iq, want) in zip(s, rv):
-            if msg != want:
-                raise ScheduleError(f"channel {pair[0]}->{pair[1]}: NCCL matches in issue order, so {msg} "
-                                    f"would land in the buffer of {want}")
-            match[(r, k, i)], match[(q, kq, iq)] = (q, kq), (r, k)
-    return match
-
-
-def recv_batches(plan, rank: int, smap: StageMap) -> list[tuple]:
-    """Per action: ("batch", k) when it waits for batch k's receive, ("local", message) for
-    a message from this rank's other chunk (handed over in memory), (None, None) when it
-    needs nothing. ScheduleError when no batch before the action receives what it needs."""
-    where = {op.msg: k for k, batch in enumerate(plan.batches) for op in batch if op.op == "recv"}
-    out = []
-    for k, a in enumerate(plan.actions):
-        msg = needs(a, rank, smap)
-        if msg is None:
-            out.append((None, None))
-        elif sender_of(msg, smap) == rank:
-            out.append(("local", msg))
-        elif msg not in where or where[msg] > k:
-            raise ScheduleError(f"rank {rank}: {a} needs {msg}, which no earlier batch receives", [(rank, a)])
-        else:
-            out.append(("batch", where[msg]))
-    return out
-
-
-def _batch_done(batch: list, r: int, k: int, pairs: dict, bstart: dict, rules: str, cost: tuple):
-    done = bstart[r][k]
-    for i, op in enumerate(batch):
-        peer, kp = pairs[(r, k, i)]
-        if bstart[peer][kp] is None:
-            return None
-        send_at, recv_at = (bstart[r][k], bstart[peer][kp]) if op.op == "send" else (bstart[peer][kp], bstart[r][k])
-        done = max(done, max(send_at, recv_at) + cost[recv_at > send_at])
+def _unit_done(ops: list, r: int, u: int, pairs: dict, ustart: dict, cost: tuple, opdone: dict):
+    """When unit u of rank r completes (None: a peer's unit has not started); fills `opdone`
+    for each op whose transfer is known (gloo's compute waits for its own op)."""
+    done = ustart[r][u]
+    for i, op in enumerate(ops):
+        peer, up = pairs[(r, u, i)]
+        if ustart[peer][up] is None:
+            done = None
+            continue
+        send_at, recv_at = (ustart[r][u], ustart[peer][up]) if op.op == "send" else (ustart[peer][up], ustart[r][u])
+        opdone[(r, u, i)] = max(send_at, recv_at) + cost[recv_at > send_at]
+        done = None if done is None else max(done, opdone[(r, u, i)])
     return done
 
 

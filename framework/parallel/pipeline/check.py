@@ -14,9 +14,9 @@
    stream (a batch starts when the previous one completed and the compute issued before
    it is done); a send completes only together with its matching receive, i.e. once both
    sides' batches have started; a pair's messages match in issue order, tags ignored, so
-   the n-th send r -> q must carry the message q's n-th receive from r expects; a batch
-   completes as a unit, and a compute that needs a received tensor waits for its whole
-   batch. ScheduleError on a deadlock (for any timing: the model has no clock) or on a
+   the n-th send r -> q must carry the message q's n-th receive from r expects; a group
+   of a batch (one `batch_isend_irecv`, p2p.py) completes as a unit, and a compute that
+   needs a received tensor waits for its whole group. ScheduleError on a deadlock (for any timing: the model has no clock) or on a
    message that would land in another message's buffer.
 """
 
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from framework.parallel.pipeline.p2p import RankPlan, comm_plan
 from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap, get
-from framework.sim.clock import ScheduleError, match_pairs, recv_batches, simulate
+from framework.sim.clock import simulate
+from framework.sim.matching import ScheduleError, match_pairs, recv_units, units
 
 __all__ = ["ScheduleError", "check", "prove", "nccl_simulate", "alive_peak"]
 
@@ -100,43 +101,44 @@ def _check_versions(sched: Schedule, lists: dict[int, list[Action]], smap: Stage
 
 
 def nccl_simulate(plans: dict[int, RankPlan], smap: StageMap) -> None:
-    """Run every rank's batches and computes under NCCL's rules (module docstring) until
-    nothing can move; anything left is a deadlock."""
-    match = match_pairs(plans)
-    wait_on = {r: [k if kind == "batch" else None for kind, k in recv_batches(plan, r, smap)]
+    """Run every rank's units (one per p2p group, matching.py) and computes under NCCL's
+    rules (module docstring) until nothing can move; anything left is a deadlock."""
+    ul = {r: units(plan) for r, plan in plans.items()}
+    match = match_pairs(plans, ul)
+    wait_on = {r: [where[0] if kind == "unit" else None for kind, where in recv_units(plan, ul[r], r, smap)]
                for r, plan in plans.items()}
-    started = {r: 0 for r in plans}  # batches started (a prefix: the stream is ordered)
-    done = {r: 0 for r in plans}  # batches completed (a prefix)
+    started = {r: 0 for r in plans}  # units started (a prefix: the stream is ordered)
+    done = {r: 0 for r in plans}  # units completed (a prefix)
     computed = {r: 0 for r in plans}  # actions whose compute is done (a prefix)
 
-    def batch_complete(r: int, k: int) -> bool:
-        return all(started[peer] > kb for peer, kb in (match[(r, k, i)] for i in range(len(plans[r].batches[k]))))
+    def unit_complete(r: int, u: int) -> bool:
+        return all(started[peer] > up for peer, up in (match[(r, u, i)] for i in range(len(ul[r][u][1]))))
 
     progressed = True
     while progressed:
         progressed = False
         for r, plan in plans.items():
             while True:
-                k, c = started[r], computed[r]
-                if k < len(plan.batches) and done[r] == k and c >= k:  # issued after action k-1
+                u, c = started[r], computed[r]
+                if u < len(ul[r]) and done[r] == u and c >= ul[r][u][0]:  # issued after action k-1
                     started[r] += 1
-                elif done[r] < started[r] and batch_complete(r, done[r]):
+                elif done[r] < started[r] and unit_complete(r, done[r]):
                     done[r] += 1
                 elif c < len(plan.actions) and (wait_on[r][c] is None or done[r] > wait_on[r][c]):
                     computed[r] += 1
                 else:
                     break
                 progressed = True
-    stuck = {r: _stuck(plans[r], started[r], done[r], computed[r]) for r in plans
-             if done[r] < len(plans[r].batches) or computed[r] < len(plans[r].actions)}
+    stuck = {r: _stuck(plans[r], ul[r], started[r], done[r], computed[r]) for r in plans
+             if done[r] < len(ul[r]) or computed[r] < len(plans[r].actions)}
     if stuck:
         raise ScheduleError(f"deadlock under NCCL's rules: {stuck}")
 
 
-def _stuck(plan: RankPlan, started: int, done: int, computed: int) -> str:
+def _stuck(plan: RankPlan, unit_list: list, started: int, done: int, computed: int) -> str:
     if done < started:
         ops = ", ".join(f"{op.op} {op.msg} {'to' if op.op == 'send' else 'from'} rank {op.peer}"
-                        for op in plan.batches[done])
+                        for op in unit_list[done][1])
         return f"batch [{ops}] never completes"
     return f"{plan.actions[computed]} waits" if computed < len(plan.actions) else "batch never starts"
 

@@ -11,11 +11,11 @@ the weight gradients, later (`split_backward.py`). A message between two stages 
 same rank (the turn of a V) is handed over in memory, never through p2p.
 
 Point-to-point: exactly the batches of `p2p.comm_plan` (the description `check.py` proves
-under gloo's and NCCL's rules): batch k goes out in one `batch_isend_irecv` after action
-k-1. A batch is one handle whatever the backend returns (NCCL: ONE coalesced Work per
-batch; gloo: one per op), and an action that needs a received tensor waits for its whole
-batch, as NCCL makes it. `debug.coalesced_p2p` makes gloo behave so too: one merged Work
-per batch, and every tag 0, so gloo also matches a pair's messages in issue order.
+under gloo's and NCCL's rules): batch k goes out after action k-1, one `batch_isend_irecv`
+per group (p2p.py's gating rule). An action that needs a received tensor waits for its
+receive's Work: its own on gloo (one Work per op), its group's under NCCL (ONE coalesced
+Work per call). `debug.coalesced_p2p` makes gloo behave as NCCL: one merged Work per
+group, and every tag 0, so gloo also matches a pair's messages in issue order.
 Sends are waited for at the end of a flushing step (every receive has run by then).
 
 Timing (framework/metrics/timestamps.py): per action a mark before the receive wait, one after
@@ -76,24 +76,32 @@ def _tag(msg: Message, num_stages: int) -> int:
 
 
 class BatchWork:
-    """One handle for a batch's Works: NCCL returns one coalesced Work, gloo one per op."""
+    """One handle for a group's Works: NCCL returns one coalesced Work, gloo one per op."""
 
     def __init__(self, works, tensors, segment: int):
         self.works = list(works or [])
         self.tensors = tensors  # keep sent tensors and receive buffers alive until done
         self.segment = segment  # which run() call issued it (a step, for async schedules)
+        self.done = [False] * len(self.works)
         self.waited = False
 
+    def wait_for(self, i: int) -> None:
+        """Op i's Work alone when each op has one (gloo); else the group's one Work."""
+        self._wait(i if len(self.works) > 1 else 0)
+
+    def _wait(self, i: int) -> None:
+        if not self.done[i]:  # once: a gloo receive Work waited a second time blocks forever
+            self.works[i].wait()
+            self.done[i] = True
+
     def wait(self) -> None:
-        """Once: a gloo receive Work waited a second time blocks forever."""
-        if not self.waited:
-            for w in self.works:
-                w.wait()
-            self.waited = True
+        for i in range(len(self.works)):
+            self._wait(i)
+        self.waited = True
 
     def is_completed(self) -> bool:
         # gloo reports a send complete only once it is waited for; waited means done.
-        return self.waited or all(w.is_completed() for w in self.works)
+        return self.waited or all(d or w.is_completed() for d, w in zip(self.done, self.works))
 
 
 class _MergedWork:
@@ -153,9 +161,17 @@ class PipelineExecutor:
         self.p2p_peak_bytes = 0
 
     def _issue(self, k: int) -> None:
-        """Batch k of the plan: sends of what earlier actions produced, receives posted."""
-        ops, recvs, tensors = [], [], []
+        """Batch k of the plan: sends of what earlier actions produced, receives posted; one
+        `batch_isend_irecv` per group (p2p.py's gating rule)."""
+        groups: dict[int, list] = {}
         for op in self.plan.batches[k]:
+            groups.setdefault(op.group, []).append(op)
+        for g in sorted(groups):
+            self._issue_group(groups[g])
+
+    def _issue_group(self, group: list) -> None:
+        ops, recvs, tensors = [], [], []
+        for op in group:
             peer = self.peers.pp_ranks[op.peer]
             tag = 0 if self.coalesced else _tag(op.msg, self.peers.num_stages)
             if op.op == "send":
@@ -164,18 +180,16 @@ class PipelineExecutor:
             else:
                 t = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
                 ops.append(dist.P2POp(dist.irecv, t, peer, tag=tag))
-                recvs.append((op.msg, t))
+                recvs.append((op.msg, t, len(ops) - 1))
             tensors.append(t)
-        if not ops:
-            return
         self.recorder.note("p2p batch " + ", ".join(f"{o.op} {o.msg.kind} mb{o.msg.microbatch} "
                                                     f"{'->' if o.op == 'send' else '<-'} pp{o.peer}"
-                                                    for o in self.plan.batches[k]))
+                                                    for o in group))
         work = BatchWork(_batch_isend_irecv(ops, self.coalesced), tensors, self.segment)
         self.inflight = [w for w in self.inflight if not w.is_completed()] + [work]
-        for msg, t in recvs:
-            self.posted[msg] = (work, t)
-        held = [t for w in self.inflight for t in w.tensors] + [t for _, t in self.posted.values()]
+        for msg, t, i in recvs:
+            self.posted[msg] = (work, t, i)
+        held = [t for w in self.inflight for t in w.tensors] + [t for _, t, _ in self.posted.values()]
         self.p2p_peak_bytes = max(self.p2p_peak_bytes, tensor_bytes(held))
 
     def _received(self, a: Action) -> Optional[torch.Tensor]:
@@ -184,9 +198,9 @@ class PipelineExecutor:
             return None
         if msg in self.local:
             return self.local.pop(msg)
-        work, buf = self.posted.pop(msg)
+        work, buf, i = self.posted.pop(msg)
         self.recorder.note(f"{a}: wait for its receive ({msg.kind} mb{msg.microbatch})", wait=True)
-        work.wait()  # CPU: the host waits; CUDA: the compute stream waits for the batch
+        work.wait_for(i)  # gloo: this receive alone; NCCL: its group (CUDA: the compute stream waits)
         return buf
 
     def _produce(self, a: Action, t: torch.Tensor) -> None:
