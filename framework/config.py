@@ -269,6 +269,9 @@ class DebugConfig:
     # ... of this pipeline rank (tests the measured bubble)
     delay_pp_rank: int = key(0, ge=0, lt="parallelism.pp", when=lambda r: r.debug.stage_delay_ms > 0,
                              when_text="debug.stage_delay_ms > 0", base=("debug.stage_delay_ms=1",))
+    # tp rank 0 sleeps this long before each tp collective (the others wait inside it: tests
+    # that the step-time breakdown counts that wait as comm_tp, not compute)
+    tp_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.tp > 1, when_text="parallelism.tp > 1")
     # emulate NCCL: batch_isend_irecv returns ONE Work per batch
     coalesced_p2p: bool = key(False, when=lambda r: r.parallelism.pp > 1, when_text="parallelism.pp > 1")
     # Every rank first builds the whole model, then keeps its part: the start-up before

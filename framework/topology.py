@@ -139,6 +139,8 @@ class ParallelContext:
     group_ranks: dict[str, list[int]]
     # framework.train.flight: what this rank last started, for the launcher's hang watchdog
     recorder: Any = field(default_factory=NullRecorder)
+    # framework.metrics.comm_timer.CommTimer: per-dimension communication spans (set by the trainer)
+    timer: Any = None
 
     @property
     def dp_group(self):

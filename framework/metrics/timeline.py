@@ -29,12 +29,13 @@ def kept_steps(first: int, last: int, measured_from: int, limit: int) -> set[int
 
 
 def chrome_trace(steps: dict[int, list[list[Record]]], comm: Optional[dict] = None) -> dict:
-    """`comm`: step -> per-rank (what, start, end) of expert parallelism's all-to-alls, drawn
-    as slices of category `a2a` on the rank's row, on their own process row (pid 1) so they
-    never hide the compute they run inside of."""
+    """`comm`: step -> per-rank (dim, what, start, end) communication spans
+    (framework/metrics/comm_timer.py), drawn as slices of category dim (`a2a` for ep's
+    all-to-alls) on the rank's row of their own process (pid 1), so they never hide the
+    compute they run inside of."""
     comm = comm or {}
     starts = [r[1] for per_rank in steps.values() for recs in per_rank for r in recs] + \
-        [s for per_rank in comm.values() for spans in per_rank for _, s, _ in spans]
+        [s for per_rank in comm.values() for spans in per_rank for _, _, s, _ in spans]
     t0 = min(starts, default=0.0)
     events = []
     n_ranks = max([len(v) for v in steps.values()] + [len(v) for v in comm.values()], default=0)
@@ -51,12 +52,13 @@ def chrome_trace(steps: dict[int, list[list[Record]]], comm: Optional[dict] = No
                 events.append({"name": name, "cat": op, "ph": "X", "pid": 0, "tid": rank, "ts": (cstart - t0) * 1e6,
                                "dur": (end - cstart) * 1e6, "args": {"step": step, "microbatch": action.microbatch}})
     if comm:
-        events.append({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "all-to-all (expert parallel)"}})
+        events.append({"ph": "M", "name": "process_name", "pid": 1,
+                       "args": {"name": "communication (the rank waiting in a collective)"}})
     for step, per_rank in sorted(comm.items()):
         for rank, spans in enumerate(per_rank):
-            for what, start, end in spans:
-                events.append({"name": what, "cat": "a2a", "ph": "X", "pid": 1, "tid": rank, "ts": (start - t0) * 1e6,
-                               "dur": (end - start) * 1e6, "args": {"step": step}})
+            for dim, what, start, end in spans:
+                events.append({"name": what, "cat": "a2a" if dim == "ep" else dim, "ph": "X", "pid": 1, "tid": rank,
+                               "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step, "dim": dim}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -66,11 +68,13 @@ def write_trace(steps: dict[int, list[list[Record]]], path: str, comm: Optional[
 
 
 def render_timeline(per_rank: list[list[Record]], path: str, title: str,
-                    predicted: Optional[list[list[Record]]] = None, predicted_title: str = "") -> None:
+                    predicted: Optional[list[list[Record]]] = None, predicted_title: str = "",
+                    comm: Optional[list[list]] = None) -> None:
     """Gantt chart of one step, coloured by micro-batch: forwards light, backwards (B) dark,
     a split backward's I dark and hatched `//`, its W light and hatched `..`; updates grey.
-    `predicted`: a simulated step (per pipeline rank; a run's own: the simulator's replay of
-    its durations), drawn underneath on the same time axis."""
+    `comm`: per rank (dim, what, start, end) spans, a thin lane under the rank's compute,
+    coloured by dimension. `predicted`: a simulated step (per pipeline rank; a run's own: the
+    simulator's replay of its durations), drawn underneath on the same time axis."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a training node
@@ -80,8 +84,8 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str,
     heights = [0.6 * len(recs) + 1.2 for recs, _ in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, sum(heights) + 0.3), sharex=True,
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for ax, (recs, text) in zip(axes[:, 0], panels):
-        _gantt(ax, recs, plt.get_cmap("tab20"))
+    for i, (ax, (recs, text)) in enumerate(zip(axes[:, 0], panels)):
+        _gantt(ax, recs, plt.get_cmap("tab20"), comm if i == 0 else None)
         ax.set_title(text, fontsize=9)
     axes[-1, 0].set_xlabel("ms since the step's first action (white = idle: waiting for a neighbour)")
     fig.tight_layout()
@@ -89,8 +93,19 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str,
     plt.close(fig)
 
 
-def _gantt(ax, per_rank: list[list[Record]], cmap) -> None:
+COMM_COLORS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "ep": "tab:purple", "cp": "tab:orange"}
+
+
+def _gantt(ax, per_rank: list[list[Record]], cmap, comm: Optional[list[list]] = None) -> None:
     t0 = min(r[1] for recs in per_rank for r in recs)
+    for rank, spans in enumerate(comm or []):  # the communication lane, under the compute bars
+        for dim, _, s, e in spans:
+            ax.barh(rank + 0.5, (e - s) * 1e3, left=(s - t0) * 1e3, height=0.18, color=COMM_COLORS.get(dim, "0.3"))
+    if comm:
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color=c, label=f"{d} comm") for d, c in COMM_COLORS.items()], fontsize=6,
+                  loc="upper right", ncol=5)
     for rank, recs in enumerate(per_rank):
         for name, _start, cstart, end in recs:
             action = Action.parse(name)
@@ -106,7 +121,7 @@ def _gantt(ax, per_rank: list[list[Record]], cmap) -> None:
 
 
 def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], summary: dict, prediction,
-                       wandb_run, comm: Optional[dict] = None) -> None:
+                       wandb_run, comm: Optional[dict] = None) -> None:  # comm: step -> per-rank spans
     """A pipeline run's trace.json (the kept steps, `kept_steps`), predicted_trace.json (the
     simulator's replay of this run's own durations, when there is one: a replay, though the
     file keeps its name) and timeline.png (of the kept measured steps, the one with the
@@ -129,11 +144,11 @@ def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], s
     predicted = None if prediction is None else timeline_records(prediction)
     if predicted is not None:
         write_trace({chosen: predicted}, os.path.join(job_dir, "predicted_trace.json"))
-    render_timeline(actions[chosen], png, title, predicted,
+    render_timeline(actions[chosen], png, title, predicted, comm=(comm or {}).get(chosen), predicted_title=(
                     f"replay of this run (the simulator at its own mean durations): step "
                     f"{summary.get('predicted_step_time_s', 0) * 1e3:.1f} ms vs measured median "
                     f"{summary['step_time_s'] * 1e3:.1f} ms ({summary.get('predicted_step_time_error', 0):+.1%}) | "
-                    f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}")
+                    f"bubble {summary.get('predicted_bubble_fraction', 0):.3f} vs {summary['bubble_fraction']:.3f}"))
     summary["timeline_step"] = chosen
     if wandb_run is not None:
         import wandb

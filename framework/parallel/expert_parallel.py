@@ -45,23 +45,33 @@ from framework.parallel.tp_comm import TPComm
 
 class EPComm(TPComm):
     """One rank's ep group: TPComm's all-gather (the export) plus the all-to-alls, with the
-    bytes this rank sends to other ranks and the time spent in them: host time around each
-    call, after synchronising the compute stream on CUDA (`metrics.clock.now`), so on CPU the
-    transfer plus the wait for peers, on CUDA the same at the cost of a sync per call."""
+    bytes this rank sends to other ranks and the time spent in them. With a `timer` (runs),
+    each call is a span of the step-time breakdown's (framework/metrics/comm_timer.py: CUDA
+    events read after the step, no host sync per call) and `take_a2a`'s seconds and spans
+    come from those; without one (direct use), host time around each call after
+    synchronising the compute stream on CUDA (`metrics.timestamps.now`)."""
 
-    def __init__(self, group, size: int, rank: int, device=None):
-        super().__init__(group, size, rank)
+    def __init__(self, group, size: int, rank: int, device=None, timer=None):
+        super().__init__(group, size, rank, timer=timer, dim="ep")
         self.device = device if device is not None else torch.device("cpu")
         self.a2a_bytes, self.a2a_s = 0, 0.0
         self.spans: list[tuple[str, float, float]] = []  # this step's calls: (what, start, end), unix s
 
-    def take_a2a(self) -> tuple[int, float, list]:
-        """(bytes, seconds, spans) of all-to-all since the last call (a step's when called once per step)."""
+    def take_a2a(self, timed: Optional[list] = None) -> tuple[int, float, list]:
+        """(bytes, seconds, spans) of all-to-all since the last call (a step's when called once
+        per step); `timed`: the step's timer spans (CommTimer.take), which then give both."""
         out = (self.a2a_bytes, self.a2a_s, self.spans)
+        if self.timer is not None and timed is not None:
+            spans = [(w, s, e) for d, w, s, e in timed if d == "ep"]
+            out = (self.a2a_bytes, sum(e - s for _, s, e in spans), spans)
         self.a2a_bytes, self.a2a_s, self.spans = 0, 0.0, []
         return out
 
     def _timed(self, what: str, fn) -> None:
+        if self.timer is not None:
+            with self.timer.span("ep", what):
+                fn()
+            return
         t0 = now(self.device)
         fn()
         t1 = now(self.device)

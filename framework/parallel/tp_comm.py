@@ -18,11 +18,13 @@ memory; NCCL may pick trees).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from framework.metrics.comm_timer import timed
 from framework.metrics.timestamps import now
 
 
@@ -35,9 +37,13 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 class TPComm:
     """One rank's tp group: size, rank, and the collectives with their byte tally."""
 
-    def __init__(self, group, size: int, rank: int, clock: Optional[torch.device] = None):
+    def __init__(self, group, size: int, rank: int, clock: Optional[torch.device] = None, timer=None,
+                 dim: str = "tp"):
         self.group, self.size, self.rank = group, size, rank
         self.bytes_sent = 0
+        # the step-time breakdown's per-dimension spans (framework/metrics/comm_timer.py)
+        self.timer, self.dim = timer, dim
+        self.delay_s = 0.0  # debug.tp_delay_ms: rank 0 sleeps before each collective
         # With a device: the seconds inside the collectives too (cp's comm; tp's stays untimed,
         # as `now` synchronises CUDA's compute stream): on CPU the transfer plus the wait for
         # the slowest peer, on CUDA the same at the cost of a sync per call.
@@ -45,12 +51,15 @@ class TPComm:
 
     @contextlib.contextmanager
     def timed(self):
-        if self.clock is None:
+        if self.delay_s and self.rank == 0:
+            time.sleep(self.delay_s)  # before the span: a slow rank's compute; its peers wait inside theirs
+        with timed(self.timer, self.dim):
+            if self.clock is None:
+                yield
+                return
+            t0 = now(self.clock)
             yield
-            return
-        t0 = now(self.clock)
-        yield
-        self.seconds += now(self.clock) - t0
+            self.seconds += now(self.clock) - t0
 
     def _tally(self, full: torch.Tensor, factor: float) -> None:
         self.bytes_sent += int(full.numel() * full.element_size() * factor * (self.size - 1) / self.size)

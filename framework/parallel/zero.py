@@ -46,6 +46,7 @@ from framework.train.master import build as build_master
 from framework.metrics.memory import tensor_bytes
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
+from framework.metrics.comm_timer import timed
 from framework.parallel.tp_comm import all_gather_single as _all_gather_single
 from framework.parallel.tp_comm import reduce_scatter_single as _reduce_scatter_single
 
@@ -53,6 +54,8 @@ from framework.parallel.tp_comm import reduce_scatter_single as _reduce_scatter_
 
 class FlatUnit:
     """Some parameters as views into one flat buffer; this dp rank's slice as `shard`."""
+
+    timer = None  # the rank's CommTimer (set by Zero): its collectives are dp spans
 
     def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
                  reduce_dtype: Optional[torch.dtype] = None):
@@ -85,7 +88,8 @@ class FlatUnit:
         if self.gathered:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        _all_gather_single(self.full, self.shard.detach(), group=self.group)
+        with timed(self.timer, "dp", "zero gather"):
+            _all_gather_single(self.full, self.shard.detach(), group=self.group)
         if self.tracker is not None:
             self.tracker.exclude([self.full])  # weights, not activations, when saved for backward
         self.gathered = True
@@ -98,7 +102,8 @@ class FlatUnit:
 
     def all_gather_updated(self) -> None:
         """Stages 1-2: every rank's updated slice into the full parameters."""
-        _all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
+        with timed(self.timer, "dp", "zero gather (updated)"):
+            _all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
 
     # --- gradients ---
     def give_grad_views(self) -> None:
@@ -127,7 +132,8 @@ class FlatUnit:
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
             flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
         out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
-        _reduce_scatter_single(out, flat, group=self.group)
+        with timed(self.timer, "dp", "zero reduce-scatter"):
+            _reduce_scatter_single(out, flat, group=self.group)
         out /= self.size
         if out.dtype != self.full.dtype:
             out = out.to(self.full.dtype)
@@ -193,6 +199,8 @@ class Zero:
                     self._hook_grads(f)
             if stage == 3:
                 self._hook_params(modules, flats)
+        for f in self.flat:  # the separate unit is in self.flat too
+            f.timer = getattr(ctx, "timer", None)
         self.shards = [f.shard for f in self.flat]
         self._live = 0  # bytes of parameters gathered right now (stage 3)
         if tracker is not None and stage < 3:  # the flattened weights are new storages

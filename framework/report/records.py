@@ -53,6 +53,7 @@ class StepResult:
     overflow: bool = False  # fp16-mixed: the step's gradients overflowed, so it was skipped
     skipped_steps: int = 0  # fp16-mixed: overflowed steps so far (cumulative)
     moe: Optional[dict] = None  # MoE models: per-layer routing sums of the step (framework/models/moe_layer.py)
+    started: float = 0.0  # unix time pipeline_s began (the first action's first mark; pp = 1: the first forward)
 
 
 @dataclass
@@ -92,6 +93,9 @@ class StepRecord:
     skipped_steps: int = 0
     val_loss: Optional[float] = None  # held-out loss after this step (trainer.eval_interval), same on every rank
     eval_s: float = 0.0  # its wall time (not part of step_time_s)
+    # the step-time breakdown (framework/metrics/breakdown.py): part -> seconds, summing to step_time_s
+    parts: dict = field(default_factory=dict)
+    comm_spans: list = field(default_factory=list)  # (dim, what, start, end) of kept steps only (the trace)
 
 
 @dataclass

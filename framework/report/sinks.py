@@ -1,28 +1,19 @@
 """Sinks for one run: console, files in the job directory, and W&B. Rank 0 logs for all.
 
 Every rank keeps its own step records (`StepRecord`, framework/report/records.py); `gather_and_log`
-gathers them to rank 0 once per log interval and rank 0 merges them into one row per step:
-  loss        the global mean over the step's tokens (identical on every rank)
-  step_time_s the slowest rank's wall time for the step (data + fwd/bwd + optimizer)
-  tokens_per_s global tokens per step / step_time_s
-  tflops, mfu model FLOP/s per rank (6N + 12·L·h·s per token, framework.metrics.flops) and
-              its share of the per-rank peak (framework.metrics.peak); null for fp64. An
-              mfu above 1 is a bug in the FLOPs or the peak: the logging rank warns on
-              stderr and summary.json says mfu_above_one: true
-  bubble_fraction  pipeline idle share, mean over ranks (each: 1 - compute / window,
-              framework/train/pipeline_runner.py); _max and per rank beside it
-  loss_scale, overflow, skipped_steps  fp16-mixed only: the scale the step ran at, whether it
-              was skipped (grad_norm is then null), overflowed steps so far
-  tp_comm_bytes  bytes one rank sent in tp collectives in the step (framework/parallel/tp_comm.py), max
-  cp_comm_bytes, cp_comm_s, cp_attention_imbalance  context parallelism (framework/metrics/cp.py)
+gathers them to rank 0 once per log interval and rank 0 merges them into one row per step
+(`_merge`; every key is defined in docs/metrics.md): the loss over the step's tokens, the
+slowest rank's step time and the throughput from it, model FLOP/s and MFU (an mfu above 1
+is a bug in the FLOPs or the peak: warned, and summary.json says mfu_above_one), the bubble
+(mean, max and per rank), fp16's loss scale, bytes per dimension, cp's and MoE's metrics
+(framework/metrics/cp.py, moe.py) and the step-time breakdown (metrics/breakdown.py).
 Files: metrics.jsonl (one object per step; written as metrics.jsonl.partial and renamed
 when the run completes), summary.json (written last, atomically: its presence means the
 run completed), and for pipelines trace.json (the actions of at most metrics.trace_steps + 1
 steps spread over the run, Chrome trace format; metrics.timeline.kept_steps) and
 timeline.png (one of them). Summary statistics are medians over steps after
-metrics.skip_first; for the asynchronous schedules the bubble is measured over the whole
-run instead (start-up and drain are the bubble there, and they fall in the first and last
-steps).
+metrics.skip_first; the asynchronous schedules' bubble is over the whole run instead (their
+start-up and drain, in the first and last steps, are the bubble).
 """
 
 from __future__ import annotations
@@ -37,6 +28,7 @@ import torch.distributed as dist
 
 from framework.config import RunConfig
 from framework.report.files import write_atomic
+from framework.metrics import breakdown
 from framework.metrics.bubble import analytic_at_measured, analytic_label
 from framework.metrics.cp import step_metrics as cp_metrics
 from framework.metrics.flops import executed_flops_per_token, mfu
@@ -54,7 +46,7 @@ from framework.report.wandb_sink import declare_metrics, init_run, layout_keys, 
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes", "cp_comm_bytes", "cp_comm_s",
-               "cp_attention_imbalance")
+               "cp_attention_imbalance", *breakdown.KEYS)
 # Of each step's row, what rank 0 keeps for the summary: a few numbers, not every rank's lists.
 KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
                            "loss_scale", "skipped_steps")
@@ -73,7 +65,7 @@ class RunLogger:
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
         self.actions: dict[int, list] = {}  # kept step -> per-rank action records (pipelines)
-        self.a2a_spans: dict[int, list] = {}  # kept step -> per-rank all-to-all calls (ep > 1)
+        self.comm_spans: dict[int, list] = {}  # kept step -> per-rank communication spans (comm_timer.py)
         self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
                                run.metrics.trace_steps)
         self.busy_window: Optional[list[list[float]]] = None  # per rank [Σ busy, Σ window] over the run
@@ -142,6 +134,7 @@ class RunLogger:
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
             "rank_tp_comm_bytes": [r.tp_comm_bytes for r in per_rank],
             **cp_metrics(per_rank, self.ctx.dims.groups("cp")),  # framework/metrics/cp.py
+            **self._breakdown(per_rank),
             "rank_step_time_s": [r.step_time_s for r in per_rank],
             "rank_bubble_fraction": [r.bubble for r in per_rank],
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds
@@ -154,6 +147,13 @@ class RunLogger:
             # only in the rows of steps after which the held-out set was evaluated
             **({"val_loss": r0.val_loss, "eval_s": max(r.eval_s for r in per_rank)} if r0.val_loss is not None else {}),
         }
+
+    def _breakdown(self, per_rank: list[StepRecord]) -> dict:
+        p = self.run.parallelism.pp
+        if p == 1:
+            return breakdown.row([r.parts for r in per_rank])
+        smap = resolve(self.run.schedule).stage_map(p, self.run.schedule.virtual_stages)
+        return breakdown.row(breakdown.split_waits(per_rank, smap, self.ctx.dims.groups("pp")))
 
     def _analytic(self, per_rank: list) -> tuple[float, dict]:
         """(The schedule's analytic bubble at these action records' median op times, those
@@ -191,8 +191,8 @@ class RunLogger:
                 if i == len(pending) - 1:  # at log intervals: the replay of the medians so far
                     rec.update(predicted_keys(self.predictor.predict(per_rank)[1]))
             self.records.append({k: rec[k] for k in KEPT_KEYS if k in rec})  # what the summary reads
-            if self.run.parallelism.ep > 1 and rec["step"] in self.kept:
-                self.a2a_spans[rec["step"]] = [r.a2a_spans for r in per_rank]
+            if rec["step"] in self.kept and any(r.comm_spans for r in per_rank):
+                self.comm_spans[rec["step"]] = [r.comm_spans for r in per_rank]
             if self.run.parallelism.pp > 1:
                 if rec["step"] in self.kept:  # bounded: never every step of a long run
                     self.actions[rec["step"]] = [r.actions for r in per_rank]
@@ -239,8 +239,8 @@ class RunLogger:
         summary = self._summary(gathered)
         if self.run.parallelism.pp > 1:
             self._write_timeline(summary)
-        elif self.a2a_spans:  # no pipeline: the trace holds the all-to-alls alone
-            write_trace({}, os.path.join(self.job_dir, "trace.json"), self.a2a_spans)
+        elif self.comm_spans:  # no pipeline: the trace holds the communication alone
+            write_trace({}, os.path.join(self.job_dir, "trace.json"), self.comm_spans)
         self.jsonl.close()
         os.replace(self.partial_path, os.path.join(self.job_dir, "metrics.jsonl"))
         write_atomic(os.path.join(self.job_dir, "summary.json"), json.dumps(summary, indent=2))
@@ -303,7 +303,7 @@ class RunLogger:
         self.ctx.recorder.note("write trace.json and timeline.png (rank 0)")
         skip = min(self.run.metrics.skip_first, len(self.records) - 1)
         write_run_timeline(self.run, self.job_dir, self.actions, self.records[skip:], summary,
-                           getattr(self, "prediction", None), self.wandb, self.a2a_spans)
+                           getattr(self, "prediction", None), self.wandb, self.comm_spans)
 
     def close(self) -> None:
         """Always runs (finally): a failed run's W&B run is marked failed and closed."""

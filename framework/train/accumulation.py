@@ -13,6 +13,7 @@ import torch
 
 from framework.train import master
 from framework.config import RunConfig
+from framework.metrics.comm_timer import timed
 from framework.metrics.timestamps import now
 from framework.metrics.memory import master_bytes, model_state_bytes
 from framework.parallel import data_parallel
@@ -87,10 +88,11 @@ class AccumulationRunner:
             loss_sum = loss_sum + loss.detach()  # not +=: in place would round fp64 losses to fp32
         t2 = now(dev)
         self.ctx.recorder.note("gradient sync (ZeRO / sequence parallel), clip (all_reduce), optimizer step", wait=True)
-        if self.zero:
-            self.zero.reduce_gradients()
-        else:
-            reduce_expert_grads(self.params, self.ctx, policy_of(self.run).reduce_dtype)
+        with timed(self.ctx.timer if self.ctx.dims.dp > 1 else None, "dp", "gradient reduction"):
+            if self.zero:
+                self.zero.reduce_gradients()
+            else:
+                reduce_expert_grads(self.params, self.ctx, policy_of(self.run).reduce_dtype)
         if self.tp_comm.size > 1:
             sync_replicated_grads(self.params, self.tp_comm, self.run.parallelism.sequence_parallel)
         grad_norm = clip_grad_norm(self.params, 0.0, tp_comm=self.tp_comm,  # the norm only: Update clips
@@ -108,4 +110,4 @@ class AccumulationRunner:
         moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm, self.update.overflow)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
         return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
-                          states=states, moe=moe, **self.update.step_fields())
+                          states=states, moe=moe, started=t1, **self.update.step_fields())

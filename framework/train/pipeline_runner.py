@@ -33,6 +33,7 @@ from framework.train.master import build as build_master
 from framework.train.update import Update
 from framework.report.records import StateBytes, StepResult
 from framework.topology import ParallelContext
+from framework.metrics.comm_timer import timed
 from framework.metrics.timestamps import clock_for
 from framework.parallel.pipeline.executor import ActionRecord, PipelineExecutor, PipelinePeers
 from framework.parallel.pipeline.p2p import RankPlan, comm_plan
@@ -177,7 +178,8 @@ class PipelineRunner:
                           optimizer_s=done - pipe_end, states=self.states, bubble=1.0 - busy / window, busy_s=busy,
                           window_s=window, records=records,
                           weight_version_bytes=self.versions.peak_bytes if self.is_async else 0,
-                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes, moe=moe, **self.update.step_fields())
+                          p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes, moe=moe, started=start,
+                          **self.update.step_fields())
 
     def _aux_scale(self, loss_weight: float) -> None:
         """MoE aux losses' gradients: scaled as each micro-batch's LM loss."""
@@ -202,10 +204,12 @@ class PipelineRunner:
         ctx = self.ctx
         ctx.recorder.note("gradient sync (dp / embedding / ZeRO / tp collectives), clip, optimizer step", wait=True)
         if not self.zero:
-            dense = [q for q in self.params if not is_expert(q)]
-            all_reduce_grads(dense, ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
-            reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype)
-        sum_tied_grad(self.tied, ctx.groups.get("embedding"))
+            with timed(ctx.timer if ctx.dims.dp > 1 else None, "dp", "gradient all-reduce"):
+                dense = [q for q in self.params if not is_expert(q)]
+                all_reduce_grads(dense, ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
+                reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype)
+        with timed(ctx.timer if self.tied is not None else None, "pp", "tied embedding sum"):  # the pipeline's ends
+            sum_tied_grad(self.tied, ctx.groups.get("embedding"))
         if self.zero:  # ZeRO-1: the dp reduction is a reduce-scatter to each slice's owner
             self.zero.reduce_gradients()
         self._sync_sequence_parallel()

@@ -41,6 +41,8 @@ from framework.parallel.pipeline.schedules import Op
 from framework.models import recompute
 from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
+from framework.metrics.breakdown import busy_s, rank_parts
+from framework.metrics.comm_timer import CommTimer
 from framework.precision import autocast_context
 from framework.report.records import RunInfo, StepRecord, StepResult
 from framework.launch.signals import Stopped, StopSignals
@@ -53,9 +55,11 @@ class InjectedFault(RuntimeError):
 
 def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step: int = 0):
     vocab = run.model.vocab_size or info.vocab_size
-    tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp)
+    ctx.timer = CommTimer(ctx.device)  # every dimension's communication spans: the step-time breakdown
+    tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp, timer=ctx.timer)
+    tp_comm.delay_s = run.debug.tp_delay_ms / 1e3
     d = ctx.dims
-    ep_comm = EPComm(ctx.ep_group, d.ep, d.ep_rank(ctx.coords), ctx.device) if d.ep > 1 else None
+    ep_comm = EPComm(ctx.ep_group, d.ep, d.ep_rank(ctx.coords), ctx.device, ctx.timer) if d.ep > 1 else None
     # On the meta device: the runner materialises what this rank keeps (its stages, its tp
     # shards, ZeRO unit by unit), never the whole model (framework/models/materialise.py).
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
@@ -63,7 +67,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
                         whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
     cp = None
     if d.cp > 1:  # attention over the cp group, ids / labels / positions of this rank's tokens
-        cp = context_parallel.ContextParallel(TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords)), run.data.seq_len,
+        cp = context_parallel.ContextParallel(TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords), timer=ctx.timer, dim="cp"),
+                                              run.data.seq_len,
                                               run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
                                               ctx.group_ranks["cp"])
         context_parallel.install(model, cp)
@@ -112,12 +117,20 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
     """`step`: steps done before this one (0-based, what the sampler and the lr read); the
     record carries the step's number, step + 1 (the one numbering users see)."""
     t0 = now(ctx.device)
+    if ctx.timer is not None:
+        ctx.timer.begin_step()
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
     t1 = now(ctx.device)
     lr = lr_at(runner.update.lr_index(step), run)  # before the step: an overflow there moves the index
     out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
     t2 = now(ctx.device)
+    spans = ctx.timer.take() if ctx.timer is not None else []
+    actions = [(r.action, r.start, r.compute_start, r.end) for r in out.records]
+    parts = rank_parts(t0, t1, t2, out.started, out.pipeline_s, out.optimizer_s, actions, spans)
+    if actions:  # busy is compute alone: a tp collective or an all-to-all inside an action is not
+        out.busy_s = busy_s(parts)
+        out.bubble = 1.0 - out.busy_s / out.window_s
     return StepRecord(step=step + 1, loss=out.loss, lr=lr, grad_norm=out.grad_norm,
                       loss_scale=out.loss_scale, overflow=out.overflow, skipped_steps=out.skipped_steps,
                       step_time_s=t2 - t0, data_s=t1 - t0, fwd_bwd_s=out.pipeline_s, optimizer_s=out.optimizer_s,
@@ -126,15 +139,15 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
                       **(runner.context.take() if runner.context is not None else {}),
                       # the sums are reduced over dp and tp already: one report per stage is enough
-                      moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner),
-                      actions=[(r.action, r.start, r.compute_start, r.end) for r in out.records], states=out.states)
+                      moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
+                      actions=actions, states=out.states, parts=parts, comm_spans=spans)
 
 
-def _a2a(runner) -> dict:
+def _a2a(runner, timed: list) -> dict:
     comm = getattr(runner, "ep_comm", None)
     if comm is None:
         return {}
-    sent, seconds, spans = comm.take_a2a()
+    sent, seconds, spans = comm.take_a2a(timed)
     return {"a2a_bytes": sent, "a2a_s": seconds, "a2a_spans": spans}
 
 
@@ -196,7 +209,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
             with ledger or contextlib.nullcontext():
                 rec = train_step(step, runner, batches, run, ctx)
             if rec.step not in logger.kept:  # the trace keeps a few steps: send only theirs to rank 0
-                rec.a2a_spans = []
+                rec.a2a_spans, rec.comm_spans = [], []
             logger.step_done(rec.step_time_s)
             if heldout is not None and (k % run.trainer.eval_interval == 0 or k == run.trainer.steps):
                 ctx.recorder.note(f"evaluate after step {k} (held-out data)")
@@ -206,7 +219,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                 runner.tp_comm.take_bytes()  # evaluation's tp traffic is not the next step's
                 if runner.context is not None:  # nor its cp traffic and attention time
                     runner.context.take()
-                _a2a(runner)  # nor its all-to-alls
+                _a2a(runner, [])  # nor its all-to-alls (its timer spans: dropped at the next step's start)
             pending.append(rec)
             # The first step too, so the console shows numbers before log_interval steps.
             if k == first + 1 or k % run.trainer.log_interval == 0 or k == run.trainer.steps:

@@ -1,0 +1,99 @@
+"""The step-time breakdown (framework/metrics/breakdown.py): parts that sum to each rank's
+step time, communication spans taken out of the compute that holds them, receive waits
+split at the sender's send; and in a run, with one tp rank slowed on purpose
+(`debug.tp_delay_ms`), the waiting rank's wait is comm_tp, not compute or busy time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from framework.metrics.breakdown import PARTS, busy_s, rank_parts, row, split_waits
+from framework.parallel.pipeline.schedules import get
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parts_tile_the_step_and_spans_leave_the_compute_that_holds_them():
+    """A rank: data 0-1, host 1-2, F0 waits 2-3 and computes 3-6 (a tp span 4-5 inside),
+    host 6-6.5, B0 computes 6.5-8 (an ep span 7-7.25), flush 8-9, optimizer 9-10 (a dp span
+    9.5-9.75), host 10-10.5."""
+    actions = [("F0", 2.0, 3.0, 6.0), ("B0", 6.5, 6.5, 8.0)]
+    spans = [("tp", "", 4.0, 5.0), ("ep", "", 7.0, 7.25), ("dp", "", 9.5, 9.75)]
+    p = rank_parts(0.0, 1.0, 10.5, 2.0, 7.0, 1.0, actions, spans)
+    assert p["F"] == 2.0 and p["B"] == 1.25 and p["compute"] == 3.25 and busy_s(p) == 3.25
+    assert (p["comm_tp"], p["comm_ep"], p["comm_dp"]) == (1.0, 0.25, 0.25)
+    assert (p["data"], p["optimizer"], p["bubble"], p["wait"], p["host"]) == (1.0, 0.75, 1.0, 1.0, 2.0)
+    assert sum(p[k] for k in PARTS) + p["wait"] == 10.5
+
+
+def test_a_receive_wait_is_bubble_until_the_message_is_sent_then_pp():
+    """Two pipeline ranks (flush): rank 1's F0 waits 1-2.5 for the activation rank 0's F0
+    sent at 2.0 (its end): 1.0 bubble, 0.5 comm_pp. Rank 0's B0 waits 5-6 for a gradient sent
+    at 5.5: 0.5 each. A message the logger has no sender record of (an earlier step's) is
+    comm_pp whole."""
+    smap = get("flush").stage_map(2, 1)
+    r0 = SimpleNamespace(actions=[("F0", 0.0, 0.0, 2.0), ("B0", 5.0, 6.0, 7.0)],
+                         parts={**dict.fromkeys(PARTS, 0.0), "wait": 1.0})
+    r1 = SimpleNamespace(actions=[("F0", 1.0, 2.5, 4.0), ("B0", 4.0, 4.0, 5.5)],
+                         parts={**dict.fromkeys(PARTS, 0.0), "wait": 1.5})
+    out = split_waits([r0, r1], smap, [[0, 1]])
+    assert (out[1]["bubble"], out[1]["comm_pp"], out[1]["wait"]) == (1.0, 0.5, 0.0)
+    assert (out[0]["bubble"], out[0]["comm_pp"]) == (0.5, 0.5)
+    orphan = SimpleNamespace(actions=[("F1", 1.0, 2.5, 4.0)], parts={**dict.fromkeys(PARTS, 0.0), "wait": 1.5})
+    first = SimpleNamespace(actions=[], parts={**dict.fromkeys(PARTS, 0.0), "wait": 0.0})
+    assert split_waits([first, orphan], smap, [[0, 1]])[1]["comm_pp"] == 1.5
+
+
+def test_the_row_is_the_mean_over_ranks_and_keeps_every_rank():
+    a = {**dict.fromkeys(PARTS, 1.0), "F": 0.5}
+    b = {**dict.fromkeys(PARTS, 3.0), "F": 1.5}
+    r = row([a, b])
+    assert r["time_compute_s"] == 2.0 and r["time_F_s"] == 1.0 and "time_W_s" not in r
+    assert r["rank_time_s"][1]["F"] == 1.5
+
+
+DELAY_MS = 15
+
+
+@pytest.fixture(scope="module")
+def delayed(tmp_path_factory):
+    """pp 2 x tp 2, tp rank 0 of each stage sleeping before every tp collective."""
+    job = tmp_path_factory.mktemp("breakdown")
+    r = subprocess.run([sys.executable, str(ROOT / "run.py"), "parallelism=tp2_pp2", "trainer.steps=4",
+                        "metrics.skip_first=1", "logger=none", f"debug.tp_delay_ms={DELAY_MS}", f"hydra.run.dir={job}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    return rows, json.loads((job / "summary.json").read_text()), None
+
+
+def test_each_ranks_parts_sum_to_its_step_time(delayed):
+    rows, summary, _ = delayed
+    for r in rows:
+        for i, parts in enumerate(r["rank_time_s"]):
+            assert sum(parts[k] for k in PARTS) == pytest.approx(r["rank_step_time_s"][i], abs=1e-9)
+            assert min(parts.values()) > -1e-9, parts
+            assert parts["compute"] == pytest.approx(parts["F"] + parts["B"], abs=1e-12)
+        mean = sum(r["rank_step_time_s"]) / len(r["rank_step_time_s"])
+        assert sum(r[f"time_{k}_s"] for k in PARTS) == pytest.approx(mean, abs=1e-9)
+    assert all(summary[f"time_{k}_s"] is not None for k in PARTS)
+
+
+def test_a_delayed_tp_collective_is_the_waiting_ranks_comm_not_its_compute(delayed):
+    """tp rank 0 sleeps 15 ms before each collective: tp rank 1 waits that long inside it.
+    The wait is rank 1's comm_tp and not busy time, so rank 1's busy (its bubble's compute)
+    is below rank 0's by at least that much (before the breakdown, an action's compute
+    included its collectives: the two were equal)."""
+    rows, _, _ = delayed
+    for r in rows[1:]:
+        for slow, waits in ((0, 1), (2, 3)):  # tp is the innermost coordinate: (pp 0: tp 0, 1), (pp 1: ...)
+            t = r["rank_time_s"]
+            assert t[waits]["comm_tp"] > t[slow]["comm_tp"] + 5 * DELAY_MS / 1e3
+            assert r["rank_busy_s"][waits] < r["rank_busy_s"][slow] - 5 * DELAY_MS / 1e3
+            assert r["rank_busy_s"][waits] == pytest.approx(t[waits]["compute"], abs=1e-9)
