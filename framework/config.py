@@ -169,6 +169,10 @@ class ParallelismConfig:
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
+    # pipelines: each chunk's dp all-reduce issued after its last backward, under the cooldown
+    # (Megatron's overlap_grad_reduce); pp = 1 uses torch DDP, which always overlaps
+    overlap_grad_reduce: bool = key(False, when=lambda r: r.parallelism.pp > 1 and r.parallelism.zero == 0,
+                                    when_text="parallelism.pp > 1 and parallelism.zero=0")
     # context parallel: each sequence cut over cp ranks (framework/parallel/context_parallel.py);
     # gradients and ZeRO over dp x cp; checked in framework/validate/context.py
     cp: int = key(1, ge=1, le=MAX_RANKS)

@@ -190,8 +190,8 @@ def test_the_timeline_and_the_dashboard_call_a_runs_own_simulation_a_replay(tmp_
 
     records = [[("F0", 0.0, 0.0, 1.0), ("B0", 2.0, 2.0, 4.0)], [("F0", 1.0, 1.0, 2.0), ("B0", 2.0, 2.0, 3.0)]]
     titles = []
-    monkeypatch.setattr(timeline, "render_timeline", lambda recs, path, title, pred, pred_title: titles.extend(
-        [title, pred_title]))
+    monkeypatch.setattr(timeline, "render_timeline", lambda recs, path, title, pred, predicted_title, comm: titles.extend(
+        [title, predicted_title]))
     monkeypatch.setattr("framework.sim.replay.timeline_records", lambda prediction: records)
     run = SimpleNamespace(schedule=SimpleNamespace(name="zbv", microbatches=1, virtual_stages=2),
                           parallelism=SimpleNamespace(pp=2))

@@ -313,3 +313,24 @@ def test_a_simulated_search_ranks_layouts_for_a_cluster(tmp_path):
     assert ranked == sorted(ranked, reverse=True) and rows[-1]["fits"] is False
     assert (tmp_path / "simulated_search.png").stat().st_size > 10_000
 
+
+
+def test_overlap_grad_reduce_hides_what_the_cooldown_leaves_after_a_chunks_last_backward():
+    """The dp all-reduce of a chunk starts after its last backward. Flush (one chunk per rank):
+    rank 0's only chunk ends the pipeline, so nothing of its reduction hides and the step is
+    unchanged. Interleaved (v 2): rank 0's chunk 1 finishes a stretch of cooldown before its
+    chunk 0, so part of the reduction hides; exposed + hidden = the reduction without overlap."""
+    prof = table_profile(gpus_per_node=8, host_overlaps=True,
+                         links={"intra": {"alpha_us": 1, "GBps": 300}, "inter": {"alpha_us": 5, "GBps": 2}})
+    shape = ModelShape.of(ModelConfig(arch="llama", n_layer=8, n_embd=1024, n_head=8, tie_embeddings=False), 512)
+    lay = Layout(2, 1024)
+    for schedule, v in (("flush", 1), ("interleaved", 2)):
+        off = price(prof, Job(shape, lay, dp=2, pp=2, microbatches=8, schedule=schedule, virtual_stages=v))
+        on = price(prof, Job(shape, lay, dp=2, pp=2, microbatches=8, schedule=schedule, virtual_stages=v,
+                             overlap_grad_reduce=True))
+        assert on.comm_s["dp"] + on.comm_hidden_s["dp"] == pytest.approx(off.comm_s["dp"])
+        if schedule == "flush":
+            assert on.step_s == pytest.approx(off.step_s) and on.comm_hidden_s["dp"] < 1e-6 * off.step_s
+        else:
+            assert on.step_s < off.step_s and 0 < on.comm_hidden_s["dp"] < off.comm_s["dp"]
+            assert off.step_s - on.step_s == pytest.approx(on.comm_hidden_s["dp"])

@@ -151,7 +151,10 @@ def test_a_long_run_keeps_the_action_records_of_a_bounded_set_of_steps(tmp_path)
         kept = {e["args"]["step"] for e in events if e["ph"] == "X"}
         assert kept == kept_steps(1, steps, 2, 3) and len(kept) == 4 and {1, 2, steps} <= kept
         assert summary["timeline_step"] in kept and set(summary["op_time_s"]) == {"F", "I", "W"}
-        traces[steps] = [e for e in events if e["ph"] == "X" and e["cat"] != "wait"], (tmp_path / str(steps) /
-                                                                                        "trace.json").stat().st_size
+        # the communication lane (pid 1): the tied embedding's sum over the pipeline's ends, per kept step
+        assert sorted((e["args"]["step"], e["tid"]) for e in events if e.get("pid") == 1 and e["ph"] == "X") == \
+            sorted((k, r) for k in kept for r in (0, 1))
+        traces[steps] = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["cat"] != "wait"], (
+            tmp_path / str(steps) / "trace.json").stat().st_size
     assert len(traces[6][0]) == len(traces[36][0]) == 4 * 2 * 3 * 2  # steps x ranks x (F, I, W) x micro-batches
     assert traces[36][1] < 1.2 * traces[6][1]  # the same records; only the digits of the times differ

@@ -28,9 +28,31 @@ def all_reduce_grads(params: list[nn.Parameter], group, world: int, dtype: Optio
     dtype; in `dtype` (the precision policy's reduce dtype, wider than the gradients) in
     buckets of BUCKET_ELEMENTS, each rounded back into the gradients, so the transient is one
     bucket's wide copy, not the stage's."""
+    for bucket in _buckets(params, world, dtype):
+        finish_all_reduce([_issue(bucket, group, dtype, False)], world)
+
+
+def start_all_reduce(params: list[nn.Parameter], group, world: int, dtype: Optional[torch.dtype] = None) -> list:
+    """`all_reduce_grads`' collectives issued and not waited for (the overlap of
+    `parallelism.overlap_grad_reduce`; every bucket's copy is held until finished):
+    [(work, bucket, flat)] for `finish_all_reduce`."""
+    return [_issue(bucket, group, dtype, True) for bucket in _buckets(params, world, dtype)]
+
+
+def finish_all_reduce(pending: list, world: int) -> None:
+    """Wait for issued buckets, average, copy back into the gradients."""
+    for work, bucket, flat in pending:
+        if work is not None:
+            work.wait()
+        flat /= world
+        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            g.copy_(synced)
+
+
+def _buckets(params: list[nn.Parameter], world: int, dtype: Optional[torch.dtype]) -> list[list[torch.Tensor]]:
     grads = [p.grad for p in params if p.grad is not None]
     if world == 1 or not grads:
-        return
+        return []
     widen = dtype is not None and dtype != grads[0].dtype
     buckets, size = [[]], 0
     for g in grads:
@@ -39,14 +61,14 @@ def all_reduce_grads(params: list[nn.Parameter], group, world: int, dtype: Optio
             size = 0
         buckets[-1].append(g)
         size += g.numel()
-    for bucket in buckets:
-        flat = _flatten_dense_tensors(bucket)
-        if widen:
-            flat = flat.to(dtype)
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            g.copy_(synced)
+    return buckets
+
+
+def _issue(bucket: list[torch.Tensor], group, dtype: Optional[torch.dtype], async_op: bool) -> tuple:
+    flat = _flatten_dense_tensors(bucket)
+    if dtype is not None and dtype != flat.dtype:
+        flat = flat.to(dtype)
+    return dist.all_reduce(flat, group=group, async_op=async_op), bucket, flat
 
 
 def _counted(p: nn.Parameter, tp_comm) -> bool:

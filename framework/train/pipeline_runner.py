@@ -41,7 +41,8 @@ from framework.parallel.pipeline.tiling import TiledPlan
 from framework.parallel.pipeline.schedules import resolve
 from framework.models.moe_layer import moe_step
 from framework.parallel.expert_parallel import is_expert
-from framework.parallel.grads import all_reduce_grads, clip_grad_norm, reduce_expert_grads
+from framework.parallel.grads import (all_reduce_grads, clip_grad_norm, finish_all_reduce, reduce_expert_grads,
+                                     start_all_reduce)
 from framework.parallel.tensor_parallel import sync_replicated_grads
 from framework.precision import policy_of
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
@@ -108,6 +109,21 @@ class PipelineRunner:
             self.versions = WeightVersions(self.chunks[0], self._uses(), tracker)
         else:
             self.actions = plan.actions
+        # parallelism.overlap_grad_reduce: backwards done per chunk this step, buckets in flight
+        self.overlap = [0] * len(self.chunks) if run.parallelism.overlap_grad_reduce and ctx.dims.dp > 1 else None
+        self.reducing: list = []
+        self.own = self._owned()
+
+    def _owned(self) -> list[list]:
+        """Per chunk its dense parameters no other chunk of this rank holds (reduced after its
+        last backward), and last those shared by two (a V's tied embedding: after the step)."""
+        chunk_params = [[q for q in c.parameters() if q.requires_grad and not is_expert(q)] for c in self.chunks]
+        count: dict[int, int] = {}
+        for ps in chunk_params:
+            for q in ps:
+                count[id(q)] = count.get(id(q), 0) + 1
+        shared = list({id(q): q for ps in chunk_params for q in ps if count[id(q)] > 1}.values())
+        return [[q for q in ps if count[id(q)] == 1] for ps in chunk_params] + [shared]
 
     def _uses(self) -> VersionUses:
         return VersionUses(self._version, self.m * self.steps)
@@ -136,6 +152,11 @@ class PipelineRunner:
         self.tracker.backward_done((mb, chunk))
         if self.is_async:
             self.versions.backward_done(self._version(mb))
+        elif self.overlap is not None:
+            self.overlap[chunk] += 1
+            if self.overlap[chunk] == self.m:  # the chunk's last backward: its gradients are final
+                self.reducing += start_all_reduce(self.own[chunk], self.ctx.dp_group, self.ctx.dims.dp,
+                                                  self.policy.reduce_dtype)
 
     def step(self, step: int, batch_of: Callable) -> StepResult:
         self.clock.begin_step()
@@ -205,8 +226,13 @@ class PipelineRunner:
         ctx.recorder.note("gradient sync (dp / embedding / ZeRO / tp collectives), clip, optimizer step", wait=True)
         if not self.zero:
             with timed(ctx.timer if ctx.dims.dp > 1 else None, "dp", "gradient all-reduce"):
-                dense = [q for q in self.params if not is_expert(q)]
-                all_reduce_grads(dense, ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
+                if self.overlap is not None:  # issued in the cooldown: what is left is the wait
+                    finish_all_reduce(self.reducing, ctx.dims.dp)
+                    all_reduce_grads(self.own[-1], ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
+                    self.reducing, self.overlap = [], [0] * len(self.chunks)
+                else:
+                    all_reduce_grads([q for q in self.params if not is_expert(q)], ctx.dp_group, ctx.dims.dp,
+                                     self.policy.reduce_dtype)
                 reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype)
         with timed(ctx.timer if self.tied is not None else None, "pp", "tied embedding sum"):  # the pipeline's ends
             sum_tied_grad(self.tied, ctx.groups.get("embedding"))

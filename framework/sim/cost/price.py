@@ -13,7 +13,11 @@ The pipeline: the schedule's real plan (p2p.comm_plan) through the clock (clock.
 NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
 After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
 all-reduce; 2 / 3: a reduce-scatter) in the reduce dtype, ZeRO's all-gather of the updated
-parameters (1, 2), and the optimizer step over the rank's shard. ZeRO 3 gathers each
+parameters (1, 2), and the optimizer step over the rank's shard. With
+`Job.overlap_grad_reduce` (ZeRO 0, pp > 1: the run's `parallelism.overlap_grad_reduce`) the
+dense all-reduce is cut evenly over a rank's chunks, each part starting after its chunk's
+last backward in the clock's timeline (one link: in turn); only what runs past the
+pipeline's end is exposed (`comm_s["dp"]`; the hidden part in `comm_hidden_s`). ZeRO 3 gathers each
 chunk's parameters before every micro-batch's F and B: added to them (the framework's
 own ZeRO 3), or overlapping them (`Job.zero3_prefetch`: DeepSpeed's and FSDP's prefetch).
 """
@@ -29,7 +33,8 @@ from framework.parallel.pipeline.schedules.base import DEFAULT
 from framework.sim.clock import Costs, predict
 from framework.sim.cost.activations import peak_bytes, recompute_transient
 from framework.sim.cost.collectives import collective_s, group_link
-from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
+from framework.sim.cost.traffic import (Collective, after_pipeline, dense_reduction, pass_collectives, rank_units,
+                                       step_collectives)
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
 from framework.sim.cost.hardware import Profile
 from framework.sim.cost.shapes import Layout, ModelShape
@@ -53,6 +58,7 @@ class Job:
     # ZeRO 3's all-gathers overlap the compute they feed (DeepSpeed's and FSDP's prefetch):
     # each F and B lasts max(compute, gather); false (ours): they add
     zero3_prefetch: bool = False
+    overlap_grad_reduce: bool = False  # ZeRO 0, pp > 1: each chunk's dp all-reduce under the cooldown
 
     @property
     def world(self) -> int:
@@ -71,6 +77,7 @@ class Priced:
     mfu: float = 0.0
     hfu: float = 0.0  # executed FLOPs (recomputation included)
     stage_s: dict = field(default_factory=dict)  # (rank, chunk, op) -> seconds
+    comm_hidden_s: dict = field(default_factory=dict)  # dimension -> seconds an overlap hid (not in comm_s)
 
 
 def job_of(run, vocab: int) -> Job:
@@ -83,7 +90,8 @@ def job_of(run, vocab: int) -> Job:
                  run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
                  run.trainer.recompute == "selective")
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
-               pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype))
+               pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
+               overlap_grad_reduce=p.overlap_grad_reduce)
 
 
 def dtype_of(run) -> str:
@@ -165,6 +173,10 @@ def price(prof: Profile, job: Job) -> Priced:
         costs = Costs(compute, {}, link.alpha_us * 1e-6, link.GBps * 1e9, msg)
         pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
+        if job.overlap_grad_reduce and job.zero == 0 and job.dp > 1:
+            overlapped = _overlapped(prof, job, pred)
+            hidden = {"dp": max(0.0, after - overlapped)}  # what leaves the critical path (the worst rank's)
+            after, comm["dp"] = overlapped, max(0.0, comm.get("dp", 0.0) - hidden["dp"])
     params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
     opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
@@ -174,7 +186,24 @@ def price(prof: Profile, job: Job) -> Priced:
     per_gpu = model * job.dp * lay.tp / step / job.world  # model FLOPs of all stages / world / step
     return Priced(step, pipeline, bubble, comm, opt, tokens / step / job.world, per_gpu / 1e12,
                   per_gpu / prof.peak(lay.dtype), executed * job.dp * lay.tp / step / job.world / prof.peak(lay.dtype),
-                  compute)
+                  compute, hidden if p > 1 and job.overlap_grad_reduce and job.zero == 0 and job.dp > 1 else {})
+
+
+def _overlapped(prof: Profile, job: Job, pred) -> float:
+    """What runs after the pipeline under overlap_grad_reduce, the worst rank's (module docstring)."""
+    after = 0.0
+    end = max(t.end for tl in pred.timeline.values() for t in tl)
+    for r, tl in pred.timeline.items():
+        dense = _seconds(prof, job, [dense_reduction(job, r)])
+        last = {}  # chunk -> the end of its last backward
+        for t in tl:
+            if t.action.op.ends_backward:
+                last[t.action.chunk] = t.end
+        done = 0.0
+        for chunk_end in sorted(last.values()):
+            done = max(done, chunk_end) + dense / len(last)
+        after = max(after, _seconds(prof, job, after_pipeline(job, r)) - dense + max(0.0, done - end))
+    return after
 
 
 def rank_params(job: Job, rank_pp: int) -> float:
@@ -223,7 +252,9 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
             "hfu": r.hfu, "model_state_bytes_max": max(states), "activation_peak_bytes_max": max(acts),
             "recompute_transient_bytes": transient, "memory_per_gpu_bytes": need, "memory_bytes": capacity,
             "fits": need <= capacity, "dtype": job.lay.dtype,
-            "assumptions": "no overlap of communication with compute (but cp's ring passes); ring collectives; "
+            "comm_hidden_s": r.comm_hidden_s,
+            "assumptions": "no overlap of communication with compute (but cp's ring passes"
+                           f"{' and the dp all-reduce under the cooldown' if r.comm_hidden_s else ''}); ring collectives; "
                            "host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
                            "states + saved activations (framework/sim/cost/activations.py; no allocator "
@@ -231,7 +262,9 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
 
 
 def describe(rep: dict) -> str:
-    comm = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in rep["comm_s"].items() if v)
+    hidden = rep.get("comm_hidden_s") or {}
+    comm = ", ".join(f"{k} {v * 1e3:.1f} ms" + (f" (+{hidden[k] * 1e3:.1f} ms hidden by overlap)" if hidden.get(k) else "")
+                     for k, v in rep["comm_s"].items() if v)
     return (f"cost model on {rep['hardware']} ({rep['source']}): step {rep['step_s'] * 1e3:.1f} ms | "
             f"{rep['tokens_per_s_per_gpu']:.0f} tokens/s, {rep['tflops_per_gpu']:.1f} TFLOP/s per GPU | MFU "
             f"{rep['mfu']:.1%} (HFU {rep['hfu']:.1%}, {rep['dtype']} peak) | bubble {rep['bubble']:.3f} | "

@@ -199,6 +199,12 @@ def after_pipeline(job, rank_pp: int) -> list[Collective]:
     return out + _dp(job, units)
 
 
+def dense_reduction(job, rank_pp: int) -> Collective:
+    """ZeRO 0: the rank's dense gradient all-reduce over dp (after_pipeline's, alone): what
+    `parallelism.overlap_grad_reduce` issues chunk by chunk in the cooldown."""
+    return _dp(job, rank_units(job, rank_pp))[0]
+
+
 def pass_collectives(job, blocks: int, first: bool, last: bool) -> dict[str, list[Collective]]:
     """{F, B: the tp and ep collectives of one micro-batch's pass through a stage (chunk) of
     `blocks` blocks, calls per micro-batch}; B includes what recomputation repeats."""

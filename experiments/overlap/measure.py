@@ -1,0 +1,79 @@
+"""Where the step goes, per dimension, with and without each overlap built so far.
+
+Usage (repository root): python experiments/overlap/measure.py [--out DIR] [--steps N] [--repeats R]
+
+Each configuration is `python run.py ...` (GPT-2 widths 256, 8 blocks, fp32, synthetic
+data, N steps, medians over the steps after the first two), R times, the configurations
+alternating within a repeat so a noisy neighbour hits them alike. Printed per
+configuration: step time (median over repeats, spread min-max) and the step-time breakdown
+(summary.json's `time_<part>_s` medians: framework/metrics/breakdown.py), exposed
+communication per dimension first.
+
+Layouts, each where one dimension's communication is large:
+- dp: dp 2 x pp 2, 8 micro-batches, flush and interleaved (v 2), `parallelism.overlap_grad_reduce`
+  off / on (the only overlap built: each chunk's all-reduce issued after its last backward);
+- tp: tp 2 (pp 1), and tp 2 x pp 2 (no tp overlap built: exposed = all of it);
+- pp: pp 2 (its bubble and transfers).
+Machine: 2 CPU cores; 4-rank layouts are oversubscribed (4 processes on 2 cores), so a
+collective's background thread competes with compute for a core: overlap here is smaller
+than on devices whose communication has its own engine.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MODEL = ["model=gpt2-tiny", "model.n_layer=8", "model.n_embd=256", "model.n_head=4", "data=synthetic",
+         "data.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "metrics.skip_first=2"]
+CONFIGS = {
+    "dp2 pp2 flush": ["parallelism=dp2_pp2", "schedule=flush", "schedule.microbatches=8"],
+    "dp2 pp2 flush + overlap_grad_reduce": ["parallelism=dp2_pp2", "schedule=flush", "schedule.microbatches=8",
+                                            "parallelism.overlap_grad_reduce=true"],
+    "dp2 pp2 interleaved": ["parallelism=dp2_pp2", "schedule=interleaved", "schedule.virtual_stages=2",
+                            "schedule.microbatches=8"],
+    "dp2 pp2 interleaved + overlap_grad_reduce": ["parallelism=dp2_pp2", "schedule=interleaved",
+                                                  "schedule.virtual_stages=2", "schedule.microbatches=8",
+                                                  "parallelism.overlap_grad_reduce=true"],
+    "tp2": ["parallelism=tp2", "schedule.microbatches=8"],
+    "tp2 pp2 flush": ["parallelism=tp2_pp2", "schedule=flush", "schedule.microbatches=8"],
+    "pp2 flush": ["parallelism=pp2", "schedule=flush", "schedule.microbatches=8"],
+}
+PARTS = ("comm_dp", "comm_tp", "comm_pp", "bubble", "compute", "optimizer", "host", "data")
+
+
+def run(out: Path, tag: str, args: list[str], steps: int) -> dict:
+    job = out / tag.replace(" ", "_").replace("+", "plus")
+    cmd = [sys.executable, "run.py", *MODEL, *args, f"trainer.steps={steps}", f"hydra.run.dir={job}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{tag}: {r.stderr[-2000:]}")
+    return json.loads((job / "summary.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/overlap")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    out = Path(a.out)
+    got: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for rep in range(a.repeats):
+        for name, args in CONFIGS.items():
+            got[name].append(run(out / f"r{rep}", name, args, a.steps))
+            print(f"repeat {rep} {name}: {got[name][-1]['step_time_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    print("| layout | step ms (median, min-max) | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
+    print("|---|---|" + "---|" * len(PARTS))
+    for name, runs in got.items():
+        steps = [r["step_time_s"] * 1e3 for r in runs]
+        parts = [statistics.median(r[f"time_{p}_s"] for r in runs) * 1e3 for p in PARTS]
+        print(f"| {name} | {statistics.median(steps):.1f} ({min(steps):.1f}-{max(steps):.1f}) | "
+              + " | ".join(f"{x:.1f}" for x in parts) + " |")
+
+
+if __name__ == "__main__":
+    main()
