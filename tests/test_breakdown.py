@@ -70,7 +70,7 @@ def delayed(tmp_path_factory):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return rows, json.loads((job / "summary.json").read_text()), None
+    return rows, json.loads((job / "summary.json").read_text()), r.stdout
 
 
 def test_each_ranks_parts_sum_to_its_step_time(delayed):
@@ -85,12 +85,18 @@ def test_each_ranks_parts_sum_to_its_step_time(delayed):
     assert all(summary[f"time_{k}_s"] is not None for k in PARTS)
 
 
+def test_the_console_says_where_the_step_goes(delayed):
+    _, summary, stdout = delayed
+    line = next(x for x in stdout.splitlines() if x.startswith("where the step goes"))
+    assert "compute" in line and "comm tp" in line and "bubble" in line, line
+
+
 def test_a_delayed_tp_collective_is_the_waiting_ranks_comm_not_its_compute(delayed):
     """tp rank 0 sleeps 15 ms before each collective: tp rank 1 waits that long inside it.
     The wait is rank 1's comm_tp and not busy time, so rank 1's busy (its bubble's compute)
     is below rank 0's by at least that much (before the breakdown, an action's compute
     included its collectives: the two were equal)."""
-    rows, _, _ = delayed
+    rows = delayed[0]
     for r in rows[1:]:
         for slow, waits in ((0, 1), (2, 3)):  # tp is the innermost coordinate: (pp 0: tp 0, 1), (pp 1: ...)
             t = r["rank_time_s"]

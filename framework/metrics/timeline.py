@@ -58,7 +58,8 @@ def chrome_trace(steps: dict[int, list[list[Record]]], comm: Optional[dict] = No
         for rank, spans in enumerate(per_rank):
             for dim, what, start, end in spans:
                 events.append({"name": what, "cat": "a2a" if dim == "ep" else dim, "ph": "X", "pid": 1, "tid": rank,
-                               "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step, "dim": dim}})
+                               "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6,
+                               "args": {"step": step, "dim": dim}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from framework.metrics.breakdown import PARTS
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM
 
@@ -23,6 +24,8 @@ def summary_lines(summary: dict) -> str:
                      f"{analytic_label(summary.get('bubble_analytic_source', CLOSED_FORM))} "
                      f"({summary['schedule']} at the measured op "
                      f"times: {ops or 'none'})")
+    if summary.get("time_compute_s") is not None:
+        lines.append(breakdown_line(summary))
     for r in summary["ranks"]:
         cp = f", cp {r['cp']}" if "cp" in r else ""
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}{cp}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
@@ -33,6 +36,17 @@ def summary_lines(summary: dict) -> str:
                      f"this configuration's formula | {r['model_state_formula_paper_bytes']:,.0f} B the ZeRO paper's "
                      f"{_paper_form(summary.get('precision', ''))} form")
     return "\n".join(lines)
+
+
+def breakdown_line(summary: dict) -> str:
+    """`where the step goes: compute 61% | comm tp 22% | ...`: the step-time breakdown's medians
+    (framework/metrics/breakdown.py) as shares of their sum, the parts above 0.5 %."""
+    parts = {k[5:-2].replace("comm_", "comm "): v for k, v in summary.items()
+             if k.startswith("time_") and k.endswith("_s") and k[5:-2] in PARTS}
+    total = sum(parts.values())
+    shown = [f"{k} {v / total:.0%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+             if total and v / total >= 0.005]
+    return f"where the step goes (mean over ranks, medians): {' | '.join(shown) or 'n/a'}"
 
 
 def _percent(x: Optional[float]) -> str:

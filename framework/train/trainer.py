@@ -67,8 +67,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
                         whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
     cp = None
     if d.cp > 1:  # attention over the cp group, ids / labels / positions of this rank's tokens
-        cp = context_parallel.ContextParallel(TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords), timer=ctx.timer, dim="cp"),
-                                              run.data.seq_len,
+        cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords), timer=ctx.timer, dim="cp")
+        cp = context_parallel.ContextParallel(cp_comm, run.data.seq_len,
                                               run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
                                               ctx.group_ranks["cp"])
         context_parallel.install(model, cp)

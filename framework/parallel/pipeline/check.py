@@ -16,8 +16,9 @@
    sides' batches have started; a pair's messages match in issue order, tags ignored, so
    the n-th send r -> q must carry the message q's n-th receive from r expects; a group
    of a batch (one `batch_isend_irecv`, p2p.py) completes as a unit, and a compute that
-   needs a received tensor waits for its whole group. ScheduleError on a deadlock (for any timing: the model has no clock) or on a
-   message that would land in another message's buffer.
+   needs a received tensor waits for its whole group. ScheduleError on a deadlock (for any
+   timing: the model has no clock) or on a message that would land in another message's
+   buffer.
 """
 
 from __future__ import annotations

@@ -254,7 +254,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
             "fits": need <= capacity, "dtype": job.lay.dtype,
             "comm_hidden_s": r.comm_hidden_s,
             "assumptions": "no overlap of communication with compute (but cp's ring passes"
-                           f"{' and the dp all-reduce under the cooldown' if r.comm_hidden_s else ''}); ring collectives; "
+                           f"{' and the dp all-reduce under the cooldown' if r.comm_hidden_s else ''}); "
+                           "ring collectives; "
                            "host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
                            "states + saved activations (framework/sim/cost/activations.py; no allocator "
@@ -263,8 +264,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
 
 def describe(rep: dict) -> str:
     hidden = rep.get("comm_hidden_s") or {}
-    comm = ", ".join(f"{k} {v * 1e3:.1f} ms" + (f" (+{hidden[k] * 1e3:.1f} ms hidden by overlap)" if hidden.get(k) else "")
-                     for k, v in rep["comm_s"].items() if v)
+    comm = ", ".join(f"{k} {v * 1e3:.1f} ms" + (f" (+{hidden[k] * 1e3:.1f} ms hidden by overlap)" if hidden.get(k)
+                                                 else "") for k, v in rep["comm_s"].items() if v)
     return (f"cost model on {rep['hardware']} ({rep['source']}): step {rep['step_s'] * 1e3:.1f} ms | "
             f"{rep['tokens_per_s_per_gpu']:.0f} tokens/s, {rep['tflops_per_gpu']:.1f} TFLOP/s per GPU | MFU "
             f"{rep['mfu']:.1%} (HFU {rep['hfu']:.1%}, {rep['dtype']} peak) | bubble {rep['bubble']:.3f} | "
