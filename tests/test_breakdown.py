@@ -25,7 +25,8 @@ def test_parts_tile_the_step_and_spans_leave_the_compute_that_holds_them():
     9.5-9.75), host 10-10.5."""
     actions = [("F0", 2.0, 3.0, 6.0), ("B0", 6.5, 6.5, 8.0)]
     spans = [("tp", "", 4.0, 5.0), ("ep", "", 7.0, 7.25), ("dp", "", 9.5, 9.75)]
-    p = rank_parts(0.0, 1.0, 10.5, 2.0, 7.0, 1.0, actions, spans)
+    p, inside = rank_parts(0.0, 1.0, 10.5, 2.0, 7.0, 1.0, actions, spans)
+    assert inside == [1.0, 0.25]  # the simulator's calibration: communication inside each action
     assert p["F"] == 2.0 and p["B"] == 1.25 and p["compute"] == 3.25 and busy_s(p) == 3.25
     assert (p["comm_tp"], p["comm_ep"], p["comm_dp"]) == (1.0, 0.25, 0.25)
     assert (p["data"], p["optimizer"], p["bubble"], p["wait"], p["host"]) == (1.0, 0.75, 1.0, 1.0, 2.0)

@@ -1,14 +1,15 @@
 """Our pipeline schedules against torch.distributed.pipelining on the same model and layout.
 
 For each pair (ours gpipe / ScheduleGPipe, ours flush / Schedule1F1B, ours interleaved /
-ScheduleInterleaved1F1B) both run pp = 2 ranks on this machine with the same gpt2-tiny,
+ScheduleInterleaved1F1B, ours interleaved-zb / ScheduleInterleavedZeroBubble, ours zbv /
+ScheduleZBVZeroBubble; the last three with 2 chunks per rank, zbv's in a V) both run pp = 2 ranks on this machine with the same gpt2-tiny,
 the same seeded weights, the same uniform partition (interleaved: 2 chunks per rank), the
 same synthetic batches, AdamW with the same lr schedule and no clipping. Ours runs through
 `python run.py`; theirs in two processes started here (gloo). Both time whole optimizer
 steps (data, pipeline, optimizer) and report the median step after 3 warm-up steps, the
 slowest rank's. The final losses are printed too: the same math must give the same loss.
 
-    python experiments/peer_pipelining/compare.py [out_dir]
+    python experiments/peer_pipelining/compare.py [out_dir] [--passes=3] [--only=flush,zbv]
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PAIRS = {"gpipe": "ScheduleGPipe", "flush": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+PAIRS = {"gpipe": "ScheduleGPipe", "flush": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+CHUNKS = {"interleaved": 2, "interleaved-zb": 2, "zbv": 2}  # per rank; the others 1
+SPLIT = ("interleaved-zb", "zbv")  # backward split into I and W
 COMMON = ["parallelism=pp2", "data=synthetic", "logger=none", "trainer.steps=20", "trainer.micro_batch_size=4",
           "schedule.microbatches=8", "trainer.grad_clip=0", "metrics.skip_first=3", "model.n_layer=8"]
 
@@ -36,7 +40,7 @@ COMMON = ["parallelism=pp2", "data=synthetic", "logger=none", "trainer.steps=20"
 def ours(schedule: str, out: Path) -> dict:
     job = out / f"ours_{schedule}"
     subprocess.run([sys.executable, str(ROOT / "run.py"), *COMMON, f"schedule={schedule}",
-                    "schedule.virtual_stages=" + ("2" if schedule == "interleaved" else "1"), f"hydra.run.dir={job}"],
+                    f"schedule.virtual_stages={CHUNKS.get(schedule, 1)}", f"hydra.run.dir={job}"],
                    cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads((job / "summary.json").read_text())
 
@@ -47,18 +51,20 @@ def _peer_worker(rank: int, schedule: str, port: int, result_path: str) -> None:
     from framework.data import ShardedSampler, TokenData
     from framework.models import build_model, lm_loss
     from framework.train.optim import build_optimizer, lr_at, set_lr
-    from framework.parallel.pipeline.schedules import StageMap
+    from framework.parallel.pipeline.schedules import get
     from framework.parallel.pipeline.stage import build_chunks, stage_ranges
     from tests.conftest import compose
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # what our launcher gives each of 2 ranks on 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    v = 2 if schedule == "interleaved" else 1
+    v = CHUNKS.get(schedule, 1)
     run = compose(*COMMON, f"schedule={schedule}", f"schedule.virtual_stages={v}")
     full = build_model(run.model, run.data.vocab_size, run.trainer.seed)
-    chunks = build_chunks(full, stage_ranges("uniform", full, 2 * v), StageMap(2, v), rank)
-    stages = [pipelining.PipelineStage(c, k * 2 + rank, 2 * v, torch.device("cpu")) for k, c in enumerate(chunks)]
+    smap = get(schedule).stage_map(2, v)  # loop, or zbv's V: the same placement on both sides
+    chunks = build_chunks(full, stage_ranges("uniform", full, 2 * v), smap, rank)
+    ids = [smap.stage(rank, k) for k in range(v)]
+    stages = [pipelining.PipelineStage(c, ids[k], 2 * v, torch.device("cpu")) for k, c in enumerate(chunks)]
     m = run.schedule.microbatches
     cls = getattr(pipelining, PAIRS[schedule])
     sched = cls(stages if v > 1 else stages[0], m, loss_fn=lm_loss)
@@ -71,7 +77,10 @@ def _peer_worker(rank: int, schedule: str, port: int, result_path: str) -> None:
         x, y = data.batch(__import__("numpy").concatenate(sampler.step_indices(step)))
         set_lr(opt, lr_at(step, run))
         step_losses = []
-        if rank == 0:  # holds stage 0 (and stage 2 when interleaved), never the last
+        first, last = 0 in ids, 2 * v - 1 in ids  # a V's rank 0 holds both ends
+        if first and last:
+            sched.step(x, target=y, losses=step_losses)
+        elif first:
             sched.step(x)
         else:
             sched.step(target=y, losses=step_losses)
@@ -114,7 +123,8 @@ def breakdown(job_summary: dict, job_dir: Path) -> str:
         r = key.split(",")[0]
         per_rank[r] = per_rank.get(r, 0.0) + sec * m
     worst = max(per_rank, key=per_rank.get)
-    n_actions = 2 * m * (2 if "interleaved" in job_summary["schedule"] else 1)
+    name = job_summary["schedule"]
+    n_actions = (3 if name in SPLIT else 2) * m * CHUNKS.get(name, 1)
     compute, gaps = per_rank[worst], cal["gap_s"][worst] * (n_actions - 1)
     outside = cal["outside_s"][worst]
     step = job_summary["step_time_s"]
@@ -125,6 +135,7 @@ def breakdown(job_summary: dict, job_dir: Path) -> str:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     passes = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--passes=")), REPEATS)
+    only = next((a.split("=")[1].split(",") for a in sys.argv[1:] if a.startswith("--only=")), list(PAIRS))
     out = Path(args[0] if args else ROOT / "outputs" / "peer_pipelining")
     out.mkdir(parents=True, exist_ok=True)
     runs = " / ".join(str(i + 1) for i in range(passes))
@@ -132,6 +143,8 @@ def main() -> None:
             f"(pass {runs}) | ours / theirs (pass {runs}) | median ratio | final loss ours / theirs |", "|" + "---|" * 6]
     where = ["| schedule | ours, ms per step (pass 1), from calibration.json |", "|---|---|"]
     for schedule, peer in PAIRS.items():
+        if schedule not in only:
+            continue
         a, b = [], []
         for i in range(passes):
             a.append(ours(schedule, out / f"run{i}"))

@@ -44,18 +44,22 @@ KEYS = tuple(f"time_{p}_s" for p in PARTS)
 
 
 def rank_parts(t0: float, t1: float, t2: float, start: float, pipeline_s: float, optimizer_s: float,
-               actions: list, spans: list) -> dict:
+               actions: list, spans: list) -> tuple[dict, list[float]]:
     """One rank's parts (PARTS, the op letters of pipelines, and `wait`: receive waits the
-    logging rank splits into bubble and comm_pp). t0 / t1 / t2: the step's start, data
-    loaded, end; `start`: the pipeline's (pp = 1: forward's) start; `actions`: (action,
-    start, compute start, end) records; `spans`: CommTimer.take()."""
+    logging rank splits into bubble and comm_pp), and per action the communication seconds
+    inside its compute (what the simulator's calibration takes out of busy). t0 / t1 / t2:
+    the step's start, data loaded, end; `start`: the pipeline's (pp = 1: forward's) start;
+    `actions`: (action, start, compute start, end) records; `spans`: CommTimer.take()."""
     pipe_end = start + pipeline_s
     cuts = [("data", t0, t1), ("host", t1, start)]
+    action_of: dict[int, int] = {}  # cut index -> action index (its compute)
     if actions:
         for k, (name, s, c, e) in enumerate(actions):
             if k:
                 cuts.append(("host", actions[k - 1][3], s))
-            cuts += [("wait", s, c), (Action.parse(name).op.value, c, e)]
+            cuts.append(("wait", s, c))
+            action_of[len(cuts)] = k
+            cuts.append((Action.parse(name).op.value, c, e))
         cuts.append(("bubble", actions[-1][3], pipe_end))  # the step's send waits and the flush
     else:
         cuts.append(("compute", start, pipe_end))
@@ -64,12 +68,15 @@ def rank_parts(t0: float, t1: float, t2: float, start: float, pipeline_s: float,
     for label, s, e in cuts:
         parts[label] = parts.get(label, 0.0) + (e - s)
     starts = [s for _, s, _ in cuts]
+    inside = [0.0] * len(actions)
     for dim, _, s, e in spans:
         i = max(0, bisect_right(starts, (s + e) / 2) - 1)
         parts[cuts[i][0]] -= e - s
         parts[f"comm_{dim}"] += e - s
+        if i in action_of:
+            inside[action_of[i]] += e - s
     parts["compute"] += sum(parts.get(op, 0.0) for op in OPS)
-    return parts
+    return parts, inside
 
 
 def split_waits(per_rank: list, smap, pipelines: list[list[int]]) -> list[dict]:

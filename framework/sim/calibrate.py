@@ -98,6 +98,9 @@ class Calibration:
     a2a_bytes: Optional[float] = None  # ep > 1: all-to-all bytes sent per step, the ranks' mean; None: none measured
     a2a_s: Optional[float] = None  # and the host seconds inside it
     fwd_bwd_s: Optional[float] = None  # pp = 1 only: forward + backward per step; None: a pipeline job
+    # "rank,chunk,op" -> seconds of communication inside that op's compute (tp, ep, cp): busy
+    # excludes it, as the measured bubble does (framework/metrics/breakdown.py)
+    comm_in: dict = field(default_factory=dict)
 
     def costs(self) -> Costs:
         compute = {}
@@ -127,8 +130,9 @@ CALIBRATION = "calibration.json"
 MAX_CALIBRATION_BYTES = 16 << 20  # a pp = 64 job's is well under 1 MiB
 _REQUIRED = ("compute", "gap_s", "alpha_s", "message_bytes", "flush_s", "outside_s", "act_bytes")  # since version 1
 _RANK = re.compile(r"^\d+$")
-_MAPS = {"compute": re.compile(rf"^\d+,\d+,[{''.join(o.value for o in Op)}]$"), "gap_s": _RANK, "outside_s": _RANK,
-         "act_bytes": _RANK}  # key -> the form of its keys ("rank,chunk,op" or "rank")
+_OP_KEY = re.compile(rf"^\d+,\d+,[{''.join(o.value for o in Op)}]$")
+_MAPS = {"compute": _OP_KEY, "gap_s": _RANK, "outside_s": _RANK, "act_bytes": _RANK,
+         "comm_in": _OP_KEY}  # key -> the form of its keys ("rank,chunk,op" or "rank"); comm_in: optional
 _NULLABLE = ("beta_Bps", "alpha_late_s", "a2a_bytes", "a2a_s", "fwd_bwd_s")
 
 
@@ -152,6 +156,8 @@ def _shape_problem(d: Any) -> Optional[str]:
         return (f"has unknown fields {_short(unknown, 80)} (another version's file?)" if unknown
                 else f"lacks {', '.join(missing)}")
     for key, form in _MAPS.items():
+        if key not in d:  # an optional map (comm_in, since the step-time breakdown)
+            continue
         if not isinstance(d[key], dict):
             return f"{key} is {_short(d[key])}, not an object"
         for k, x in d[key].items():
@@ -226,6 +232,7 @@ class RunningCalibration:
                 for k, (name, start, cstart, end) in enumerate(recs[pp]):
                     a = Action.parse(name)
                     self._add(("compute", pp, a.chunk, a.op.value), end - cstart)
+                    self._add(("comm_in", pp, a.chunk, a.op.value), rec.action_comm_s[k] if rec.action_comm_s else 0.0)
                     if k:
                         self._add(("gap", pp), start - recs[pp][k - 1][3])
                 if recs[pp]:
@@ -303,11 +310,12 @@ class RunningCalibration:
         # median, and mean gaps took the pp 2 replay grid from 2.5 % to 1.3 % median error).
         # Latency and flush: medians (a wait's outliers are the peer's, already in its compute).
         # All-to-all and pp = 1's fwd/bwd and rest: medians (module docstring).
-        med = {k: (s.mean() if k[0] in ("compute", "outside", "gap") else s.median())
+        med = {k: (s.mean() if k[0] in ("compute", "outside", "gap", "comm_in") else s.median())
                for k, s in self.samples.items()}
         lat = self.samples.get(("latency",))
         return Calibration(
             compute={f"{k[1]},{k[2]},{k[3]}": v for k, v in med.items() if k[0] == "compute"},
+            comm_in={f"{k[1]},{k[2]},{k[3]}": v for k, v in med.items() if k[0] == "comm_in"},
             gap_s={str(k[1]): v for k, v in med.items() if k[0] == "gap"},
             alpha_s=med.get(("latency",)) or 0.0, beta_Bps=None, message_bytes=self.message_bytes,
             alpha_late_s=med.get(("latency_late",)),

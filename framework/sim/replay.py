@@ -70,9 +70,11 @@ def replay(cal: Calibration, schedule: Schedule, p: int, m: int, v: int, steps: 
         plans = plans or comm_plan(schedule.generate(p, m, v, 1), smap)
         sim = predict(plans, smap, costs, True, rules)
         step = max(sim.window_s[r] + outside[r] for r in range(p))
-        bubbles, pipeline_s = sim.rank_bubble, sim.pipeline_s
+        busy = _busy(sim, cal.comm_in)
+        bubbles = {r: 1 - busy[r] / sim.window_s[r] if sim.window_s[r] > 0 else 0.0 for r in range(p)}
+        pipeline_s = sim.pipeline_s
     else:
-        sim, bubbles, pipeline_s = _async(schedule, smap, p, m, v, steps, costs, rules)
+        sim, bubbles, pipeline_s = _async(schedule, smap, p, m, v, steps, costs, rules, cal.comm_in)
         step = pipeline_s + max(outside)
     alive = alive or alive_per_rank(schedule, p, m, v)
     act = [alive[r] * cal.act_bytes.get(str(r), 0.0) for r in range(p)]
@@ -80,7 +82,14 @@ def replay(cal: Calibration, schedule: Schedule, p: int, m: int, v: int, steps: 
     return Predicted(step, sum(rank_b) / p, rank_b, act, pipeline_s, sim)
 
 
-def _async(schedule, smap, p, m, v, steps, costs, rules):
+def _busy(sim, comm_in: dict) -> dict:
+    """Each rank's busy time as the measured bubble counts it: the actions' durations less
+    the communication measured inside them (calibration's comm_in; none in older files)."""
+    return {r: sim.busy_s[r] - sum(comm_in.get(f"{r},{t.action.chunk},{t.action.op.value}", 0.0) for t in tl)
+            for r, tl in sim.timeline.items()}
+
+
+def _async(schedule, smap, p, m, v, steps, costs, rules, comm_in=None):
     """Simulate `ASYNC_STEPS` steps (fewer when the run is shorter) and extrapolate each
     rank's busy and window time linearly to `steps`: past the fill every step adds the
     same amount (the tiling of tiling.py is periodic)."""
@@ -93,7 +102,8 @@ def _async(schedule, smap, p, m, v, steps, costs, rules):
     def at(x1: float, x2: float) -> float:
         return x2 if s1 == s2 else x2 + (x2 - x1) / (s2 - s1) * (steps - s2)
 
-    bubbles = {r: 1 - at(a.busy_s[r], b.busy_s[r]) / at(a.window_s[r], b.window_s[r]) for r in range(p)}
+    busy_a, busy_b = _busy(a, comm_in or {}), _busy(b, comm_in or {})
+    bubbles = {r: 1 - at(busy_a[r], busy_b[r]) / at(a.window_s[r], b.window_s[r]) for r in range(p)}
     return b, bubbles, at(a.pipeline_s, b.pipeline_s) / steps
 
 

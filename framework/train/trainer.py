@@ -127,7 +127,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
     t2 = now(ctx.device)
     spans = ctx.timer.take() if ctx.timer is not None else []
     actions = [(r.action, r.start, r.compute_start, r.end) for r in out.records]
-    parts = rank_parts(t0, t1, t2, out.started, out.pipeline_s, out.optimizer_s, actions, spans)
+    parts, inside = rank_parts(t0, t1, t2, out.started, out.pipeline_s, out.optimizer_s, actions, spans)
     if actions:  # busy is compute alone: a tp collective or an all-to-all inside an action is not
         out.busy_s = busy_s(parts)
         out.bubble = 1.0 - out.busy_s / out.window_s
@@ -140,7 +140,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       **(runner.context.take() if runner.context is not None else {}),
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
-                      actions=actions, states=out.states, parts=parts, comm_spans=spans)
+                      actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans)
 
 
 def _a2a(runner, timed: list) -> dict:
