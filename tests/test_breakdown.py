@@ -57,6 +57,8 @@ def test_the_row_is_the_mean_over_ranks_and_keeps_every_rank():
     r = row([a, b])
     assert r["time_compute_s"] == 2.0 and r["time_F_s"] == 1.0 and "time_W_s" not in r
     assert r["rank_time_s"][1]["F"] == 1.5
+    c = {**dict.fromkeys(PARTS, 1.0), "U": 0.5}  # a rank that ran no F this step (an async segment)
+    assert row([a, c])["rank_time_s"][1]["F"] == 0.0 and row([a, c])["time_U_s"] == 0.25
 
 
 DELAY_MS = 15

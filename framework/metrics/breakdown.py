@@ -112,7 +112,8 @@ def row(parts: list[dict]) -> dict:
     mean = {f"time_{p}_s": sum(r[p] for r in parts) / len(parts) for p in PARTS}
     ops = [op for op in OPS if any(r.get(op) for r in parts)]
     mean.update({f"time_{op}_s": sum(r.get(op, 0.0) for r in parts) / len(parts) for op in ops})
-    mean["rank_time_s"] = [{p: r[p] for p in (*PARTS, *ops)} for r in parts]
+    # an op a rank did not run this step (an asynchronous schedule's segment) is 0 there
+    mean["rank_time_s"] = [{p: r.get(p, 0.0) for p in (*PARTS, *ops)} for r in parts]
     return mean
 
 
