@@ -169,15 +169,25 @@ class ParallelismConfig:
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
-    # pipelines: each chunk's dp all-reduce issued after its last backward, under the cooldown
-    # (Megatron's overlap_grad_reduce); pp = 1 uses torch DDP, which always overlaps
-    overlap_grad_reduce: bool = key(False, when=lambda r: r.parallelism.pp > 1 and r.parallelism.zero == 0,
-                                    when_text="parallelism.pp > 1 and parallelism.zero=0")
+    # dp reduction under backward (Megatron's overlap_grad_reduce): pipelines without ZeRO, each
+    # chunk's all-reduce after its last backward; our ZeRO (pp = 1), each unit's reduce-scatter
+    # as its gradients complete. pp = 1 without ZeRO uses torch DDP, which always overlaps
+    overlap_grad_reduce: bool = key(False, when=lambda r: (r.parallelism.pp > 1 and r.parallelism.zero == 0) or (
+        r.parallelism.pp == 1 and r.parallelism.zero > 0 and r.parallelism.zero_impl == "ours"),
+        when_text="parallelism.pp > 1 and parallelism.zero=0, or parallelism.pp=1 with parallelism.zero >= 1 "
+                  "and parallelism.zero_impl=ours")
+    # ZeRO 3 (ours and fsdp2): the next unit's all-gather issued as a unit starts, forward and backward
+    overlap_param_gather: bool = key(False, when=lambda r: r.parallelism.zero == 3, when_text="parallelism.zero=3",
+                                     base=("parallelism=zero3",))
     # context parallel: each sequence cut over cp ranks (framework/parallel/context_parallel.py);
     # gradients and ZeRO over dp x cp; checked in framework/validate/context.py
     cp: int = key(1, ge=1, le=MAX_RANKS)
     cp_comm: str = key("allgather", choices=("allgather", "ring", "a2a"), **_CP)  # K / V gathered, ringed, or heads <-> seq
     cp_balance: str = key("headtail", choices=("headtail", "contiguous"), **_CP)  # which 2 cp chunks a rank holds
+    # cp_comm=ring: each pass's K / V transfer issued before the previous block's attention, waited after it
+    overlap_cp_ring: bool = key(False, when=lambda r: r.parallelism.cp > 1 and r.parallelism.cp_comm == "ring",
+                                when_text="parallelism.cp > 1 and parallelism.cp_comm=ring",
+                                base=("parallelism.cp=2", "parallelism.cp_comm=ring"))
     # null = dp * cp * tp * pp; set it to assert the launch size (or to derive dp)
     world_size: Optional[int] = key(None, ge=1, le=MAX_RANKS)
     # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]

@@ -42,6 +42,12 @@ LAYOUTS = {
                          "schedule.microbatches=2"],
     "cp4_ring_contiguous": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_comm=ring",
                             "parallelism.cp_balance=contiguous", "schedule.microbatches=4"],
+    # parallelism.overlap_cp_ring: each pass's transfer issued before the previous block's product
+    "cp4_ring_overlap": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_comm=ring",
+                         "parallelism.overlap_cp_ring=true", "schedule.microbatches=4"],
+    "cp4_ring_contiguous_overlap": ["parallelism=single", "parallelism.cp=4", "parallelism.cp_comm=ring",
+                                    "parallelism.cp_balance=contiguous", "parallelism.overlap_cp_ring=true",
+                                    "schedule.microbatches=4"],
     "cp2_ring_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.cp_comm=ring", SP,
                         "schedule.microbatches=4"],
     "cp2_ep2_tp2_sp": ["parallelism=tp2", "parallelism.cp=2", "parallelism.ep=2", SP, "schedule.microbatches=4"],
@@ -50,9 +56,9 @@ LAYOUTS = {
                        "schedule.microbatches=4"],
 }
 CASES = [("gpt2", k) for k in ("cp2", "cp4_contiguous", "cp2_dp2_zero3", "cp2_tp2_sp", "cp2_pp2", "cp4_ring",
-                               "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp", "cp2_dp2_fsdp2")] + [
+                               "cp2_ring_dp2_pp2", "cp2_a2a_tp2_sp", "cp2_dp2_fsdp2", "cp4_ring_overlap")] + [
     ("llama", k) for k in ("cp2", "cp2_tp2_sp", "cp2_pp2_interleaved", "cp2_ring_tp2_sp", "cp2_a2a",
-                           "cp4_ring_contiguous")] + [
+                           "cp4_ring_contiguous", "cp4_ring_contiguous_overlap")] + [
     ("moe", "cp2"), ("moe", "cp2_ep2_tp2_sp")]
 
 
@@ -110,6 +116,8 @@ def test_cp_comm_bytes_count_the_key_value_gathers(runs):
     # gradients backward: what the all-gather sends too, in 6 messages to neighbours
     ring = layers * micro * 6 * batch * (seq // 4) * 2 * hidden * 8
     assert ring == 3 * expected // 2 and {m["cp_comm_bytes"] for m in runs["gpt2", "cp4_ring"][1]} == {ring}
+    # the overlap moves when a pass is waited for, not what it sends
+    assert {m["cp_comm_bytes"] for m in runs["gpt2", "cp4_ring_overlap"][1]} == {ring}
     # a2a at tp 2: q, k, v to (all tokens, heads / cp) and the output back, forward, and their
     # conjugates backward: 8 all-to-alls of a (B, heads / tp, T / cp, d) tensor, half of it sent
     a2a = layers * micro * 8 * batch * (seq // 2) * (hidden // 2) * 8 // 2

@@ -334,3 +334,50 @@ def test_overlap_grad_reduce_hides_what_the_cooldown_leaves_after_a_chunks_last_
         else:
             assert on.step_s < off.step_s and 0 < on.comm_hidden_s["dp"] < off.comm_s["dp"]
             assert off.step_s - on.step_s == pytest.approx(on.comm_hidden_s["dp"])
+
+
+def test_zero_overlap_hides_reduce_scatters_under_the_backward_of_earlier_units():
+    """Our ZeRO at pp 1 with overlap_grad_reduce: a unit's reduce-scatter is issued when its
+    gradients complete, so all but the unit finished last can run under the rest of the
+    backward. Whatever the link: exposed + hidden = the reduction without overlap, the step
+    shrinks by exactly what is hidden, and what hides is at most the backward it runs under
+    (ZeRO 1: the last micro-batch's; 2 and 3: every one's) and at most all units but one."""
+    shape = ModelShape.of(ModelConfig(arch="llama", n_layer=8, n_embd=1024, n_head=8, tie_embeddings=False), 512)
+    lay, m, units = Layout(2, 1024), 4, 9  # 8 blocks and the embedding with the head
+    for gbps in (0.01, 1000.0):  # a link much slower than the backward, and one much faster
+        prof = table_profile(gpus_per_node=1, host_overlaps=True,
+                             links={"intra": {"alpha_us": 1, "GBps": 300}, "inter": {"alpha_us": 5, "GBps": gbps}})
+        for zero in (1, 2, 3):
+            off = price(prof, Job(shape, lay, dp=2, microbatches=m, zero=zero))
+            on = price(prof, Job(shape, lay, dp=2, microbatches=m, zero=zero, overlap_grad_reduce=True))
+            hidden = on.comm_hidden_s["dp"]
+            assert on.comm_s["dp"] + hidden == pytest.approx(off.comm_s["dp"])
+            assert off.step_s - on.step_s == pytest.approx(hidden) and hidden > 0
+            backward = on.stage_s[(0, 0, "B")] * (1 if zero == 1 else m)
+            assert hidden <= backward * (1 + 1e-9)
+            if gbps < 1:  # the link is the bottleneck: the whole backward hides transfer
+                assert hidden == pytest.approx(backward)
+            else:  # the backward is: all units' reduce-scatters but one hide (off: the gathers too)
+                assert hidden <= off.comm_s["dp"] * (units - 1) / units * (1 + 1e-9)
+    # the run's keys reach the job: ZeRO 3's prefetch and the ring's forward-only overlap
+    from framework.sim.cost.price import job_of
+
+    run = compose("parallelism=zero3", "parallelism.overlap_param_gather=true", "parallelism.cp=2",
+                  "parallelism.cp_comm=ring", "parallelism.overlap_cp_ring=true", "data.seq_len=64")
+    job = job_of(run, 256)
+    assert job.zero3_prefetch and job.cp_ring_overlap == "forward"
+    assert job_of(compose("parallelism=zero3", "parallelism.cp=2", "parallelism.cp_comm=ring"), 256).cp_ring_overlap \
+        == "none"
+
+
+def test_the_rings_passes_hide_only_where_the_run_overlaps_them():
+    """cp ring at a slow link: each pass hides its block's attention where overlapped, so the
+    step orders none > forward (ours with overlap_cp_ring) > both (Megatron's), and the
+    forward-only step saves exactly what hiding the forward passes saves of both."""
+    prof = table_profile(gpus_per_node=8, host_overlaps=True,
+                         links={"intra": {"alpha_us": 5, "GBps": 1}, "inter": {"alpha_us": 5, "GBps": 1}})
+    shape = ModelShape.of(ModelConfig(arch="llama", n_layer=4, n_embd=1024, n_head=8, tie_embeddings=False), 512)
+    lay = Layout(1, 8192, cp=4, cp_comm="ring")
+    steps = {mode: price(prof, Job(shape, lay, dp=4, microbatches=2, cp_ring_overlap=mode)).step_s
+             for mode in ("none", "forward", "both")}
+    assert steps["none"] > steps["forward"] > steps["both"]

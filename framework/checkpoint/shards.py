@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from framework.train.master import MasterOptimizer, master_of
 from framework.parallel.expert_parallel import is_expert, shard_spec
 from framework.parallel.fsdp2 import chunk_start, local
-from framework.parallel.zero import FlatUnit
+from framework.parallel.zero_unit import FlatUnit
 
 
 @dataclass

@@ -47,8 +47,9 @@ class ContextParallel:
     """One rank's cp group: its comm (with the byte tally) and where its tokens sit."""
 
     def __init__(self, comm: TPComm, seq_len: int, balance: str, device, method: str = "allgather",
-                 ranks: Optional[list[int]] = None):
+                 ranks: Optional[list[int]] = None, overlap: bool = False):
         self.comm, self.method, self.device = comm, method, device
+        self.overlap = overlap  # parallelism.overlap_cp_ring: the ring's next transfer under this block (ring_attention.py)
         comm.clock = device  # cp_comm_s: seconds inside this group's collectives
         self.attention_s, self._backward = 0.0, []  # this step's attention forward seconds; backward spans
         self.ranks = ranks  # the cp group's global ranks, in cp-rank order (the ring's peers)

@@ -16,6 +16,9 @@ Collectives over the dp group (gloo on CPU, NCCL on CUDA):
   block's during the current one), then every unit's gradients are reduce-scattered (mean
   over dp) into the sharded gradient as soon as its backward ends, every micro-batch.
 - nothing after the step: the updated shards are gathered by the next forward.
+- `parallelism.overlap_param_gather`: each block's pre-forward also issues the next block's
+  all-gather and its pre-backward the previous block's (`set_modules_to_forward_prefetch`,
+  `set_modules_to_backward_prefetch`), so two blocks are gathered at once.
 Under zero 2 a block is gathered once per step (the first micro-batch's forward) and freed
 after the last micro-batch's backward (`set_reshard_after_backward` on the last only).
 
@@ -104,6 +107,11 @@ class FSDP2:
         # used last in forward and first in backward.
         root = [p for m in (model.embedding, model.head) for p in m.parameters()]
         self._shard(model, root, mp, fill, after_forward=False)
+        if run.parallelism.overlap_param_gather:  # FSDP2's explicit prefetch: the next block's all-gather
+            blocks = list(model.blocks)           # issued in this one's pre-forward (pre-backward)
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+                block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
         self.shards: list[nn.Parameter] = list(dict.fromkeys(model.parameters()))  # DTensors, tied once
         assert all(isinstance(p, DTensor) for p in self.shards), "a parameter outside every unit"
         self.transient_peak_bytes = 0
@@ -196,7 +204,8 @@ class FSDP2:
     def start_step(self) -> None:
         self._mb = 0
 
-    def start_microbatch(self) -> None:
+    def start_microbatch(self, last: bool = True) -> None:
+        """`last` is zero.py's interface; FSDP2 counts its micro-batches itself."""
         if self.stage == 2:  # keep blocks gathered over the step's micro-batches, free after the last
             last = self._mb == self.microbatches - 1
             for m in self.modules:

@@ -14,7 +14,15 @@ the rank that owns the keys.
 The blocks are products under autograd (no fused kernel): each saves its (B, heads, T/cp,
 T/cp) probabilities, so a rank's attention memory is that of its queries against the whole
 sequence, as with the all-gather; what the ring changes is the traffic (p2p to neighbours,
-never the whole K / V at once). Passes do not overlap the products (one CPU thread).
+never the whole K / V at once).
+
+Overlap (`parallelism.overlap_cp_ring`): in forward, pass s + 1's batch is issued before
+block s is multiplied and waited for after it, so the transfer runs under the block's
+attention (Megatron's and torchtitan's ring do the same); the exposed time (the `cp` span)
+is the wait alone. Off: issued and waited for before the block. Backward's gradient passes
+stay synchronous (autograd runs each pass's conjugate when its gradient is complete, with
+no earlier point to issue it from). The values are the same either way: only when the
+transfer is waited for moves.
 """
 
 from __future__ import annotations
@@ -27,25 +35,37 @@ class _Pass(torch.autograd.Function):
     """Forward: to the next cp rank, from the previous. Backward: the gradient the other way."""
 
     @staticmethod
-    def forward(ctx, x, cp):
+    def forward(ctx, x, cp, started=None):
+        """`started`: this pass's batch, issued earlier by `start` (the overlap); else now."""
         ctx.cp = cp
-        return exchange(cp, x, +1)
+        return finish(cp, started if started is not None else start(cp, x, +1))
 
     @staticmethod
     def backward(ctx, g):
-        return exchange(ctx.cp, g.contiguous(), -1), None
+        return exchange(ctx.cp, g.contiguous(), -1), None, None
 
 
-def exchange(cp, x: torch.Tensor, step: int) -> torch.Tensor:
-    """Send `x` to cp rank r + step, receive the same shape from r - step (one batch)."""
+def start(cp, x: torch.Tensor, step: int) -> tuple:
+    """Issue: send `x` to cp rank r + step, receive the same shape from r - step (one batch:
+    NCCL's one Work). `x` must not change until `finish`."""
     me, n = cp.comm.rank, cp.comm.size
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n]), dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n])]
-    with cp.comm.timed():
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
     cp.comm.bytes_sent += x.numel() * x.element_size()
+    return dist.batch_isend_irecv(ops), x, out
+
+
+def finish(cp, started: tuple) -> torch.Tensor:
+    """Wait for a started pass (the `cp` span: the exposed time); the received tensor."""
+    works, _sent, out = started  # the sent tensor is held until here
+    with cp.comm.timed():
+        for work in works:
+            work.wait()
     return out
+
+
+def exchange(cp, x: torch.Tensor, step: int) -> torch.Tensor:
+    return finish(cp, start(cp, x, step))
 
 
 def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -54,10 +74,12 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     acc_dtype = torch.promote_types(query.dtype, torch.float32)
     kv = torch.cat([key, value], dim=-1)  # one message per pass
     run_max = total = acc = None
-    skipped = []
-    for s in range(cp.comm.size):
+    skipped, started, n = [], None, cp.comm.size
+    for s in range(n):
         if s:
-            kv = _Pass.apply(kv, cp)
+            kv = _Pass.apply(kv, cp, started)
+        # the overlap: the next pass's transfer runs under this block's product
+        started = start(cp, kv.detach(), +1) if cp.overlap and s < n - 1 else None
         allowed = cp.mask_of((cp.comm.rank - s) % cp.comm.size, query.device)  # (n, n) of this block
         if not bool(allowed.any()):
             skipped.append(kv)  # wholly in the queries' future: passed on, never multiplied

@@ -20,6 +20,18 @@ Collectives over the dp group, per stage:
   unit stays gathered from the embedding's forward until its backward is done (the tied
   head is used last in forward and first in backward).
 
+Overlaps (each off by default; the values are the same either way, only when a collective
+is waited for moves; the unit's collectives themselves are zero_unit.py's):
+- `parallelism.overlap_grad_reduce`: each unit's reduce-scatter is issued without waiting
+  as soon as its gradients are complete (stage 1: in the step's last micro-batch, from the
+  same post-accumulate-grad hooks), and all are waited for when the micro-batch's backward
+  ends, so they run under the backward of the units before them (Megatron's bucketed
+  overlap, a unit per bucket). Every copy in flight is held at once (the transient peak).
+- `parallelism.overlap_param_gather` (stage 3): the order the hooked modules run in is
+  learned in the first forward; from then on each module's pre-forward hook issues the next
+  module's all-gather, and each backward hook the previous module's (FSDP's forward and
+  backward prefetch), so two units are gathered at once.
+
 Why not PyTorch's own: `ZeroRedundancyOptimizer` partitions whole parameters greedily, so
 per-rank optimizer bytes only approximate 1/N and it shards neither gradients nor
 parameters; FSDP2's `fully_shard` steps the optimizer on sharded parameters, so between
@@ -46,111 +58,7 @@ from framework.train.master import build as build_master
 from framework.metrics.memory import tensor_bytes
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
-from framework.metrics.comm_timer import timed
-from framework.parallel.tp_comm import all_gather_single as _all_gather_single
-from framework.parallel.tp_comm import reduce_scatter_single as _reduce_scatter_single
-
-
-
-class FlatUnit:
-    """Some parameters as views into one flat buffer; this dp rank's slice as `shard`."""
-
-    timer = None  # the rank's CommTimer (set by Zero): its collectives are dp spans
-
-    def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
-                 reduce_dtype: Optional[torch.dtype] = None):
-        self.params, self.group, self.size, self.rank, self.stage = params, group, size, rank, stage
-        self.tracker, self.reduce_dtype = tracker, reduce_dtype
-        p0 = params[0]
-        numel = sum(p.numel() for p in params)
-        self.slice = -(-numel // size)  # elements per rank; the last rank's slice ends in padding
-        self.full = torch.zeros(self.slice * size, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p in params:
-            view = self.full[offset:offset + p.numel()].view_as(p)
-            view.copy_(p.data)
-            p.data = view  # the module keeps its parameter objects; their memory is the buffer
-            offset += p.numel()
-        own = self.full[rank * self.slice:(rank + 1) * self.slice]
-        # Stages 1-2 keep full parameters: the owned slice is a view (no second copy).
-        self.shard = nn.Parameter(own.clone() if stage == 3 else own)
-        self.shard.tp_sharded = all(is_tp_sharded(p) for p in params)
-        self.shard.expert = all(is_expert(p) for p in params)
-        self.shard.tp_partial = all(getattr(p, "tp_partial", False) for p in params)
-        self.grad_full: Optional[torch.Tensor] = None
-        self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
-        self.gathered = stage < 3
-        if stage == 3:
-            self.free_params()
-
-    # --- parameters ---
-    def gather_params(self) -> None:
-        if self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        with timed(self.timer, "dp", "zero gather"):
-            _all_gather_single(self.full, self.shard.detach(), group=self.group)
-        if self.tracker is not None:
-            self.tracker.exclude([self.full])  # weights, not activations, when saved for backward
-        self.gathered = True
-
-    def free_params(self) -> None:
-        if self.tracker is not None and self.gathered and self.stage == 3:
-            self.tracker.include_again([self.full])
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def all_gather_updated(self) -> None:
-        """Stages 1-2: every rank's updated slice into the full parameters."""
-        with timed(self.timer, "dp", "zero gather (updated)"):
-            _all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
-
-    # --- gradients ---
-    def give_grad_views(self) -> None:
-        """Stage 1: parameters accumulate straight into one flat gradient buffer."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros_like(self.full)
-        else:
-            self.grad_full.zero_()
-        offset = 0
-        for p in self.params:
-            p.grad = self.grad_full[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    def reduce_scatter_grads(self, accumulate: bool) -> int:
-        """Owner's slice <- dp mean of the unit's gradient. Returns transient bytes used."""
-        if self.grad_full is not None:
-            flat = self.grad_full
-        else:
-            flat = torch.zeros(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
-            offset = 0
-            for p in self.params:
-                if p.grad is not None:
-                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                offset += p.numel()
-        held = flat
-        if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
-            flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
-        out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
-        with timed(self.timer, "dp", "zero reduce-scatter"):
-            _reduce_scatter_single(out, flat, group=self.group)
-        out /= self.size
-        if out.dtype != self.full.dtype:
-            out = out.to(self.full.dtype)
-        if self.stage == 1:  # the reduced slice lives in the full buffer (no extra memory)
-            own = self.grad_full[self.rank * self.slice:(self.rank + 1) * self.slice]
-            own.copy_(out)
-            self.shard.grad = own
-        elif accumulate and self.shard.grad is not None:
-            self.shard.grad += out
-        else:
-            self.shard.grad = out
-        transient = (flat.numel() * flat.element_size() if flat is not self.grad_full else 0) + \
-            (held.numel() * held.element_size() if held is not flat and held is not self.grad_full else 0)
-        if self.stage >= 2:
-            for p in self.params:
-                p.grad = None
-        return transient
+from framework.parallel.zero_unit import FlatUnit
 
 
 class Zero:
@@ -158,15 +66,23 @@ class Zero:
 
     def __init__(self, stage: int, units: list[list[nn.Module]], ctx, tracker=None,
                  separate: Optional[nn.Parameter] = None, fill: Optional[Callable] = None,
-                 reduce_dtype: Optional[torch.dtype] = None):
+                 reduce_dtype: Optional[torch.dtype] = None, overlap_reduce: bool = False, prefetch: bool = False):
         """`units`: groups of modules whose parameters share a buffer (and, at stage 3, are
         gathered together). `separate`: a parameter kept in a buffer of its own (a tied
         embedding's second copy on the last pipeline stage, left out of the grad norm).
         `fill(params)`: materialises meta parameters (framework/models/materialise.py), called
         unit by unit, so a stage-3 rank never holds more than one whole unit at start-up.
         `reduce_dtype`: the gradient reduce-scatter's dtype (the precision policy's); None:
-        the parameters'. The reduced slice is held in the parameters' dtype either way."""
-        self.stage = stage
+        the parameters'. The reduced slice is held in the parameters' dtype either way.
+        `overlap_reduce` (`parallelism.overlap_grad_reduce`): each unit's reduce-scatter is
+        issued as its gradients complete and waited for at the end of the micro-batch's
+        backward (stage 1: in the step's last micro-batch; stages 2-3: in every one).
+        `prefetch` (`parallelism.overlap_param_gather`, stage 3): the next unit's all-gather
+        issued as a unit starts, in forward and in backward (module docstring)."""
+        self.stage, self.overlap_reduce, self.prefetch = stage, overlap_reduce, prefetch and stage == 3
+        self.reducing: list[tuple[FlatUnit, tuple]] = []  # reduce-scatters in flight
+        self.order: list[int] = []  # stage 3: hooked modules' positions in forward order (learned once)
+        self.order_known, self.last_microbatch = False, False
         size, rank, group = ctx.dims.dp, ctx.coords.dp, ctx.dp_group
         self.flat: list[FlatUnit] = []
         seen: set[int] = set()
@@ -176,6 +92,8 @@ class Zero:
             self.flat.append(self.separate)
             seen.add(id(separate))
         self.transient_peak_bytes = 0
+        self._modules: list[list[FlatUnit]] = []  # stage 3: each hooked module's flats, by position
+        self._position: dict[nn.Module, int] = {}
         for modules in units:
             params = []
             for p in (p for m in modules for p in m.parameters()):
@@ -194,7 +112,7 @@ class Zero:
                 flats.append(FlatUnit(experts, ctx.edp_group, ctx.dims.edp, ctx.dims.edp_rank(ctx.coords), stage,
                                       tracker, reduce_dtype))
             self.flat.extend(flats)
-            if stage >= 2:
+            if stage >= 2 or overlap_reduce:
                 for f in flats:
                     self._hook_grads(f)
             if stage == 3:
@@ -209,6 +127,8 @@ class Zero:
     # --- hooks (stages 2, 3) ---
     def _hook_grads(self, f: FlatUnit) -> None:
         def on_grad(_p):
+            if self.stage == 1 and not self.last_microbatch:  # stage 1 reduces in the last one only
+                return
             f.pending -= 1
             if f.pending == 0:
                 self._unit_backward_done(f)
@@ -217,21 +137,40 @@ class Zero:
             p.register_post_accumulate_grad_hook(on_grad)
 
     def _unit_backward_done(self, f: FlatUnit) -> None:
-        self._note_peak(f.reduce_scatter_grads(accumulate=True))
+        if self.overlap_reduce:
+            self.reducing.append((f, f.start_reduce(accumulate=True, async_op=True)))
+            self._note_peak(sum(pending[-1] for _, pending in self.reducing))  # every copy in flight
+        else:
+            self._note_peak(f.reduce_scatter_grads(accumulate=True))
         if self.stage == 3:
             self._free(f)
+
+    def _finish_reduces(self) -> None:
+        for f, pending in self.reducing:
+            f.finish_reduce(pending)
+        self.reducing = []
 
     def _hook_params(self, modules: list[nn.Module], flats: list[FlatUnit]) -> None:
         io_unit = len(modules) > 1  # embedding + head: gathered from first use to backward's end
 
-        def before_forward(_m, _args):
+        def before_forward(m, _args):  # (activation checkpointing, a forward in backward: rejected at zero 3)
+            if not self.order_known:
+                self.order.append(self._position[m])
             for f in flats:
                 self._gather(f)
+            if self.order_known:
+                self._prefetch_after(m, +1)
 
-        def after_forward(_m, _args, out):
+        def before_backward(m):
+            for f in flats:
+                self._gather(f)
+            if self.order_known:
+                self._prefetch_after(m, -1)
+
+        def after_forward(m, _args, out):
             tensor = out if isinstance(out, torch.Tensor) else out[0]
             if tensor.requires_grad:
-                tensor.register_hook(lambda g: [self._gather(f) for f in flats] and None)
+                tensor.register_hook(lambda g: before_backward(m))
             if not io_unit:
                 for f in flats:
                     self._free(f)
@@ -239,15 +178,31 @@ class Zero:
         for m in modules:
             m.register_forward_pre_hook(before_forward)
             m.register_forward_hook(after_forward)
+            self._position[m] = len(self._modules)
+            self._modules.append(flats)
+
+    def _prefetch_after(self, m: nn.Module, direction: int) -> None:
+        """The next module's flats in forward (+1) or backward (-1) order: their all-gather
+        issued now, waited for by their own hook."""
+        if not self.prefetch:
+            return
+        k = self.order.index(self._position[m]) + direction
+        if 0 <= k < len(self.order):
+            for f in self._modules[self.order[k]]:
+                if not f.gathered and f.gathering is None:
+                    f.start_gather()
+                    self._live += f.full.numel() * f.full.element_size()
+                    self._note_peak(0)
 
     def _gather(self, f: FlatUnit) -> None:
         if not f.gathered:
+            if f.gathering is None:  # prefetched ones were counted at their start
+                self._live += f.full.numel() * f.full.element_size()
             f.gather_params()
-            self._live += f.full.numel() * f.full.element_size()
             self._note_peak(0)
 
     def _free(self, f: FlatUnit) -> None:
-        if f.gathered:
+        if f.gathered or f.gathering is not None:
             f.free_params()
             self._live -= f.full.numel() * f.full.element_size()
 
@@ -257,7 +212,9 @@ class Zero:
         self.transient_peak_bytes = max(self.transient_peak_bytes, self._live + extra)
 
     # --- the step ---
-    def start_microbatch(self) -> None:
+    def start_microbatch(self, last: bool = True) -> None:
+        """`last`: the step's last micro-batch (stage 1 with overlap_reduce reduces in it)."""
+        self.last_microbatch = last
         for f in self.flat:
             f.pending = len(f.params)
 
@@ -276,12 +233,17 @@ class Zero:
                 if 0 < f.pending < len(f.params):
                     f.pending = 0
                     self._unit_backward_done(f)
+            self._finish_reduces()
+        self.order_known = self.order_known or bool(self.order)  # the first forward has run
 
     def reduce_gradients(self) -> None:
         """After the step's last backward (stage 1: the one reduce-scatter per unit)."""
         if self.stage == 1:
+            started = {id(f) for f, _ in self.reducing}
+            self._finish_reduces()  # overlap_reduce: those whose gradients completed in backward
             for f in self.flat:
-                self._note_peak(f.reduce_scatter_grads(accumulate=False))
+                if id(f) not in started:
+                    self._note_peak(f.reduce_scatter_grads(accumulate=False))
 
     def after_step(self) -> None:
         if self.stage < 3:

@@ -46,7 +46,9 @@ class AccumulationRunner:
             units = [[model.embedding, model.head], *[[b] for b in model.blocks]]
             self.zero = (FSDP2(run, model, ctx, tracker) if run.parallelism.zero_impl == "fsdp2"  # the same units
                          else Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
-                                   reduce_dtype=policy_of(run).reduce_dtype))
+                                   reduce_dtype=policy_of(run).reduce_dtype,
+                                   overlap_reduce=run.parallelism.overlap_grad_reduce,
+                                   prefetch=run.parallelism.overlap_param_gather))
             self.wrapped, self.params = model, self.zero.shards
             self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, policy_of(run))
         else:
@@ -76,7 +78,7 @@ class AccumulationRunner:
         for j in range(m):
             x, y = batch_of(j)
             if self.zero:
-                self.zero.start_microbatch()
+                self.zero.start_microbatch(last=j == m - 1)
             self.ctx.recorder.note(f"F+B mb{j} (tp collectives inside; the last one all-reduces over dp)")
             with data_parallel.sync_context(self.wrapped, last_microbatch=j == m - 1):
                 with self.tracker.forward(j), autocast_context(self.run, dev):

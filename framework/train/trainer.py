@@ -70,7 +70,7 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
         cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords), timer=ctx.timer, dim="cp")
         cp = context_parallel.ContextParallel(cp_comm, run.data.seq_len,
                                               run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
-                                              ctx.group_ranks["cp"])
+                                              ctx.group_ranks["cp"], run.parallelism.overlap_cp_ring)
         context_parallel.install(model, cp)
     if run.trainer.recompute == "selective":  # after cp: it wraps the attention function in use
         recompute.install(model)

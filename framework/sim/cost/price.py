@@ -7,8 +7,11 @@ without its overlap options). Host time: a block's launch path (the profile's `h
 either overlaps the kernels (`host_overlaps`: a GPU's asynchronous stream; the pass takes
 the larger) or adds to them (a CPU, where one thread does both).
 Context parallelism (traffic.py's cp collectives): the all-gather's and the all-to-all's
-exposed; the ring's p2p passes overlap the blockwise products they feed (Megatron's p2p,
-picotron's ring): a pass costs only what exceeds its block's attention.
+exposed; the ring's p2p passes overlap the blockwise products they feed where
+`Job.cp_ring_overlap` says: "both" (Megatron's p2p, picotron's ring; plans' default),
+"forward" (this framework with `parallelism.overlap_cp_ring`: backward's passes are
+synchronous) or "none" (without it). An overlapped pass costs only what exceeds its block's
+attention.
 The pipeline: the schedule's real plan (p2p.comm_plan) through the clock (clock.py) under
 NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
 After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
@@ -17,9 +20,13 @@ parameters (1, 2), and the optimizer step over the rank's shard. With
 `Job.overlap_grad_reduce` (ZeRO 0, pp > 1: the run's `parallelism.overlap_grad_reduce`) the
 dense all-reduce is cut evenly over a rank's chunks, each part starting after its chunk's
 last backward in the clock's timeline (one link: in turn); only what runs past the
-pipeline's end is exposed (`comm_s["dp"]`; the hidden part in `comm_hidden_s`). ZeRO 3 gathers each
-chunk's parameters before every micro-batch's F and B: added to them (the framework's
-own ZeRO 3), or overlapping them (`Job.zero3_prefetch`: DeepSpeed's and FSDP's prefetch).
+pipeline's end is exposed (`comm_s["dp"]`; the hidden part in `comm_hidden_s`). With
+`Job.overlap_grad_reduce` and ZeRO at pp = 1 (our ZeRO's per-unit reduce-scatter, issued
+as each unit's gradients complete), in each micro-batch that reduces (ZeRO 1: the last;
+2 / 3: every one) one unit's share stays exposed and the others' only what exceeds the
+micro-batch's backward. ZeRO 3 gathers each chunk's parameters before every micro-batch's F
+and B: added to them, or overlapping them (`Job.zero3_prefetch`: the run's
+`parallelism.overlap_param_gather`, DeepSpeed's and FSDP's prefetch).
 """
 
 from __future__ import annotations
@@ -58,7 +65,9 @@ class Job:
     # ZeRO 3's all-gathers overlap the compute they feed (DeepSpeed's and FSDP's prefetch):
     # each F and B lasts max(compute, gather); false (ours): they add
     zero3_prefetch: bool = False
-    overlap_grad_reduce: bool = False  # ZeRO 0, pp > 1: each chunk's dp all-reduce under the cooldown
+    overlap_grad_reduce: bool = False  # ZeRO 0, pp > 1: each chunk's dp all-reduce under the cooldown; ZeRO, pp 1:
+    # each unit's reduce-scatter under the backward of the units before it
+    cp_ring_overlap: str = "both"  # which passes of cp's ring hide under their block: both | forward | none
 
     @property
     def world(self) -> int:
@@ -91,7 +100,8 @@ def job_of(run, vocab: int) -> Job:
                  run.trainer.recompute == "selective")
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
-               overlap_grad_reduce=p.overlap_grad_reduce)
+               zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
+               cp_ring_overlap="forward" if p.overlap_cp_ring else "none")
 
 
 def dtype_of(run) -> str:
@@ -127,7 +137,8 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
     for ph, pas in (("F", "F"), ("B", "I")):
         ring = [c for c in comm[ph] if c.op == "ring"]  # ... but the ring's passes, each hidden behind
         attention = prof.seconds([o for o in ops if o.kind == "attention"], lay.dtype, pas)  # a block's product
-        exposed = max(0.0, _seconds(prof, job, ring) - attention)
+        hides = job.cp_ring_overlap == "both" or (job.cp_ring_overlap == "forward" and ph == "F")
+        exposed = max(0.0, _seconds(prof, job, ring) - (attention if hides else 0.0))
         cp = _seconds(prof, job, [c for c in comm[ph] if c.dim == "cp" and c.op != "ring"]) + exposed
         out[pas] += _seconds(prof, job, [c for c in comm[ph] if c.op != "ring"]) + exposed
         out["cp"] += cp
@@ -165,8 +176,16 @@ def price(prof: Profile, job: Job) -> Priced:
     after, gather = comm.pop("after"), comm.pop("gather")
     for key in [k for k in compute if k[2] in "FIB"]:  # ZeRO 3: a chunk's parameters gathered before its F and B
         compute[key] = max(compute[key], gather) if job.zero3_prefetch else compute[key] + gather
+    hidden: dict = {}
     if p == 1:
         pipeline, bubble = m * (compute[(0, 0, "F")] + compute[(0, 0, "B")]), 0.0
+        if job.overlap_grad_reduce and job.zero >= 1 and job.dp > 1:
+            reduce = _seconds(prof, job, [c for c in after_pipeline(job, 0) if c.op == "reduce_scatter"])
+            units, times = len(rank_units(job, 0)), 1 if job.zero == 1 else m
+            share = reduce / times / units  # one unit's reduce-scatter in one micro-batch
+            exposed = times * (share + max(0.0, (units - 1) * share - compute[(0, 0, "B")]))
+            hidden = {"dp": reduce - exposed}
+            after, comm["dp"] = after - hidden["dp"], max(0.0, comm.get("dp", 0.0) - hidden["dp"])
     else:
         link = group_link(prof, dims, "pp")
         msg = lay.tokens * s.hidden * lay.act_bytes // (lay.tp if lay.sp else 1)
@@ -186,7 +205,7 @@ def price(prof: Profile, job: Job) -> Priced:
     per_gpu = model * job.dp * lay.tp / step / job.world  # model FLOPs of all stages / world / step
     return Priced(step, pipeline, bubble, comm, opt, tokens / step / job.world, per_gpu / 1e12,
                   per_gpu / prof.peak(lay.dtype), executed * job.dp * lay.tp / step / job.world / prof.peak(lay.dtype),
-                  compute, hidden if p > 1 and job.overlap_grad_reduce and job.zero == 0 and job.dp > 1 else {})
+                  compute, hidden)
 
 
 def _overlapped(prof: Profile, job: Job, pred) -> float:
@@ -254,7 +273,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
             "fits": need <= capacity, "dtype": job.lay.dtype,
             "comm_hidden_s": r.comm_hidden_s,
             "assumptions": "no overlap of communication with compute (but cp's ring passes"
-                           f"{' and the dp all-reduce under the cooldown' if r.comm_hidden_s else ''}); "
+                           f"{' and the dp reduction under backward' if r.comm_hidden_s else ''}"
+                           f"{' and ZeRO 3 gathers under compute' if job.zero3_prefetch else ''}); "
                            "ring collectives; "
                            "host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "

@@ -1,0 +1,159 @@
+"""One ZeRO unit (framework/parallel/zero.py): some parameters as views into one flat buffer,
+this dp rank's slice of it, and the unit's two collectives over the dp group.
+
+Sharded: the flat buffer (padded to a multiple of dp); dp rank r owns slice r. Collectives:
+an all-gather of the slices into the buffer (stage 3 before each use, stages 1-2 after the
+step) and a reduce-scatter of the flat gradient to the slices' owners (the dp mean). Each
+can be issued without waiting (`start_gather`, `start_reduce`), the overlaps of
+`parallelism.overlap_param_gather` and `parallelism.overlap_grad_reduce`: the buffers a
+collective reads or writes are held, untouched, until its wait, and the span the step-time
+breakdown counts as dp (framework/metrics/comm_timer.py) is then the wait alone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from framework.metrics.comm_timer import timed
+from framework.parallel.expert_parallel import is_expert
+from framework.parallel.tensor_parallel import is_tp_sharded
+from framework.parallel.tp_comm import all_gather_single as _all_gather_single
+from framework.parallel.tp_comm import reduce_scatter_single as _reduce_scatter_single
+
+
+class FlatUnit:
+    """Some parameters as views into one flat buffer; this dp rank's slice as `shard`."""
+
+    timer = None  # the rank's CommTimer (set by Zero): its collectives are dp spans
+
+    def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
+                 reduce_dtype: Optional[torch.dtype] = None):
+        self.params, self.group, self.size, self.rank, self.stage = params, group, size, rank, stage
+        self.tracker, self.reduce_dtype = tracker, reduce_dtype
+        p0 = params[0]
+        numel = sum(p.numel() for p in params)
+        self.slice = -(-numel // size)  # elements per rank; the last rank's slice ends in padding
+        self.full = torch.zeros(self.slice * size, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in params:
+            view = self.full[offset:offset + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view  # the module keeps its parameter objects; their memory is the buffer
+            offset += p.numel()
+        own = self.full[rank * self.slice:(rank + 1) * self.slice]
+        # Stages 1-2 keep full parameters: the owned slice is a view (no second copy).
+        self.shard = nn.Parameter(own.clone() if stage == 3 else own)
+        self.shard.tp_sharded = all(is_tp_sharded(p) for p in params)
+        self.shard.expert = all(is_expert(p) for p in params)
+        self.shard.tp_partial = all(getattr(p, "tp_partial", False) for p in params)
+        self.grad_full: Optional[torch.Tensor] = None
+        self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
+        self.gathered = stage < 3
+        self.gathering = None  # a prefetched all-gather's Work, in flight
+        if stage == 3:
+            self.free_params()
+
+    # --- parameters ---
+    def start_gather(self) -> None:
+        """Stage 3: the all-gather issued, not waited for (the prefetch of
+        `parallelism.overlap_param_gather`); `gather_params` finishes it."""
+        if self.gathered or self.gathering is not None:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.gathering = _all_gather_single(self.full, self.shard.detach(), group=self.group, async_op=True)
+
+    def gather_params(self) -> None:
+        if self.gathered:
+            return
+        if self.gathering is not None:  # prefetched: what is left is the wait (the exposed time)
+            with timed(self.timer, "dp", "zero gather (prefetched)"):
+                self.gathering.wait()
+            self.gathering = None
+        else:
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+            with timed(self.timer, "dp", "zero gather"):
+                _all_gather_single(self.full, self.shard.detach(), group=self.group)
+        if self.tracker is not None:
+            self.tracker.exclude([self.full])  # weights, not activations, when saved for backward
+        self.gathered = True
+
+    def free_params(self) -> None:
+        if self.gathering is not None:  # a prefetch never used (a forward cut short): its buffer is in use
+            self.gathering.wait()
+            self.gathering = None
+        if self.tracker is not None and self.gathered and self.stage == 3:
+            self.tracker.include_again([self.full])
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def all_gather_updated(self) -> None:
+        """Stages 1-2: every rank's updated slice into the full parameters."""
+        with timed(self.timer, "dp", "zero gather (updated)"):
+            _all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
+
+    # --- gradients ---
+    def give_grad_views(self) -> None:
+        """Stage 1: parameters accumulate straight into one flat gradient buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros_like(self.full)
+        else:
+            self.grad_full.zero_()
+        offset = 0
+        for p in self.params:
+            p.grad = self.grad_full[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def reduce_scatter_grads(self, accumulate: bool) -> int:
+        """Owner's slice <- dp mean of the unit's gradient. Returns transient bytes used."""
+        return self.finish_reduce(self.start_reduce(accumulate, async_op=False))
+
+    def start_reduce(self, accumulate: bool, async_op: bool) -> tuple:
+        """The reduce-scatter issued (async: not waited for, the overlap of
+        `parallelism.overlap_grad_reduce`; stages 2-3 then drop the parameters' gradients at
+        once, their copy is in flight). For `finish_reduce`."""
+        if self.grad_full is not None:
+            flat = self.grad_full
+        else:
+            flat = torch.zeros(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
+            offset = 0
+            for p in self.params:
+                if p.grad is not None:
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+        held = flat
+        if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
+            flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
+        out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
+        work = None
+        if async_op:
+            work = _reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        else:
+            with timed(self.timer, "dp", "zero reduce-scatter"):
+                _reduce_scatter_single(out, flat, group=self.group)
+        transient = (flat.numel() * flat.element_size() if flat is not self.grad_full else 0) + \
+            (held.numel() * held.element_size() if held is not flat and held is not self.grad_full else 0)
+        if self.stage >= 2:
+            for p in self.params:
+                p.grad = None
+        return work, flat, out, accumulate, transient
+
+    def finish_reduce(self, pending: tuple) -> int:
+        work, _flat, out, accumulate, transient = pending  # the input is held until the wait
+        if work is not None:
+            with timed(self.timer, "dp", "zero reduce-scatter (overlapped)"):
+                work.wait()
+        out /= self.size
+        if out.dtype != self.full.dtype:
+            out = out.to(self.full.dtype)
+        if self.stage == 1:  # the reduced slice lives in the full buffer (no extra memory)
+            own = self.grad_full[self.rank * self.slice:(self.rank + 1) * self.slice]
+            own.copy_(out)
+            self.shard.grad = own
+        elif accumulate and self.shard.grad is not None:
+            self.shard.grad += out
+        else:
+            self.shard.grad = out
+        return transient
