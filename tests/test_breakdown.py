@@ -54,11 +54,42 @@ def test_a_receive_wait_is_bubble_until_the_message_is_sent_then_pp():
 def test_the_row_is_the_mean_over_ranks_and_keeps_every_rank():
     a = {**dict.fromkeys(PARTS, 1.0), "F": 0.5}
     b = {**dict.fromkeys(PARTS, 3.0), "F": 1.5}
-    r = row([a, b])
+    r = row([a, b], [{"dp": 4.0}, {"dp": 8.0}])
     assert r["time_compute_s"] == 2.0 and r["time_F_s"] == 1.0 and "time_W_s" not in r
     assert r["rank_time_s"][1]["F"] == 1.5
+    # dp: 2 s exposed of 6 s in all, so two thirds hidden; tp: no total beyond the exposed
+    assert (r["comm_total_dp_s"], r["comm_hidden_dp"]) == (6.0, pytest.approx(2 / 3))
+    assert (r["comm_total_tp_s"], r["comm_hidden_tp"]) == (2.0, 0.0)
     c = {**dict.fromkeys(PARTS, 1.0), "U": 0.5}  # a rank that ran no F this step (an async segment)
-    assert row([a, c])["rank_time_s"][1]["F"] == 0.0 and row([a, c])["time_U_s"] == 0.25
+    assert row([a, c], [{}, {}])["rank_time_s"][1]["F"] == 0.0 and row([a, c], [{}, {}])["time_U_s"] == 0.25
+
+
+def test_an_overlapped_call_counts_from_its_issue_to_its_completion():
+    """CommTimer: a synchronous span counts whole in the total; an overlapped call's total runs
+    from `issued` to its Work's completion (its future's callback), and its later wait is an
+    exposed span not counted twice."""
+    import time
+
+    import torch
+
+    from framework.metrics.comm_timer import CommTimer
+
+    timer, fut = CommTimer(torch.device("cpu")), torch.futures.Future()
+    timer.begin_step()
+    with timer.span("tp"):
+        time.sleep(0.02)
+    timer.issued("dp", [SimpleNamespace(get_future=lambda: fut)])
+    time.sleep(0.05)  # compute the call runs under
+    fut.set_result(None)  # it completes ...
+    time.sleep(0.02)
+    with timer.span("dp", overlapped=True):  # ... before its wait, which is then short
+        pass
+    spans = timer.take()
+    assert [d for d, *_ in spans] == ["tp", "dp"]
+    exposed = spans[1][3] - spans[1][2]
+    assert timer.totals["tp"] == pytest.approx(spans[0][3] - spans[0][2])
+    assert 0.05 <= timer.totals["dp"] < 0.065 and exposed < 0.005
+    assert timer.totals["cp"] == 0.0
 
 
 DELAY_MS = 15

@@ -63,3 +63,6 @@ def test_each_overlap_reproduces_the_single_process(single, layout, tmp_path, da
     # what is left to wait for is the exposed dp time, measured every step (FSDP2's own
     # collectives are not seen: framework/metrics/comm_timer.py)
     assert "fsdp" in layout or all(r["time_comm_dp_s"] > 0 for r in metrics)
+    # beside the exposed time, the whole: overlapped calls count from issue to completion
+    assert all(r["comm_total_dp_s"] >= r["time_comm_dp_s"] and 0 <= r["comm_hidden_dp"] < 1 for r in metrics)
+    assert "fsdp" in layout or all(r["comm_total_dp_s"] > 0 for r in metrics)

@@ -1,6 +1,7 @@
 """Where the step goes, per dimension, with and without each overlap built so far.
 
 Usage (repository root): python experiments/overlap/measure.py [--out DIR] [--steps N] [--repeats R]
+                          [--only A,B]   (the configurations whose name contains A or B)
 
 Each configuration is `python run.py ...` (GPT-2 widths 256, 8 blocks, fp32, synthetic
 data, N steps, medians over the steps after the first two), R times, the configurations
@@ -11,7 +12,11 @@ communication per dimension first.
 
 Layouts, each where one dimension's communication is large:
 - dp: dp 2 x pp 2, 8 micro-batches, flush and interleaved (v 2), `parallelism.overlap_grad_reduce`
-  off / on (the only overlap built: each chunk's all-reduce issued after its last backward);
+  off / on (each chunk's all-reduce issued after its last backward); our ZeRO 2 at dp 2,
+  off / on (each unit's reduce-scatter issued as its gradients complete);
+- ZeRO 3 at dp 2, ours and FSDP2, `parallelism.overlap_param_gather` off / on (the next
+  unit's all-gather prefetched), ours also with both overlaps;
+- cp: cp 2 with the ring at sequence 1,024, `parallelism.overlap_cp_ring` off / on;
 - tp: tp 2 (pp 1), and tp 2 x pp 2 (no tp overlap built: exposed = all of it);
 - pp: pp 2 (its bubble and transfers).
 Machine: 2 CPU cores; 4-rank layouts are oversubscribed (4 processes on 2 cores), so a
@@ -29,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = ["model=gpt2-tiny", "model.n_layer=8", "model.n_embd=256", "model.n_head=4", "data=synthetic",
          "data.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "metrics.skip_first=2"]
+LONG = ["data.seq_len=1024", "model.max_positions=1024", "trainer.micro_batch_size=1", "schedule.microbatches=4"]
 CONFIGS = {
     "dp2 pp2 flush": ["parallelism=dp2_pp2", "schedule=flush", "schedule.microbatches=8"],
     "dp2 pp2 flush + overlap_grad_reduce": ["parallelism=dp2_pp2", "schedule=flush", "schedule.microbatches=8",
@@ -38,11 +44,25 @@ CONFIGS = {
     "dp2 pp2 interleaved + overlap_grad_reduce": ["parallelism=dp2_pp2", "schedule=interleaved",
                                                   "schedule.virtual_stages=2", "schedule.microbatches=8",
                                                   "parallelism.overlap_grad_reduce=true"],
+    "zero2 dp2": ["parallelism=zero2", "schedule.microbatches=8"],
+    "zero2 dp2 + overlap_grad_reduce": ["parallelism=zero2", "schedule.microbatches=8",
+                                        "parallelism.overlap_grad_reduce=true"],
+    "zero3 dp2": ["parallelism=zero3", "schedule.microbatches=8"],
+    "zero3 dp2 + overlap_param_gather": ["parallelism=zero3", "schedule.microbatches=8",
+                                         "parallelism.overlap_param_gather=true"],
+    "zero3 dp2 + both": ["parallelism=zero3", "schedule.microbatches=8", "parallelism.overlap_param_gather=true",
+                         "parallelism.overlap_grad_reduce=true"],
+    "fsdp2 zero3 dp2": ["parallelism=zero3", "parallelism.zero_impl=fsdp2", "schedule.microbatches=8"],
+    "fsdp2 zero3 dp2 + overlap_param_gather": ["parallelism=zero3", "parallelism.zero_impl=fsdp2",
+                                               "schedule.microbatches=8", "parallelism.overlap_param_gather=true"],
+    "cp2 ring seq 1024": ["parallelism=single", "parallelism.cp=2", "parallelism.cp_comm=ring", *LONG],
+    "cp2 ring seq 1024 + overlap_cp_ring": ["parallelism=single", "parallelism.cp=2", "parallelism.cp_comm=ring",
+                                            "parallelism.overlap_cp_ring=true", *LONG],
     "tp2": ["parallelism=tp2", "schedule.microbatches=8"],
     "tp2 pp2 flush": ["parallelism=tp2_pp2", "schedule=flush", "schedule.microbatches=8"],
     "pp2 flush": ["parallelism=pp2", "schedule=flush", "schedule.microbatches=8"],
 }
-PARTS = ("comm_dp", "comm_tp", "comm_pp", "bubble", "compute", "optimizer", "host", "data")
+PARTS = ("comm_dp", "comm_tp", "comm_pp", "comm_cp", "bubble", "compute", "optimizer", "host", "data")
 
 
 def run(out: Path, tag: str, args: list[str], steps: int) -> dict:
@@ -59,11 +79,13 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/overlap")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default="")
     a = ap.parse_args()
     out = Path(a.out)
-    got: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    configs = {name: args for name, args in CONFIGS.items() if any(o in name for o in a.only.split(","))}
+    got: dict[str, list[dict]] = {name: [] for name in configs}
     for rep in range(a.repeats):
-        for name, args in CONFIGS.items():
+        for name, args in configs.items():
             got[name].append(run(out / f"r{rep}", name, args, a.steps))
             print(f"repeat {rep} {name}: {got[name][-1]['step_time_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     print("| layout | step ms (median, min-max) | " + " | ".join(f"{p} ms" for p in PARTS) + " |")

@@ -26,7 +26,11 @@ the message's send time is the end of the producing action on its sender (one ho
 across nodes, clock skew moves time between bubble and comm_pp, never out of the sum).
 
 The row's `time_*` are means over ranks (they sum to the mean of `rank_step_time_s`), and
-`rank_time_s` holds every rank's parts. `busy_s` (and so `bubble_fraction`) counts compute
+`rank_time_s` holds every rank's parts. Beside each exposed `time_comm_<dim>_s`, the
+dimension's whole communication time `comm_total_<dim>_s` (mean over ranks: synchronous
+calls, plus each overlapped call from its issue to its completion; comm_timer.py), so the
+part an overlap hid is `comm_total - time_comm` and `comm_hidden_<dim>` is that share of
+the total (0 without communication). `busy_s` (and so `bubble_fraction`) counts compute
 only: a tp collective or an all-to-all inside an action is not busy.
 """
 
@@ -40,7 +44,8 @@ from framework.parallel.pipeline.schedules import Action
 
 OPS = ("F", "B", "I", "W", "U")
 PARTS = ("data", "compute", "optimizer", *(f"comm_{d}" for d in DIMS), "bubble", "host")
-KEYS = tuple(f"time_{p}_s" for p in PARTS)
+TOTAL_KEYS = tuple(f"comm_total_{d}_s" for d in DIMS) + tuple(f"comm_hidden_{d}" for d in DIMS)
+KEYS = tuple(f"time_{p}_s" for p in PARTS) + TOTAL_KEYS
 
 
 def rank_parts(t0: float, t1: float, t2: float, start: float, pipeline_s: float, optimizer_s: float,
@@ -107,9 +112,15 @@ def split_waits(per_rank: list, smap, pipelines: list[list[int]]) -> list[dict]:
     return out
 
 
-def row(parts: list[dict]) -> dict:
-    """metrics.jsonl keys: each part's mean over ranks, the op parts of pipelines, every rank's."""
+def row(parts: list[dict], totals: list[dict]) -> dict:
+    """metrics.jsonl keys: each part's mean over ranks, the op parts of pipelines, every rank's,
+    and per dimension the total communication beside the exposed (`totals`: each rank's)."""
     mean = {f"time_{p}_s": sum(r[p] for r in parts) / len(parts) for p in PARTS}
+    for d in DIMS:
+        total = sum(t.get(d, 0.0) for t in totals) / len(totals)
+        # a total below the exposed time is a clock's rounding, never a negative hidden part
+        mean[f"comm_total_{d}_s"] = total = max(total, mean[f"time_comm_{d}_s"])
+        mean[f"comm_hidden_{d}"] = 1.0 - mean[f"time_comm_{d}_s"] / total if total > 0 else 0.0
     ops = [op for op in OPS if any(r.get(op) for r in parts)]
     mean.update({f"time_{op}_s": sum(r.get(op, 0.0) for r in parts) / len(parts) for op in ops})
     # an op a rank did not run this step (an asynchronous schedule's segment) is 0 there

@@ -13,11 +13,22 @@ the collective, i.e. the exposed time).
 Nested spans count once, in the outermost (a gradient sync over tp inside the dp span is
 dp's). Not seen: torch DDP's bucketed all-reduce (its C++ reducer overlaps the last
 backward; what it exposes stays in that backward's compute) and FSDP2's own collectives.
+
+Total beside exposed (`totals`, the breakdown's `comm_total_<dim>_s`): a synchronous call's
+total is its span; an overlapped one (issued with `async_op`, waited for later: the
+overlaps of parallelism.overlap_*) is registered with `issued(dim, works)` and its total
+runs from the issue to its completion, read by a callback on the Work's future (on CPU,
+gloo's thread marks the moment); its later wait is a span with `overlapped=True`, exposed
+but not added to the total again. Where the completion cannot be seen (CUDA, whose
+collective futures complete at enqueue; gloo's reduce-scatter, whose Work has no future)
+the total counts the call's exposed wait only: a lower bound, so `comm_hidden` reads 0
+there, never more than was hidden.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Optional
 
 import torch
@@ -32,14 +43,18 @@ class CommTimer:
         self.clock = clock_for(device)
         self.spans: list[tuple] = []  # this step's (dim, what, start mark, end mark)
         self.open: Optional[str] = None
+        self.host = device.type != "cuda"  # completion times of overlapped calls are readable
+        self.overlapped: set[int] = set()  # indices of spans that wait for an overlapped call
+        self.async_calls: list[tuple[str, float, list]] = []  # (dim, issue time, completion times)
+        self.totals: dict[str, float] = {}  # the last step's, set by take()
 
     def begin_step(self) -> None:
         """Before the step's first span (CUDA: anchors event times to the host clock)."""
         self.clock.begin_step()
-        self.spans = []
+        self.spans, self.overlapped, self.async_calls = [], set(), []
 
     @contextlib.contextmanager
-    def span(self, dim: str, what: str = ""):
+    def span(self, dim: str, what: str = "", overlapped: bool = False):
         if self.open is not None:  # nested: the outer span owns the time
             yield
             return
@@ -47,23 +62,52 @@ class CommTimer:
         try:
             yield
         finally:
+            if overlapped:
+                self.overlapped.add(len(self.spans))
             self.spans.append((dim, what or dim, start, self.clock.mark()))
             self.open = None
 
+    def issued(self, dim: str, works) -> bool:
+        """An overlapped call was just issued: its total runs until its last Work completes.
+        False when that cannot be seen (CUDA; a Work without a future, as gloo's
+        reduce-scatter): the caller's wait then counts in the total as a synchronous span."""
+        if not self.host or self.open is not None:
+            return False
+        try:
+            futures = [w.get_future() for w in works if w is not None]
+        except RuntimeError:  # "Work::getFuture not implemented"
+            return False
+        done: list[float] = []
+        for f in futures:
+            f.add_done_callback(lambda _f: done.append(time.time()))
+        self.async_calls.append((dim, time.time(), done))
+        return True
+
     def take(self) -> list[tuple[str, str, float, float]]:
         """This step's spans as (dim, what, start, end) in unix seconds; call once the step's
-        work is done (CUDA: the events have fired)."""
+        work is done (CUDA: the events have fired). Sets `totals`."""
         sec = self.clock.seconds
         out = [(d, w, sec(s), sec(e)) for d, w, s, e in self.spans]
-        self.spans = []
+        totals = dict.fromkeys(DIMS, 0.0)
+        for i, (d, _, s, e) in enumerate(out):
+            if i not in self.overlapped or not self.host:
+                totals[d] += e - s
+        for d, issued, done in self.async_calls:
+            totals[d] += max(done, default=issued) - issued
+        self.totals, self.spans, self.overlapped, self.async_calls = totals, [], set(), []
         return out
 
 
 @contextlib.contextmanager
-def timed(timer: Optional[CommTimer], dim: str, what: str = ""):
+def timed(timer: Optional[CommTimer], dim: str, what: str = "", overlapped: bool = False):
     """`timer.span` when there is a timer (runners built without one time nothing)."""
     if timer is None:
         yield
     else:
-        with timer.span(dim, what):
+        with timer.span(dim, what, overlapped):
             yield
+
+
+def issued(timer: Optional[CommTimer], dim: str, works) -> bool:
+    """`timer.issued` when there is a timer: whether the wait is an `overlapped` span."""
+    return timer is not None and timer.issued(dim, works)

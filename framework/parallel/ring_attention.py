@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from framework.metrics.comm_timer import issued
+
 
 class _Pass(torch.autograd.Function):
     """Forward: to the next cp rank, from the previous. Backward: the gradient the other way."""
@@ -38,34 +40,35 @@ class _Pass(torch.autograd.Function):
     def forward(ctx, x, cp, started=None):
         """`started`: this pass's batch, issued earlier by `start` (the overlap); else now."""
         ctx.cp = cp
-        return finish(cp, started if started is not None else start(cp, x, +1))
+        return finish(cp, started if started is not None else start(cp, x, +1, overlapped=False))
 
     @staticmethod
     def backward(ctx, g):
         return exchange(ctx.cp, g.contiguous(), -1), None, None
 
 
-def start(cp, x: torch.Tensor, step: int) -> tuple:
+def start(cp, x: torch.Tensor, step: int, overlapped: bool = True) -> tuple:
     """Issue: send `x` to cp rank r + step, receive the same shape from r - step (one batch:
     NCCL's one Work). `x` must not change until `finish`."""
     me, n = cp.comm.rank, cp.comm.size
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n]), dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n])]
     cp.comm.bytes_sent += x.numel() * x.element_size()
-    return dist.batch_isend_irecv(ops), x, out
+    works = dist.batch_isend_irecv(ops)
+    return works, x, out, overlapped and issued(cp.comm.timer, cp.comm.dim, works)
 
 
 def finish(cp, started: tuple) -> torch.Tensor:
     """Wait for a started pass (the `cp` span: the exposed time); the received tensor."""
-    works, _sent, out = started  # the sent tensor is held until here
-    with cp.comm.timed():
+    works, _sent, out, overlapped = started  # the sent tensor is held until here
+    with cp.comm.timed(overlapped):
         for work in works:
             work.wait()
     return out
 
 
 def exchange(cp, x: torch.Tensor, step: int) -> torch.Tensor:
-    return finish(cp, start(cp, x, step))
+    return finish(cp, start(cp, x, step, overlapped=False))
 
 
 def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -139,7 +139,7 @@ class Zero:
     def _unit_backward_done(self, f: FlatUnit) -> None:
         if self.overlap_reduce:
             self.reducing.append((f, f.start_reduce(accumulate=True, async_op=True)))
-            self._note_peak(sum(pending[-1] for _, pending in self.reducing))  # every copy in flight
+            self._note_peak(sum(pending[4] for _, pending in self.reducing))  # every copy in flight
         else:
             self._note_peak(f.reduce_scatter_grads(accumulate=True))
         if self.stage == 3:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from framework.metrics.comm_timer import timed
+from framework.metrics.comm_timer import issued, timed
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
 from framework.parallel.tp_comm import all_gather_single as _all_gather_single
@@ -53,6 +53,7 @@ class FlatUnit:
         self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
         self.gathered = stage < 3
         self.gathering = None  # a prefetched all-gather's Work, in flight
+        self.gathering_seen = False  # its completion time is seen (comm_timer.py's totals)
         if stage == 3:
             self.free_params()
 
@@ -64,12 +65,13 @@ class FlatUnit:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         self.gathering = _all_gather_single(self.full, self.shard.detach(), group=self.group, async_op=True)
+        self.gathering_seen = issued(self.timer, "dp", [self.gathering])
 
     def gather_params(self) -> None:
         if self.gathered:
             return
         if self.gathering is not None:  # prefetched: what is left is the wait (the exposed time)
-            with timed(self.timer, "dp", "zero gather (prefetched)"):
+            with timed(self.timer, "dp", "zero gather (prefetched)", overlapped=self.gathering_seen):
                 self.gathering.wait()
             self.gathering = None
         else:
@@ -127,9 +129,10 @@ class FlatUnit:
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
             flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
         out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
-        work = None
+        work, seen = None, False
         if async_op:
             work = _reduce_scatter_single(out, flat, group=self.group, async_op=True)
+            seen = issued(self.timer, "dp", [work])
         else:
             with timed(self.timer, "dp", "zero reduce-scatter"):
                 _reduce_scatter_single(out, flat, group=self.group)
@@ -138,12 +141,12 @@ class FlatUnit:
         if self.stage >= 2:
             for p in self.params:
                 p.grad = None
-        return work, flat, out, accumulate, transient
+        return work, flat, out, accumulate, transient, seen
 
     def finish_reduce(self, pending: tuple) -> int:
-        work, _flat, out, accumulate, transient = pending  # the input is held until the wait
+        work, _flat, out, accumulate, transient, seen = pending  # the input is held until the wait
         if work is not None:
-            with timed(self.timer, "dp", "zero reduce-scatter (overlapped)"):
+            with timed(self.timer, "dp", "zero reduce-scatter (overlapped)", overlapped=seen):
                 work.wait()
         out /= self.size
         if out.dtype != self.full.dtype:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from framework.metrics.breakdown import PARTS
+from framework.metrics.comm_timer import DIMS
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM
 
@@ -46,7 +47,9 @@ def breakdown_line(summary: dict) -> str:
     total = sum(parts.values())
     shown = [f"{k} {v / total:.0%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
              if total and v / total >= 0.005]
-    return f"where the step goes (mean over ranks, medians): {' | '.join(shown) or 'n/a'}"
+    hidden = [f"{d} {summary[f'comm_hidden_{d}']:.0%}" for d in DIMS if summary.get(f"comm_hidden_{d}", 0) >= 0.005]
+    return (f"where the step goes (mean over ranks, medians): {' | '.join(shown) or 'n/a'}"
+            + (f"; communication hidden by overlap: {', '.join(hidden)}" if hidden else ""))
 
 
 def _percent(x: Optional[float]) -> str:

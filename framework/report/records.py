@@ -96,6 +96,7 @@ class StepRecord:
     # the step-time breakdown (framework/metrics/breakdown.py): part -> seconds, summing to step_time_s
     parts: dict = field(default_factory=dict)
     comm_spans: list = field(default_factory=list)  # (dim, what, start, end) of kept steps only (the trace)
+    comm_total: dict = field(default_factory=dict)  # dim -> seconds of communication, hidden or not (comm_timer.py)
     action_comm_s: list = field(default_factory=list)  # per action: communication seconds inside its compute
 
 

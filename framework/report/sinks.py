@@ -149,11 +149,11 @@ class RunLogger:
         }
 
     def _breakdown(self, per_rank: list[StepRecord]) -> dict:
-        p = self.run.parallelism.pp
+        p, totals = self.run.parallelism.pp, [r.comm_total for r in per_rank]
         if p == 1:
-            return breakdown.row([r.parts for r in per_rank])
+            return breakdown.row([r.parts for r in per_rank], totals)
         smap = resolve(self.run.schedule).stage_map(p, self.run.schedule.virtual_stages)
-        return breakdown.row(breakdown.split_waits(per_rank, smap, self.ctx.dims.groups("pp")))
+        return breakdown.row(breakdown.split_waits(per_rank, smap, self.ctx.dims.groups("pp")), totals)
 
     def _analytic(self, per_rank: list) -> tuple[float, dict]:
         """(The schedule's analytic bubble at these action records' median op times, those

@@ -140,7 +140,8 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       **(runner.context.take() if runner.context is not None else {}),
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
-                      actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans)
+                      actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans,
+                      comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {})
 
 
 def _a2a(runner, timed: list) -> dict:
