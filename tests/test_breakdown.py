@@ -137,3 +137,28 @@ def test_a_delayed_tp_collective_is_the_waiting_ranks_comm_not_its_compute(delay
             assert t[waits]["comm_tp"] > t[slow]["comm_tp"] + 5 * DELAY_MS / 1e3
             assert r["rank_busy_s"][waits] < r["rank_busy_s"][slow] - 5 * DELAY_MS / 1e3
             assert r["rank_busy_s"][waits] == pytest.approx(t[waits]["compute"], abs=1e-9)
+
+
+def test_the_replay_cuts_its_step_as_the_measurement_does_and_what_ifs_keep_comm_inside():
+    """A hand-made calibration (pp 2, flush, m 2: F 1 s, B 2 s, 0.1 s between actions; rank
+    1's F holds 0.25 s of tp communication): the replay's parts sum to each rank's window
+    plus its outside time, the communication inside F leaves compute for `comm_inside`, and
+    rank 0's wait for the first gradient (the sender still computing) is bubble. Rescaled
+    to gpipe, the what-if keeps the communication inside each op."""
+    from framework.sim.calibrate import Calibration
+    from framework.sim.replay import breakdown_of, replay
+    from framework.sim.whatif import rescale
+
+    flush = get("flush")
+    compute = {f"{r},0,{op}": t for r in (0, 1) for op, t in (("F", 1.0), ("B", 2.0))}
+    cal = Calibration(compute=compute, gap_s={"0": 0.1, "1": 0.1}, alpha_s=0.0, message_bytes=0,
+                      outside_s={"0": 0.5, "1": 0.5}, act_bytes={"0": 1.0, "1": 1.0}, comm_in={"1,0,F": 0.25})
+    pred = replay(cal, flush, 2, 2, 1)
+    parts = breakdown_of(pred, cal, flush.stage_map(2, 1))
+    windows = sum(pred.sim.window_s.values()) / 2
+    assert sum(v for k, v in parts.items() if k != "outside") == pytest.approx(windows)
+    assert parts["outside"] == 0.5 and parts["comm_inside"] == pytest.approx(0.25)  # rank 1's 2 x 0.25, mean of 2
+    assert parts["compute"] == pytest.approx((6.0 + 6.0) / 2 - 0.25)
+    assert parts["bubble"] > 0 and parts["comm_pp"] == pytest.approx(0.0)  # alpha 0: every wait is the sender's
+    gpipe = rescale(cal, flush, 2, 1, [1, 1], get("gpipe"), 2, 1, [1, 1])
+    assert gpipe.comm_in["1,0,F"] == pytest.approx(0.25) and gpipe.comm_in["0,0,F"] == 0.0

@@ -27,6 +27,8 @@ def summary_lines(summary: dict) -> str:
                      f"times: {ops or 'none'})")
     if summary.get("time_compute_s") is not None:
         lines.append(breakdown_line(summary))
+    if summary.get("predicted_time_compute_s") is not None:
+        lines.append(replay_breakdown_line(summary))
     for r in summary["ranks"]:
         cp = f", cp {r['cp']}" if "cp" in r else ""
         lines.append(f"  rank {r['rank']} (pp {r['pp']}, dp {r['dp']}{cp}, tp {r['tp']}): params {r['params_bytes'] / 2**20:.1f} MiB"
@@ -50,6 +52,22 @@ def breakdown_line(summary: dict) -> str:
     hidden = [f"{d} {summary[f'comm_hidden_{d}']:.0%}" for d in DIMS if summary.get(f"comm_hidden_{d}", 0) >= 0.005]
     return (f"where the step goes (mean over ranks, medians): {' | '.join(shown) or 'n/a'}"
             + (f"; communication hidden by overlap: {', '.join(hidden)}" if hidden else ""))
+
+
+# the replay's parts and the measured parts each compares with (framework/sim/replay.py)
+REPLAYED = (("compute", ("compute",)), ("comm tp/ep/cp", ("comm_tp", "comm_ep", "comm_cp")), ("comm pp", ("comm_pp",)),
+            ("bubble", ("bubble",)))
+_REPLAY_KEY = {"compute": "compute", "comm tp/ep/cp": "comm_inside", "comm pp": "comm_pp", "bubble": "bubble"}
+
+
+def replay_breakdown_line(summary: dict) -> str:
+    """`replay's breakdown, ms predicted / measured: compute 410 / 402 | ...`: the simulator's
+    replay of the run's own durations, cut as the measured step is, beside the measurement."""
+    shown = []
+    for label, parts in REPLAYED:
+        measured = sum(summary.get(f"time_{p}_s", 0.0) for p in parts)
+        shown.append(f"{label} {summary[f'predicted_time_{_REPLAY_KEY[label]}_s'] * 1e3:.1f} / {measured * 1e3:.1f}")
+    return f"replay's breakdown, ms per step predicted / measured (mean over ranks): {' | '.join(shown)}"
 
 
 def _percent(x: Optional[float]) -> str:

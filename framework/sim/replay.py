@@ -11,6 +11,13 @@ durations. What it predicts and how each number maps to a measured one:
   asynchronous schedules the run's simulated span / steps plus that outside time.
 - activation_peak_bytes[rank]: the most (micro-batch, chunk) activations the rank's list
   holds at once x the calibration's bytes per micro-batch and chunk.
+- the step-time breakdown (`breakdown_of`, flushing schedules): per part, the mean over
+  pipeline ranks of the replayed step cut as the measured one is (framework/metrics/
+  breakdown.py): compute (the ops less the communication measured inside them), that
+  communication (`comm_inside`: tp, ep, cp), each receive wait split at the simulated send
+  into bubble and comm_pp (the step's tail to the flush is bubble), host (the gaps between
+  actions) and `outside` (the measured time outside the window, replayed). The summary
+  shows each beside its measurement (`predicted_time_<part>_s`).
 
 A pp = 1 run with ep > 1 has no pipeline to simulate; it is calibrated all the same
 (`FlatPredictor`: fwd/bwd, the rest of the step, the all-to-all; medians, calibrate.py says
@@ -80,6 +87,30 @@ def replay(cal: Calibration, schedule: Schedule, p: int, m: int, v: int, steps: 
     act = [alive[r] * cal.act_bytes.get(str(r), 0.0) for r in range(p)]
     rank_b = [bubbles[r] for r in range(p)]
     return Predicted(step, sum(rank_b) / p, rank_b, act, pipeline_s, sim)
+
+
+def breakdown_of(pred: Predicted, cal: Calibration, smap) -> dict:
+    """The replayed step's parts, mean over pipeline ranks (module docstring); they sum to
+    the mean of the ranks' window plus outside time."""
+    from types import SimpleNamespace
+
+    from framework.metrics.breakdown import split_waits
+
+    tl, ranks = pred.sim.timeline, sorted(pred.sim.timeline)
+    per_rank = []
+    for r in ranks:
+        acts = tl[r]
+        inside = sum(cal.comm_in.get(f"{r},{t.action.chunk},{t.action.op.value}", 0.0) for t in acts)
+        span = acts[-1].end - acts[0].start if acts else 0.0
+        parts = {"compute": sum(t.end - t.compute_start for t in acts) - inside, "comm_inside": inside,
+                 "host": sum(acts[k].start - acts[k - 1].end for k in range(1, len(acts))),
+                 "wait": sum(t.compute_start - t.start for t in acts), "comm_pp": 0.0,
+                 "bubble": pred.sim.window_s[r] - span, "outside": cal.outside_s.get(str(r), 0.0)}
+        per_rank.append(SimpleNamespace(parts=parts, actions=[(str(t.action), t.start, t.compute_start, t.end)
+                                                              for t in acts]))
+    split = split_waits(per_rank, smap, [ranks])
+    return {k: sum(p[k] for p in split) / len(split)
+            for k in ("compute", "comm_inside", "comm_pp", "bubble", "host", "outside")}
 
 
 def _busy(sim, comm_in: dict) -> dict:
@@ -181,15 +212,19 @@ def predicted_keys(pred: Optional[Predicted]) -> dict:
 def summary_prediction(predictor: RunPredictor, med: dict, job_dir: str) -> tuple[dict, Optional[Predicted]]:
     """The summary's keys: the replay of the run's measured steps beside what it predicts,
     with signed errors (step time: predicted / measured - 1; bubble: predicted - measured,
-    points); writes calibration.json."""
+    points), and a flushing pipeline's replayed breakdown (`predicted_time_<part>_s`);
+    writes calibration.json."""
     cal, pred = predictor.predict()
     write_atomic(os.path.join(job_dir, "calibration.json"), json.dumps(cal.to_json(), indent=1))
     if pred is None:
         return predicted_keys(None), None
+    parts = {}
+    if pred.sim is not None and getattr(predictor, "schedule", None) is not None and predictor.schedule.flushes:
+        parts = {f"predicted_time_{k}_s": v for k, v in breakdown_of(pred, cal, predictor.smap).items()}
     return {**pred.keys(), "predicted_step_time_error": pred.step_time_s / med["step_time_s"] - 1,
             "predicted_bubble_error": pred.bubble_fraction - med["bubble_fraction"],
             "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
-            "predicted_activation_peak_bytes_max": max(pred.activation_peak_bytes)}, pred
+            "predicted_activation_peak_bytes_max": max(pred.activation_peak_bytes), **parts}, pred
 
 
 def timeline_records(pred: Predicted) -> list[list[tuple]]:

@@ -21,6 +21,9 @@ Assumptions a prediction inherits (docs/simulator.md):
   time outside the pipeline (mostly the optimizer step) per block.
 - Time outside the pipeline: the source's mean per rank, scaled by blocks per rank.
 - Gap, link latency and flush cost: as measured (independent of the layout).
+- Communication inside an op (calibration's `comm_in`: tp, ep, cp spans, which busy
+  excludes): rescaled per op as its compute is (F; B = I + W), a backward's given to I (the
+  input gradient is what tp and cp reduce) and, on the first stage, to W.
 
 What it cannot rescale (another model, micro-batch, sequence length, precision or tp) is
 refused before it gets here: framework/sim/source.py.
@@ -78,6 +81,12 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
     fits = {"F": fit_blocks(per_stage.get("F", {}), src_blocks), "B": fit_blocks(backward, src_blocks)}
     fits["U"] = (fit_blocks(per_stage["U"], src_blocks) if "U" in per_stage
                  else (outside / src_per_rank, 0.0, 0.0))
+    comm: dict[str, dict[int, float]] = {}
+    for key, sec in cal.comm_in.items():
+        r, c, op = key.split(",")
+        comm.setdefault("B" if op in "IW" else op, {}).setdefault(smap.stage(int(r), int(c)), 0.0)
+        comm["B" if op in "IW" else op][smap.stage(int(r), int(c))] += sec
+    comm_fits = {op: fit_blocks(comm.get(op, {}), src_blocks) for op in ("F", "B")}
     acts = {smap.stage(int(r), c): b for r, b in cal.act_bytes.items() for c in range(src_v)}
     act_fit = fit_blocks(acts, src_blocks)
     stages = tmap.num_stages
@@ -85,7 +94,8 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
         fits = {op: _Measured(values, fits[op]) for op, values in (("F", per_stage.get("F", {})), ("B", backward),
                                                                      ("U", per_stage.get("U", {})))}
         act_fit = _Measured(acts, act_fit)
-    compute, act_bytes, outside_s = {}, {}, {}
+        comm_fits = {op: _Measured(comm.get(op, {}), comm_fits[op]) for op in ("F", "B")}
+    compute, act_bytes, outside_s, comm_in = {}, {}, {}, {}
     for r in range(dst_p):
         rank_act = []
         for c in range(dst_v):
@@ -96,6 +106,10 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
             compute[f"{r},{c},I"] = 0.0 if g == 0 else rho * b
             compute[f"{r},{c},W"] = b if g == 0 else (1 - rho) * b
             compute[f"{r},{c},U"] = _at(fits["U"], g, n, stages)
+            if comm:
+                cb = _at(comm_fits["B"], g, n, stages)
+                comm_in.update({f"{r},{c},F": _at(comm_fits["F"], g, n, stages), f"{r},{c},B": cb,
+                                f"{r},{c},I": cb if g else 0.0, f"{r},{c},W": 0.0 if g else cb, f"{r},{c},U": 0.0})
             rank_act.append(_at(act_fit, g, n, stages))
         act_bytes[str(r)] = statistics.fmean(rank_act)
         per_rank = sum(dst_blocks[tmap.stage(r, c)] for c in range(dst_v))
@@ -113,4 +127,4 @@ def rescale(cal: Calibration, src: Schedule, src_p: int, src_v: int, src_blocks:
                        alpha_late_s=cal.alpha_late_s,
                        beta_Bps=cal.beta_Bps, message_bytes=cal.message_bytes, flush_s=cal.flush_s,
                        outside_s=outside_s, act_bytes=act_bytes, latency_samples=cal.latency_samples,
-                       steps=cal.steps)
+                       steps=cal.steps, comm_in=comm_in)
