@@ -2,13 +2,15 @@
 
 Usage (repository root): python experiments/overlap/measure.py [--out DIR] [--steps N] [--repeats R]
                           [--only A,B]   (the configurations whose name contains A or B)
+                          [--collect]    (only print the table of the jobs already in --out)
 
 Each configuration is `python run.py ...` (GPT-2 widths 256, 8 blocks, fp32, synthetic
 data, N steps, medians over the steps after the first two), R times, the configurations
 alternating within a repeat so a noisy neighbour hits them alike. Printed per
 configuration: step time (median over repeats, spread min-max) and the step-time breakdown
 (summary.json's `time_<part>_s` medians: framework/metrics/breakdown.py), exposed
-communication per dimension first.
+communication per dimension first; then dp's and cp's whole communication time
+(`comm_total_<dim>_s`) and the share of it the overlap hid (`comm_hidden_<dim>`).
 
 Layouts, each where one dimension's communication is large:
 - dp: dp 2 x pp 2, 8 micro-batches, flush and interleaved (v 2), `parallelism.overlap_grad_reduce`
@@ -65,8 +67,12 @@ CONFIGS = {
 PARTS = ("comm_dp", "comm_tp", "comm_pp", "comm_cp", "bubble", "compute", "optimizer", "host", "data")
 
 
+def job_dir(out: Path, tag: str) -> Path:
+    return out / tag.replace(" ", "_").replace("+", "plus")
+
+
 def run(out: Path, tag: str, args: list[str], steps: int) -> dict:
-    job = out / tag.replace(" ", "_").replace("+", "plus")
+    job = job_dir(out, tag)
     cmd = [sys.executable, "run.py", *MODEL, *args, f"trainer.steps={steps}", f"hydra.run.dir={job}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
@@ -80,21 +86,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="")
+    ap.add_argument("--collect", action="store_true")
     a = ap.parse_args()
     out = Path(a.out)
     configs = {name: args for name, args in CONFIGS.items() if any(o in name for o in a.only.split(","))}
     got: dict[str, list[dict]] = {name: [] for name in configs}
     for rep in range(a.repeats):
         for name, args in configs.items():
+            if a.collect:
+                got[name].append(json.loads((job_dir(out / f"r{rep}", name) / "summary.json").read_text()))
+                continue
             got[name].append(run(out / f"r{rep}", name, args, a.steps))
             print(f"repeat {rep} {name}: {got[name][-1]['step_time_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-    print("| layout | step ms (median, min-max) | " + " | ".join(f"{p} ms" for p in PARTS) + " |")
-    print("|---|---|" + "---|" * len(PARTS))
+    totals = [f"comm_total_{d}_s" for d in ("dp", "cp")]
+    hidden = [f"comm_hidden_{d}" for d in ("dp", "cp")]
+    print("| layout | step ms (median, min-max) | " + " | ".join(f"{p} ms" for p in PARTS)
+          + " | dp total ms (hidden) | cp total ms (hidden) |")
+    print("|---|---|" + "---|" * (len(PARTS) + 2))
     for name, runs in got.items():
         steps = [r["step_time_s"] * 1e3 for r in runs]
         parts = [statistics.median(r[f"time_{p}_s"] for r in runs) * 1e3 for p in PARTS]
+        whole = [f"{statistics.median(r[t] for r in runs) * 1e3:.1f} ({statistics.median(r[h] for r in runs):.0%})"
+                 for t, h in zip(totals, hidden)]
         print(f"| {name} | {statistics.median(steps):.1f} ({min(steps):.1f}-{max(steps):.1f}) | "
-              + " | ".join(f"{x:.1f}" for x in parts) + " |")
+              + " | ".join(f"{x:.1f}" for x in parts) + " | " + " | ".join(whole) + " |")
 
 
 if __name__ == "__main__":
