@@ -50,7 +50,9 @@ class ContextParallel:
                  ranks: Optional[list[int]] = None, overlap: bool = False):
         self.comm, self.method, self.device = comm, method, device
         self.overlap = overlap  # parallelism.overlap_cp_ring: the ring's next transfer under this block (ring_attention.py)
-        comm.clock = device  # cp_comm_s: seconds inside this group's collectives
+        # cp_comm_s: seconds inside this group's collectives, from the step's CommTimer spans
+        # (CUDA: events read after the step); without a timer, host time (a sync per call)
+        comm.clock = device if comm.timer is None else None
         self.attention_s, self._backward = 0.0, []  # this step's attention forward seconds; backward spans
         self.ranks = ranks  # the cp group's global ranks, in cp-rank order (the ring's peers)
         self.indices = [token_index(seq_len, comm.size, r, balance).to(device) for r in range(comm.size)]
@@ -58,13 +60,14 @@ class ContextParallel:
         self.gathered = torch.cat(self.indices)  # the keys' positions after the all-gather, rank order
         self.tokens = len(self.index)
 
-    def take(self) -> dict:
+    def take(self, timed: Optional[list] = None) -> dict:
         """This step's (since the last call) `cp_comm_bytes`, `cp_comm_s` (seconds inside cp
-        collectives, waits for peers included) and `cp_attention_s`: the attention functions'
+        collectives, waits for peers included: the `cp` spans of `timed`, the CommTimer's
+        take(), when the comm has a timer) and `cp_attention_s`: the attention functions'
         forward and backward seconds less `cp_comm_s`, i.e. this rank's attention compute, what
         the cp ranks' imbalance compares."""
         spans = sum(c["end"] - c["start"] for c in self._backward if "start" in c and "end" in c)
-        comm_s = self.comm.seconds
+        comm_s = self.comm.seconds if self.comm.timer is None else sum(e - s for d, _, s, e in timed or [] if d == "cp")
         out = {"cp_comm_bytes": self.comm.take_bytes(), "cp_comm_s": comm_s,
                "cp_attention_s": max(0.0, self.attention_s + spans - comm_s)}
         self.comm.seconds, self.attention_s, self._backward = 0.0, 0.0, []

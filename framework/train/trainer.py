@@ -137,7 +137,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       bubble=out.bubble, busy_s=out.busy_s, window_s=out.window_s,
                       activation_peak_bytes=runner.tracker.peak_bytes, weight_version_bytes=out.weight_version_bytes,
                       p2p_buffer_peak_bytes=out.p2p_buffer_peak_bytes, tp_comm_bytes=runner.tp_comm.take_bytes(),
-                      **(runner.context.take() if runner.context is not None else {}),
+                      **(runner.context.take(spans) if runner.context is not None else {}),
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
                       actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans,
