@@ -169,13 +169,12 @@ class ParallelismConfig:
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
-    # dp reduction under backward (Megatron's overlap_grad_reduce): pipelines without ZeRO, each
-    # chunk's all-reduce after its last backward; our ZeRO (pp = 1), each unit's reduce-scatter
+    # dp reduction under backward (Megatron's overlap_grad_reduce): pipelines, each chunk's all-reduce
+    # (ZeRO 1: reduce-scatter) after its last backward; our ZeRO at pp = 1, each unit's reduce-scatter
     # as its gradients complete. pp = 1 without ZeRO uses torch DDP, which always overlaps
-    overlap_grad_reduce: bool = key(False, when=lambda r: (r.parallelism.pp > 1 and r.parallelism.zero == 0) or (
-        r.parallelism.pp == 1 and r.parallelism.zero > 0 and r.parallelism.zero_impl == "ours"),
-        when_text="parallelism.pp > 1 and parallelism.zero=0, or parallelism.pp=1 with parallelism.zero >= 1 "
-                  "and parallelism.zero_impl=ours")
+    overlap_grad_reduce: bool = key(False, when=lambda r: r.parallelism.pp > 1 or (
+        r.parallelism.zero > 0 and r.parallelism.zero_impl == "ours"),
+        when_text="parallelism.pp > 1, or parallelism.zero >= 1 with parallelism.zero_impl=ours")
     # ZeRO 3 (ours and fsdp2): the next unit's all-gather issued as a unit starts, forward and backward
     overlap_param_gather: bool = key(False, when=lambda r: r.parallelism.zero == 3, when_text="parallelism.zero=3",
                                      base=("parallelism=zero3",))

@@ -329,11 +329,16 @@ def test_overlap_grad_reduce_hides_what_the_cooldown_leaves_after_a_chunks_last_
         on = price(prof, Job(shape, lay, dp=2, pp=2, microbatches=8, schedule=schedule, virtual_stages=v,
                              overlap_grad_reduce=True))
         assert on.comm_s["dp"] + on.comm_hidden_s["dp"] == pytest.approx(off.comm_s["dp"])
+        zero1 = [price(prof, Job(shape, lay, dp=2, pp=2, microbatches=8, schedule=schedule, virtual_stages=v, zero=1,
+                                 overlap_grad_reduce=over)) for over in (False, True)]  # the units' reduce-scatters
+        assert zero1[1].comm_s["dp"] + zero1[1].comm_hidden_s["dp"] == pytest.approx(zero1[0].comm_s["dp"])
+        assert zero1[0].step_s - zero1[1].step_s == pytest.approx(zero1[1].comm_hidden_s["dp"])
         if schedule == "flush":
             assert on.step_s == pytest.approx(off.step_s) and on.comm_hidden_s["dp"] < 1e-6 * off.step_s
         else:
             assert on.step_s < off.step_s and 0 < on.comm_hidden_s["dp"] < off.comm_s["dp"]
             assert off.step_s - on.step_s == pytest.approx(on.comm_hidden_s["dp"])
+            assert 0 < zero1[1].comm_hidden_s["dp"] < zero1[0].comm_s["dp"]
 
 
 def test_zero_overlap_hides_reduce_scatters_under_the_backward_of_earlier_units():

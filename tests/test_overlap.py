@@ -9,7 +9,8 @@ a chunk) and zbv (a V: both uses of the tied embedding on rank 0, in two chunks,
 reduced after the step, not with either chunk), and with NCCL's coalesced p2p emulated.
 With our ZeRO at pp 1 (dp 2, 2 micro-batches): each unit's reduce-scatter issued as its
 gradients complete (stage 1: in the last micro-batch; 2 and 3: every micro-batch), waited
-for at the micro-batch's end.
+for at the micro-batch's end; ZeRO 1 in a pipeline (interleaved, and zbv whose V holds the
+tied embedding twice on rank 0): each chunk's unit after its last backward.
 
 `parallelism.overlap_param_gather` (ZeRO 3): the next unit's all-gather issued as a unit
 starts, forward and backward: ours (alone, and with the reduce-scatters overlapped too) and
@@ -31,6 +32,11 @@ LAYOUTS = {
                   "debug.coalesced_p2p=true"],
     "zbv": ["parallelism=dp2_pp2", "schedule=zbv", "schedule.microbatches=2", ON],
     "zero1": ["parallelism=zero1", "schedule.microbatches=2", ON],
+    # ZeRO 1 in a pipeline: each chunk's unit reduce-scattered after its last backward; the
+    # tied embedding (its own unit) after the flush and the embedding group's sum
+    "zero1_pp_interleaved": ["parallelism=dp2_pp2", "parallelism.zero=1", "schedule=interleaved",
+                             "schedule.virtual_stages=2", "schedule.microbatches=2", ON],
+    "zero1_pp_zbv": ["parallelism=dp2_pp2", "parallelism.zero=1", "schedule=zbv", "schedule.microbatches=2", ON],
     "zero2": ["parallelism=zero2", "schedule.microbatches=2", ON],
     "zero3_both": ["parallelism=zero3", "schedule.microbatches=2", ON, GATHER],
     "zero3_prefetch": ["parallelism=zero3", "schedule.microbatches=2", GATHER],
@@ -57,8 +63,8 @@ def single(tmp_path_factory, data_cache):
 def test_each_overlap_reproduces_the_single_process(single, layout, tmp_path, data_cache):
     _, ref_metrics, ref_params = single
     summary, metrics, params = _job(tmp_path, *_common(data_cache), *LAYOUTS[layout])
-    assert summary["global_batch"] == 8 and summary["dp"] == 2 and summary["pp"] == (1 if "zero" in layout
-                                                                                      or "fsdp" in layout else 2)
+    assert summary["global_batch"] == 8 and summary["dp"] == 2
+    assert summary["pp"] == (2 if "parallelism=dp2_pp2" in LAYOUTS[layout] else 1)
     assert_same_training(metrics, params, ref_metrics, ref_params)
     # what is left to wait for is the exposed dp time, measured every step (FSDP2's own
     # collectives are not seen: framework/metrics/comm_timer.py)

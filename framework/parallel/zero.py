@@ -92,6 +92,7 @@ class Zero:
             self.flat.append(self.separate)
             seen.add(id(separate))
         self.transient_peak_bytes = 0
+        self.unit_flats: list[list[FlatUnit]] = []  # each unit's flats, in `units`' order
         self._modules: list[list[FlatUnit]] = []  # stage 3: each hooked module's flats, by position
         self._position: dict[nn.Module, int] = {}
         for modules in units:
@@ -112,6 +113,7 @@ class Zero:
                 flats.append(FlatUnit(experts, ctx.edp_group, ctx.dims.edp, ctx.dims.edp_rank(ctx.coords), stage,
                                       tracker, reduce_dtype))
             self.flat.extend(flats)
+            self.unit_flats.append(flats)
             if stage >= 2 or overlap_reduce:
                 for f in flats:
                     self._hook_grads(f)
@@ -144,6 +146,14 @@ class Zero:
             self._note_peak(f.reduce_scatter_grads(accumulate=True))
         if self.stage == 3:
             self._free(f)
+
+    def start_unit_reduce(self, k: int) -> None:
+        """Stage 1 in a pipeline (`parallelism.overlap_grad_reduce`): unit k's gradients are
+        final (its chunk's last backward ran), so its reduce-scatters are issued now;
+        `reduce_gradients` waits for them and reduces the rest (the separate unit)."""
+        for f in self.unit_flats[k]:
+            self.reducing.append((f, f.start_reduce(accumulate=False, async_op=True)))
+        self._note_peak(sum(pending[4] for _, pending in self.reducing))
 
     def _finish_reduces(self) -> None:
         for f, pending in self.reducing:

@@ -155,7 +155,9 @@ class PipelineRunner:
             self.versions.backward_done(self._version(mb))
         elif self.overlap is not None:
             self.overlap[chunk] += 1
-            if self.overlap[chunk] == self.m:  # the chunk's last backward: its gradients are final
+            if self.overlap[chunk] == self.m and self.zero:  # ZeRO 1: the chunk's unit (the tied weight
+                self.zero.start_unit_reduce(chunk)             # is the separate one, reduced after the sum)
+            elif self.overlap[chunk] == self.m:  # the chunk's last backward: its gradients are final
                 started = start_all_reduce(self.own[chunk], self.ctx.dp_group, self.ctx.dims.dp,
                                            self.policy.reduce_dtype)
                 self.seen = issued(self.ctx.timer, "dp", [work for work, _, _ in started]) and self.seen
@@ -243,6 +245,8 @@ class PipelineRunner:
             sum_tied_grad(self.tied, ctx.groups.get("embedding"))
         if self.zero:  # ZeRO-1: the dp reduction is a reduce-scatter to each slice's owner
             self.zero.reduce_gradients()
+            if self.overlap is not None:
+                self.overlap = [0] * len(self.chunks)
         self._sync_sequence_parallel()
         skip = self.tied if (self.tied is not None and self.is_last) else None  # count the tied weight once
         if skip is not None and self.zero:

@@ -17,9 +17,10 @@ NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
 After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
 all-reduce; 2 / 3: a reduce-scatter) in the reduce dtype, ZeRO's all-gather of the updated
 parameters (1, 2), and the optimizer step over the rank's shard. With
-`Job.overlap_grad_reduce` (ZeRO 0, pp > 1: the run's `parallelism.overlap_grad_reduce`) the
-dense all-reduce is cut evenly over a rank's chunks, each part starting after its chunk's
-last backward in the clock's timeline (one link: in turn); only what runs past the
+`Job.overlap_grad_reduce` (pp > 1: the run's `parallelism.overlap_grad_reduce`) the
+dense all-reduce (ZeRO 1: the units' reduce-scatters) is cut evenly over a rank's chunks,
+each part starting after its chunk's last backward in the clock's timeline (one link: in
+turn); only what runs past the
 pipeline's end is exposed (`comm_s["dp"]`; the hidden part in `comm_hidden_s`). With
 `Job.overlap_grad_reduce` and ZeRO at pp = 1 (our ZeRO's per-unit reduce-scatter, issued
 as each unit's gradients complete), in each micro-batch that reduces (ZeRO 1: the last;
@@ -192,7 +193,7 @@ def price(prof: Profile, job: Job) -> Priced:
         costs = Costs(compute, {}, link.alpha_us * 1e-6, link.GBps * 1e9, msg)
         pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
-        if job.overlap_grad_reduce and job.zero == 0 and job.dp > 1:
+        if job.overlap_grad_reduce and job.zero <= 1 and job.dp > 1:
             overlapped = _overlapped(prof, job, pred)
             hidden = {"dp": max(0.0, after - overlapped)}  # what leaves the critical path (the worst rank's)
             after, comm["dp"] = overlapped, max(0.0, comm.get("dp", 0.0) - hidden["dp"])
@@ -213,7 +214,8 @@ def _overlapped(prof: Profile, job: Job, pred) -> float:
     after = 0.0
     end = max(t.end for tl in pred.timeline.values() for t in tl)
     for r, tl in pred.timeline.items():
-        dense = _seconds(prof, job, [dense_reduction(job, r)])
+        dense = _seconds(prof, job, [dense_reduction(job, r)] if job.zero == 0 else  # ZeRO 1: the units' reduce-scatters
+                         [c for c in after_pipeline(job, r) if c.op == "reduce_scatter"])
         last = {}  # chunk -> the end of its last backward
         for t in tl:
             if t.action.op.ends_backward:
