@@ -138,6 +138,13 @@ def test_what_if_replays_the_job_and_predicts_other_layouts(delayed_flush, tmp_p
     four = what_if(str(job), ["parallelism.pp=4"])
     # twice the micro-batches: about twice the step (the slow stage's 80 ms per micro-batch dominates)
     assert 1.6 < more["predicted_step_time_s"] / same["predicted_step_time_s"] < 2.2
+    # the replayed step cut as the measured one: the replay's own breakdown is the summary's,
+    # and the parts (means over pp ranks) fit in the step (the slowest rank's); the delayed
+    # stage 1 keeps stage 0 waiting, so twice the micro-batches add bubble
+    parts = {k: v for k, v in same.items() if k.startswith("predicted_time_")}
+    assert parts == pytest.approx({k: summary[k] for k in parts}) and len(parts) == 6
+    assert sum(parts.values()) <= same["predicted_step_time_s"] * (1 + 1e-9)
+    assert more["predicted_time_bubble_s"] > same["predicted_time_bubble_s"] > 0
     # pp 4 puts one block per stage: the delay still sits on pp rank 1 of the source only, so
     # the rescaled per-block time moves it onto every stage (documented: delays are per stage)
     assert len(four["predicted_rank_bubble_fraction"]) == 4

@@ -45,7 +45,7 @@ from framework.config import ConfigError, RunConfig, check_overrides, load_confi
 from framework.launch.commands import MOST_MICROBATCHES, OutputPath, Parser, command
 from framework.sim.alltoall import A2ACost, cost_of, moe_layers, shift_stages, step_bytes
 from framework.sim.calibrate import Calibration
-from framework.sim.replay import Predicted, flat_replay, replay, rules_for, timeline_records
+from framework.sim.replay import Predicted, breakdown_of, flat_replay, replay, rules_for, timeline_records
 from framework.sim.source import UNSCALED, check_same_work, load_job, other_work
 from framework.sim.whatif import rescale
 from framework.models import meta_hf_model
@@ -167,7 +167,10 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
         used = shift_stages(used, tmap.stage, blocks, a2a["delta"])
     pred = replay(used, sched, p, m, v, dst.trainer.steps, rules_for(summary.get("device", "cpu")))
     own = same and m == src.schedule.microbatches and not a2a["changed"]  # the job's own layout: a replay
-    return _result(job_dir, dst, pred, not same or a2a["changed"], a2a, own)
+    result = _result(job_dir, dst, pred, not same or a2a["changed"], a2a, own)
+    if sched.flushes:  # the step cut as the measured one is (replay.py's breakdown_of)
+        result.update({f"predicted_time_{k}_s": v for k, v in breakdown_of(pred, used, tmap).items()})
+    return result
 
 
 def _target_blocks(dst: RunConfig, vocab: int, overrides: list[str]) -> list[int]:
@@ -272,6 +275,10 @@ def describe(result: dict) -> str:
     if "a2a_model" in result:
         lines.append(f"  all-to-all: {result['a2a_bytes_per_step'] / 2**20:.2f} MiB and "
                      f"{result['a2a_s_per_step'] * 1e3:.1f} ms per step and rank, {result['a2a_cost']}")
+    parts = {k[15:-2]: v for k, v in result.items() if k.startswith("predicted_time_")}
+    if parts:
+        lines.append("  per step, mean over pp ranks: " + " | ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms"
+                                                                      for k, v in parts.items()))
     for r, (b, a) in enumerate(zip(result["predicted_rank_bubble_fraction"], result["predicted_activation_peak_bytes"])):
         lines.append(f"  pp rank {r}: bubble {b:.3f} | activation peak {a / 2**20:.1f} MiB")
     return "\n".join(lines)
