@@ -183,7 +183,7 @@ class ParallelismConfig:
     cp: int = key(1, ge=1, le=MAX_RANKS)
     cp_comm: str = key("allgather", choices=("allgather", "ring", "a2a"), **_CP)  # K / V gathered, ringed, or heads <-> seq
     cp_balance: str = key("headtail", choices=("headtail", "contiguous"), **_CP)  # which 2 cp chunks a rank holds
-    # cp_comm=ring: each pass's K / V transfer issued before the previous block's attention, waited after it
+    # cp_comm=ring: each pass's K / V transfer under a block's attention, its gradient's under its backward
     overlap_cp_ring: bool = key(False, when=lambda r: r.parallelism.cp > 1 and r.parallelism.cp_comm == "ring",
                                 when_text="parallelism.cp > 1 and parallelism.cp_comm=ring",
                                 base=("parallelism.cp=2", "parallelism.cp_comm=ring"))

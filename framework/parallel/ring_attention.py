@@ -19,10 +19,12 @@ never the whole K / V at once).
 Overlap (`parallelism.overlap_cp_ring`): in forward, pass s + 1's batch is issued before
 block s is multiplied and waited for after it, so the transfer runs under the block's
 attention (Megatron's and torchtitan's ring do the same); the exposed time (the `cp` span)
-is the wait alone. Off: issued and waited for before the block. Backward's gradient passes
-stay synchronous (autograd runs each pass's conjugate when its gradient is complete, with
-no earlier point to issue it from). The values are the same either way: only when the
-transfer is waited for moves.
+is the wait alone. In backward, pass s + 1's conjugate issues the gradient's transfer and
+hands autograd zeros; a `_Wait` node, created before block s's product (autograd runs a
+graph's ready nodes latest-created first), runs after that product's backward and adds the
+received gradient: the transfer runs under block s's backward. Off: every pass issued and
+waited for at once. The values are the same either way (the received gradient is added
+where the synchronous pass would have added it): only when a transfer is waited for moves.
 """
 
 from __future__ import annotations
@@ -37,14 +39,35 @@ class _Pass(torch.autograd.Function):
     """Forward: to the next cp rank, from the previous. Backward: the gradient the other way."""
 
     @staticmethod
-    def forward(ctx, x, cp, started=None):
-        """`started`: this pass's batch, issued earlier by `start` (the overlap); else now."""
-        ctx.cp = cp
+    def forward(ctx, x, cp, started=None, later=None):
+        """`started`: this pass's batch, issued earlier by `start` (the overlap); else now.
+        `later` (the overlap): backward issues the gradient's pass into it and returns
+        zeros; `_Wait` adds the received gradient once the block before has run backward."""
+        ctx.cp, ctx.later = cp, later
         return finish(cp, started if started is not None else start(cp, x, +1, overlapped=False))
 
     @staticmethod
     def backward(ctx, g):
-        return exchange(ctx.cp, g.contiguous(), -1), None, None
+        if ctx.later is None:
+            return exchange(ctx.cp, g.contiguous(), -1), None, None, None
+        ctx.later["started"] = start(ctx.cp, g.contiguous(), -1)
+        return torch.zeros_like(g), None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Identity in forward, made before its block's product so that, in backward (run in
+    reverse creation order), the product's backward runs between the next pass's backward
+    (which issues the gradient's transfer into `later`) and this node (which waits for it)."""
+
+    @staticmethod
+    def forward(ctx, x, cp, later):
+        ctx.cp, ctx.later = cp, later
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        started = ctx.later.pop("started", None)
+        return (g if started is None else g + finish(ctx.cp, started)), None, None
 
 
 def start(cp, x: torch.Tensor, step: int, overlapped: bool = True) -> tuple:
@@ -77,10 +100,13 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     acc_dtype = torch.promote_types(query.dtype, torch.float32)
     kv = torch.cat([key, value], dim=-1)  # one message per pass
     run_max = total = acc = None
-    skipped, started, n = [], None, cp.comm.size
+    skipped, started, later, n = [], None, None, cp.comm.size
     for s in range(n):
         if s:
-            kv = _Pass.apply(kv, cp, started)
+            kv = _Pass.apply(kv, cp, started, later)
+        if cp.overlap and s < n - 1:  # backward: the pass after this block under its product's backward
+            later = {}
+            kv = _Wait.apply(kv, cp, later)
         # the overlap: the next pass's transfer runs under this block's product
         started = start(cp, kv.detach(), +1) if cp.overlap and s < n - 1 else None
         allowed = cp.mask_of((cp.comm.rank - s) % cp.comm.size, query.device)  # (n, n) of this block

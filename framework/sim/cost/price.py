@@ -7,11 +7,10 @@ without its overlap options). Host time: a block's launch path (the profile's `h
 either overlaps the kernels (`host_overlaps`: a GPU's asynchronous stream; the pass takes
 the larger) or adds to them (a CPU, where one thread does both).
 Context parallelism (traffic.py's cp collectives): the all-gather's and the all-to-all's
-exposed; the ring's p2p passes overlap the blockwise products they feed where
-`Job.cp_ring_overlap` says: "both" (Megatron's p2p, picotron's ring; plans' default),
-"forward" (this framework with `parallelism.overlap_cp_ring`: backward's passes are
-synchronous) or "none" (without it). An overlapped pass costs only what exceeds its block's
-attention.
+exposed; the ring's p2p passes, with `Job.cp_ring_overlap` (a run's
+`parallelism.overlap_cp_ring`; Megatron's p2p and picotron's ring always: the default of a
+Job built in code), overlap the blockwise products they feed, forward and backward: an
+overlapped pass costs only what exceeds its block's attention; without it, all of it.
 The pipeline: the schedule's real plan (p2p.comm_plan) through the clock (clock.py) under
 NCCL's rules, p2p at the pp group's link; pp = 1 is m x (F + I + W).
 After the pipeline, not overlapped with it: the dp gradient reduction (ZeRO 0 / 1: an
@@ -68,7 +67,7 @@ class Job:
     zero3_prefetch: bool = False
     overlap_grad_reduce: bool = False  # ZeRO 0, pp > 1: each chunk's dp all-reduce under the cooldown; ZeRO, pp 1:
     # each unit's reduce-scatter under the backward of the units before it
-    cp_ring_overlap: str = "both"  # which passes of cp's ring hide under their block: both | forward | none
+    cp_ring_overlap: bool = True  # cp's ring passes hide under their block's product (forward and backward)
 
     @property
     def world(self) -> int:
@@ -102,7 +101,7 @@ def job_of(run, vocab: int) -> Job:
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
-               cp_ring_overlap="forward" if p.overlap_cp_ring else "none")
+               cp_ring_overlap=p.overlap_cp_ring)
 
 
 def dtype_of(run) -> str:
@@ -138,8 +137,7 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
     for ph, pas in (("F", "F"), ("B", "I")):
         ring = [c for c in comm[ph] if c.op == "ring"]  # ... but the ring's passes, each hidden behind
         attention = prof.seconds([o for o in ops if o.kind == "attention"], lay.dtype, pas)  # a block's product
-        hides = job.cp_ring_overlap == "both" or (job.cp_ring_overlap == "forward" and ph == "F")
-        exposed = max(0.0, _seconds(prof, job, ring) - (attention if hides else 0.0))
+        exposed = max(0.0, _seconds(prof, job, ring) - (attention if job.cp_ring_overlap else 0.0))
         cp = _seconds(prof, job, [c for c in comm[ph] if c.dim == "cp" and c.op != "ring"]) + exposed
         out[pas] += _seconds(prof, job, [c for c in comm[ph] if c.op != "ring"]) + exposed
         out["cp"] += cp
