@@ -83,6 +83,7 @@ class Zero:
         self.reducing: list[tuple[FlatUnit, tuple]] = []  # reduce-scatters in flight
         self.order: list[int] = []  # stage 3: hooked modules' positions in forward order (learned once)
         self.order_known, self.last_microbatch = False, False
+        self._place: dict[int, int] = {}  # module position -> its index in `order`
         size, rank, group = ctx.dims.dp, ctx.coords.dp, ctx.dp_group
         self.flat: list[FlatUnit] = []
         seen: set[int] = set()
@@ -196,7 +197,7 @@ class Zero:
         issued now, waited for by their own hook."""
         if not self.prefetch:
             return
-        k = self.order.index(self._position[m]) + direction
+        k = self._place[self._position[m]] + direction
         if 0 <= k < len(self.order):
             for f in self._modules[self.order[k]]:
                 if not f.gathered and f.gathering is None:
@@ -244,7 +245,8 @@ class Zero:
                     f.pending = 0
                     self._unit_backward_done(f)
             self._finish_reduces()
-        self.order_known = self.order_known or bool(self.order)  # the first forward has run
+        if not self.order_known and self.order:  # the first forward has run: each module's place in it
+            self.order_known, self._place = True, {pos: k for k, pos in enumerate(self.order)}
 
     def reduce_gradients(self) -> None:
         """After the step's last backward (stage 1: the one reduce-scatter per unit)."""

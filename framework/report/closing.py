@@ -54,19 +54,18 @@ def breakdown_line(summary: dict) -> str:
             + (f"; communication hidden by overlap: {', '.join(hidden)}" if hidden else ""))
 
 
-# the replay's parts and the measured parts each compares with (framework/sim/replay.py)
-REPLAYED = (("compute", ("compute",)), ("comm tp/ep/cp", ("comm_tp", "comm_ep", "comm_cp")), ("comm pp", ("comm_pp",)),
-            ("bubble", ("bubble",)))
-_REPLAY_KEY = {"compute": "compute", "comm tp/ep/cp": "comm_inside", "comm pp": "comm_pp", "bubble": "bubble"}
+# (label, the replay's part, the measured parts it compares with): framework/sim/replay.py
+REPLAYED = (("compute", "compute", ("compute",)), ("comm tp/ep/cp", "comm_inside", ("comm_tp", "comm_ep", "comm_cp")),
+            ("comm pp", "comm_pp", ("comm_pp",)), ("bubble", "bubble", ("bubble",)))
 
 
 def replay_breakdown_line(summary: dict) -> str:
     """`replay's breakdown, ms predicted / measured: compute 410 / 402 | ...`: the simulator's
     replay of the run's own durations, cut as the measured step is, beside the measurement."""
     shown = []
-    for label, parts in REPLAYED:
+    for label, part, parts in REPLAYED:
         measured = sum(summary.get(f"time_{p}_s", 0.0) for p in parts)
-        shown.append(f"{label} {summary[f'predicted_time_{_REPLAY_KEY[label]}_s'] * 1e3:.1f} / {measured * 1e3:.1f}")
+        shown.append(f"{label} {summary[f'predicted_time_{part}_s'] * 1e3:.1f} / {measured * 1e3:.1f}")
     return f"replay's breakdown, ms per step predicted / measured (mean over ranks): {' | '.join(shown)}"
 
 
