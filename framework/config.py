@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.parallel.pipeline.schedules.base import AUTO as AUTO_SCHEDULE
 from framework.parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
+from framework.parallel.pipeline.schedules.base import pairs_forward_backward
 from framework.precision import PRECISIONS
 
 
@@ -187,6 +188,11 @@ class ParallelismConfig:
     overlap_cp_ring: bool = key(False, when=lambda r: r.parallelism.cp > 1 and r.parallelism.cp_comm == "ring",
                                 when_text="parallelism.cp > 1 and parallelism.cp_comm=ring",
                                 base=("parallelism.cp=2", "parallelism.cp_comm=ring"))
+    # schedules with F / B pairs (dualpipev): each pair's F and B run side by side, so one's
+    # all-to-all (ep) runs under the other's compute (DualPipe's overlap; executor.py)
+    overlap_dualpipe: bool = key(False, when=lambda r: r.parallelism.pp > 1 and pairs_forward_backward(r.schedule.name),
+                                 when_text="a schedule with forward / backward pairs (schedule=dualpipev)",
+                                 base=("parallelism=pp2", "schedule=dualpipev", "schedule.microbatches=4"))
     # null = dp * cp * tp * pp; set it to assert the launch size (or to derive dp)
     world_size: Optional[int] = key(None, ge=1, le=MAX_RANKS)
     # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]

@@ -178,16 +178,20 @@ class ParallelContext:
         return self.groups.get("log")
 
     @classmethod
-    def create(cls, dims: ParallelDims, rank: int, device, recorder=None, timeout=None) -> ParallelContext:
+    def create(cls, dims: ParallelDims, rank: int, device, recorder=None, timeout=None,
+               side: bool = False) -> ParallelContext:
+        """`side` (parallelism.overlap_dualpipe): a second ep group, "ep_side", the same ranks,
+        for the collectives of a pair's F thread (framework/parallel/side_thread.py)."""
         import torch.distributed as dist
 
         groups, members = {}, {}
         dims_made = ("pp", "dp", "tp", "embedding") + (("ep", "edp") if dims.ep > 1 else ()) + (
-            ("cp",) if dims.cp > 1 else ())
+            ("cp",) if dims.cp > 1 else ()) + (("ep_side",) if side and dims.ep > 1 else ())
         for dim in dims_made:
             # new_group is collective over the whole world: every rank creates every group,
             # in the same order, and keeps the one it belongs to.
-            for ranks in dims.groups(dim) if dim != "embedding" else dims.embedding_groups():
+            grid = dims.embedding_groups() if dim == "embedding" else dims.groups(dim.removesuffix("_side"))
+            for ranks in grid:
                 g = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from framework.metrics.breakdown import PARTS, busy_s, rank_parts, row, split_waits
+from framework.metrics.breakdown import PARTS, busy_s, rank_parts, row, serialise_pairs, split_waits
 from framework.parallel.pipeline.schedules import get
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +31,26 @@ def test_parts_tile_the_step_and_spans_leave_the_compute_that_holds_them():
     assert (p["comm_tp"], p["comm_ep"], p["comm_dp"]) == (1.0, 0.25, 0.25)
     assert (p["data"], p["optimizer"], p["bubble"], p["wait"], p["host"]) == (1.0, 0.75, 1.0, 1.0, 2.0)
     assert sum(p[k] for k in PARTS) + p["wait"] == 10.5
+
+
+def test_an_overlapped_pair_becomes_two_records_that_tile_it_with_only_the_exposed_spans():
+    """parallelism.overlap_dualpipe: F1 (side thread) beside 1B0 (main). F waits 0-1 for its
+    receive, B 1-2; both run from 2. F's thread computes 2-6 and waits in ep spans 3-4 and
+    5-6.5; B's computes 2-5.5 and waits in an ep span 4.5-5; they join at 7. By the piece:
+    2-3 both compute (0.5 each), 3-4 B (F's span hidden), 4-4.5 both, 4.5-5 F (B's span
+    hidden), 5-5.5 B, 5.5-6.5 no one computes and F waits (exposed ep, 1.0), 6.5-7 host.
+    F: 1.25 compute, B: 2.25. 1B1 after the pair and its span 7.2-7.4 stay as they were."""
+    actions = [("F1", 0.0, 1.0, 1.0), ("1B0", 1.0, 2.0, 7.0), ("1B1", 7.0, 7.0, 8.0)]
+    spans = [("ep", "f", 3.0, 4.0), ("ep", "b", 4.5, 5.0), ("ep", "f", 5.0, 6.5), ("ep", "x", 7.2, 7.4)]
+    out, cut = serialise_pairs(actions, [(0, 2.0, 6.0, 2.0, 5.5)], spans, side={0, 2})
+    # F: its wait, 1.25 compute, 1.0 exposed; B: its 1.0 wait, 2.25 compute; then 0.5 host
+    assert out == [("F1", 0.0, 1.0, 3.25), ("1B0", 3.25, 4.25, 6.5), ("1B1", 7.0, 7.0, 8.0)]
+    assert cut == [("ep", "overlapped pair", 2.25, 3.25), ("ep", "x", 7.2, 7.4)]
+    p, _ = rank_parts(0.0, 0.0, 8.0, 0.0, 8.0, 0.0, out, cut)
+    assert (p["F"], p["comm_ep"], p["host"], p["wait"]) == (1.25, pytest.approx(1.2), 0.5, 2.0)
+    assert p["B"] == pytest.approx(2.25 + 1.0 - 0.2)  # 1B0's and 1B1's compute
+    assert sum(p[k] for k in PARTS) + p["wait"] == pytest.approx(8.0, abs=1e-12)
+    assert serialise_pairs(actions, [], spans, set()) == (actions, spans)  # no pairs: untouched
 
 
 def test_a_receive_wait_is_bubble_until_the_message_is_sent_then_pp():

@@ -149,6 +149,8 @@ BAD = [
     (["parallelism=tp2", "parallelism.sequence_parallel=true", "data.seq_len=33"], "data.seq_len=33",
      "splits the sequence over tp=2"),
     (["parallelism.zero=4"], "parallelism.zero=4", "must be <= 3"),
+    (["parallelism=tp2_pp2", "schedule=dualpipev", "schedule.microbatches=4", "parallelism.overlap_dualpipe=true"],
+     "parallelism.tp=2", "only ep's collectives have a group per thread"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "must be <= 1"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0", ">= 0"),
     (["model.dropout=1.0"], "model.dropout=1.0", "must be < 1"),

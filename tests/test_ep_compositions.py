@@ -19,6 +19,8 @@ sequence shard)."""
 
 import pytest
 
+from framework.metrics.breakdown import PARTS
+
 from .conftest import assert_config_error, assert_same_training, final_params, read_metrics, run_local
 from .test_expert_parallel import ROUTING
 from .test_moe import MOE
@@ -30,6 +32,9 @@ LAYOUTS = {
     "interleaved_zb": [*EP_PP, "schedule=interleaved-zb"],
     "zbv_nccl": [*EP_PP, "schedule=zbv", "debug.coalesced_p2p=true"],  # NCCL's one Work per p2p batch
     "dualpipev": [*EP_PP, "schedule=dualpipev"],
+    # DualPipe's overlap: each steady-state pair's F on a second thread (its all-to-alls on a
+    # second ep group) beside the B of the other chunk
+    "dualpipev_overlap": [*EP_PP, "schedule=dualpipev", "parallelism.overlap_dualpipe=true"],
     "zero1_dp2": [*EP_PP, "schedule=flush", "parallelism.zero=1"],
     # 8 ranks: ep 2 of dp 4 leaves edp = 2 replicas of each expert, so ZeRO-1 shards the
     # experts' optimizer states over edp and the dense ones over dp, in two chunks per rank
@@ -77,6 +82,13 @@ def test_ep_composition_reproduces_the_single_process_in_fp64(single, layout, tm
     assert summary["global_batch"] == 16 and summary["virtual_stages"] == 2 - (layout in ONE_CHUNK)
     assert all(m["a2a_bytes"] > 0 for m in metrics)  # the experts were split over ep
     assert_same_training(metrics, params, *single[1:])
+    if layout == "dualpipev_overlap":  # the pairs ran side by side: some all-to-all hidden, none lost
+        assert all(m["comm_total_ep_s"] >= m["time_comm_ep_s"] > 0 for m in metrics)
+        assert sum(m["comm_hidden_ep"] for m in metrics) > 0
+        for m in metrics:  # each rank's parts, the pairs' serialised records among them, tile its step
+            for parts, step_s in zip(m["rank_time_s"], m["rank_step_time_s"], strict=True):
+                assert sum(parts[k] for k in PARTS) == pytest.approx(step_s, abs=1e-9)
+                assert min(parts.values()) >= 0
     # the routing statistics are global (summed over dp, micro-batches and a rank's chunks)
     for mine, ref in zip(metrics, single[1], strict=True):
         assert set(mine["moe_layers"]) == set(ref["moe_layers"]) == {"0", "1", "2", "3"}

@@ -233,7 +233,7 @@ def test_the_configured_schedule_is_proved_before_launch(monkeypatch):
 
     asked = []
 
-    def failing(sched, lists, pp, m, v=1, steps=1):
+    def failing(sched, lists, pp, m, v=1, steps=1, pairs=False):
         asked.append((sched.name, pp, m, v))
         raise ScheduleError("deadlock under NCCL's rules: {0: 'batch [...] never completes'}")
 

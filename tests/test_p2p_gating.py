@@ -83,3 +83,36 @@ def test_groups_are_proved_under_nccl_and_keep_a_channels_order(name, pp, m, v):
             assert all(op.group == 0 for op in batch if op.op == "send")
             later = [op for op in batch if op.group > 0]
             assert all(op.op == "recv" for op in later) and len({op.group for op in later}) == len(later)
+
+
+def test_dualpipe_pairs_run_as_units_and_are_proved_under_nccl():
+    """parallelism.overlap_dualpipe (p2p._pair): each F / B pair of dualpipev starts once both
+    its receives are in and issues nothing between its two computes, both receives in one
+    group; proved deadlock-free under NCCL's rules for p 2..8. Each receive in a group of its
+    own (the plain gating rule) deadlocks the pairs: the two ranks' sends of a pair's results
+    wait in one unit for receives the peer posts only in its next."""
+    from framework.parallel.pipeline import p2p
+    from framework.parallel.pipeline.check import ScheduleError
+    from framework.parallel.pipeline.messages import needs
+    from framework.parallel.pipeline.schedules.base import pair_starts
+
+    for pp in range(2, 9):
+        for m in (2 * pp, 2 * pp + 1, 3 * pp):
+            lists, smap = check("dualpipev", pp, m, 2, pairs=True), get("dualpipev").stage_map(pp, 2)
+            plans = comm_plan(lists, smap, pairs=True)
+            for r, plan in plans.items():
+                starts = pair_starts(plan.actions)
+                assert len(starts) >= m - 2 * pp + 1  # the steady state's pairs at least
+                where = {op.msg: (k, op.group) for k, b in enumerate(plan.batches) for op in b if op.op == "recv"}
+                for k in starts:
+                    assert plan.batches[k + 1] == []
+                    got = [where[msg] for msg in (needs(a, r, smap) for a in plan.actions[k:k + 2]) if msg in where]
+                    assert all(at <= k for at, _ in got)  # both posted before the pair
+                    if len(got) == 2 and got[0][0] == got[1][0]:
+                        assert got[0][1] == got[1][1]  # one group: the unit waits for both at once
+    lists, smap = check("dualpipev", 2, 4, 2), get("dualpipev").stage_map(2, 2)
+    plans = comm_plan(lists, smap, pairs=True)
+    for r, plan in plans.items():
+        p2p._gate(plan, r, smap, False)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        nccl_simulate(plans, smap)

@@ -20,7 +20,10 @@ Layouts, each where one dimension's communication is large:
   unit's all-gather prefetched), ours also with both overlaps;
 - cp: cp 2 with the ring at sequence 1,024, `parallelism.overlap_cp_ring` off / on;
 - tp: tp 2 (pp 1), and tp 2 x pp 2 (no tp overlap built: exposed = all of it);
-- pp: pp 2 (its bubble and transfers).
+- pp: pp 2 (its bubble and transfers);
+- ep: the MoE model (moe-tiny at the same widths, 8 layers, 4 experts of width 512, top 2)
+  at ep 2 x dp 2 x pp 2, dualpipev, `parallelism.overlap_dualpipe` off / on (each pair's F
+  on a second thread beside the other chunk's B).
 Machine: 2 CPU cores; 4-rank layouts are oversubscribed (4 processes on 2 cores), so a
 collective's background thread competes with compute for a core: overlap here is smaller
 than on devices whose communication has its own engine.
@@ -36,6 +39,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = ["model=gpt2-tiny", "model.n_layer=8", "model.n_embd=256", "model.n_head=4", "data=synthetic",
          "data.seq_len=64", "trainer.micro_batch_size=2", "logger=none", "metrics.skip_first=2"]
+# ep: the MoE model at the same widths (8 layers of 4 experts, top 2), ep 2 x dp 2 x pp 2
+MOE = ["model=moe-tiny", "model.moe.expert_inner=512", "parallelism=dp2_pp2", "parallelism.ep=2",
+       "schedule.microbatches=8"]
 LONG = ["data.seq_len=1024", "model.max_positions=1024", "trainer.micro_batch_size=1", "schedule.microbatches=4"]
 CONFIGS = {
     "dp2 pp2 flush": ["parallelism=dp2_pp2", "schedule=flush", "schedule.microbatches=8"],
@@ -63,8 +69,10 @@ CONFIGS = {
     "tp2": ["parallelism=tp2", "schedule.microbatches=8"],
     "tp2 pp2 flush": ["parallelism=tp2_pp2", "schedule=flush", "schedule.microbatches=8"],
     "pp2 flush": ["parallelism=pp2", "schedule=flush", "schedule.microbatches=8"],
+    "ep2 dp2 pp2 dualpipev": [*MOE, "schedule=dualpipev"],
+    "ep2 dp2 pp2 dualpipev + overlap_dualpipe": [*MOE, "schedule=dualpipev", "parallelism.overlap_dualpipe=true"],
 }
-PARTS = ("comm_dp", "comm_tp", "comm_pp", "comm_cp", "bubble", "compute", "optimizer", "host", "data")
+PARTS = ("comm_dp", "comm_tp", "comm_pp", "comm_ep", "comm_cp", "bubble", "compute", "optimizer", "host", "data")
 
 
 def job_dir(out: Path, tag: str) -> Path:
@@ -73,7 +81,8 @@ def job_dir(out: Path, tag: str) -> Path:
 
 def run(out: Path, tag: str, args: list[str], steps: int) -> dict:
     job = job_dir(out, tag)
-    cmd = [sys.executable, "run.py", *MODEL, *args, f"trainer.steps={steps}", f"hydra.run.dir={job}"]
+    model = [a for a in MODEL if not a.startswith("model=")] if any(a.startswith("model=") for a in args) else MODEL
+    cmd = [sys.executable, "run.py", *model, *args, f"trainer.steps={steps}", f"hydra.run.dir={job}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{tag}: {r.stderr[-2000:]}")
@@ -98,11 +107,11 @@ def main() -> None:
                 continue
             got[name].append(run(out / f"r{rep}", name, args, a.steps))
             print(f"repeat {rep} {name}: {got[name][-1]['step_time_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-    totals = [f"comm_total_{d}_s" for d in ("dp", "cp")]
-    hidden = [f"comm_hidden_{d}" for d in ("dp", "cp")]
+    totals = [f"comm_total_{d}_s" for d in ("dp", "ep", "cp")]
+    hidden = [f"comm_hidden_{d}" for d in ("dp", "ep", "cp")]
     print("| layout | step ms (median, min-max) | " + " | ".join(f"{p} ms" for p in PARTS)
-          + " | dp total ms (hidden) | cp total ms (hidden) |")
-    print("|---|---|" + "---|" * (len(PARTS) + 2))
+          + " | dp total ms (hidden) | ep total ms (hidden) | cp total ms (hidden) |")
+    print("|---|---|" + "---|" * (len(PARTS) + 3))
     for name, runs in got.items():
         steps = [r["step_time_s"] * 1e3 for r in runs]
         parts = [statistics.median(r[f"time_{p}_s"] for r in runs) * 1e3 for p in PARTS]

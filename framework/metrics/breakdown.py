@@ -84,6 +84,65 @@ def rank_parts(t0: float, t1: float, t2: float, start: float, pipeline_s: float,
     return parts, inside
 
 
+def serialise_pairs(actions: list, pairs: list, spans: list, side: set) -> tuple[list, list]:
+    """parallelism.overlap_dualpipe: each overlapped pair's two threads (F beside B) as two
+    records one after the other that tile the pair's time, and its communication spans as
+    the exposed part alone, so `rank_parts` cuts it as any other action. Within the pair's
+    compute window (both receives in, to both threads done), an instant where a thread
+    computes is compute (half each when both do, F's or B's when one does), one where no
+    thread computes and one waits in a span is that span's exposed communication, the rest
+    (thread start and join) host. F's record takes its receive wait, its compute and its
+    exposed communication; B's its receive wait, moved after F's share (so its bubble /
+    comm_pp split reads a later start: the only approximation), its compute and its exposed
+    communication. The spans' whole times stay in the totals (`comm_total_<dim>_s`).
+    `pairs`: StepResult.pairs; `side`: the indices of the F thread's spans."""
+    if not pairs:
+        return actions, spans
+    actions, keep, exposed = list(actions), [True] * len(spans), []
+    for k, f0, f1, b0, b1 in pairs:
+        name_f, start, f_waited, _ = actions[k]
+        name_b, _, both, end = actions[k + 1]
+        mine = [i for i, (_, _, s, e) in enumerate(spans) if both <= (s + e) / 2 <= end]
+        for i in mine:
+            keep[i] = False
+        threads = [(f0, f1, [spans[i] for i in mine if i in side]), (b0, b1, [spans[i] for i in mine if i not in side])]
+        compute, comm, host = _sweep(both, end, threads)
+        edges = [f_waited]
+        for t, at in ((0, f_waited), (1, None)):
+            if at is None:  # B's record: its receive wait, after F's share
+                at = edges[-1] + (both - f_waited)
+                edges.append(at)
+            at += compute[t]
+            for dim, sec in comm[t].items():
+                exposed.append((dim, "overlapped pair", at, at + sec))
+                at += sec
+            edges.append(at)
+        actions[k] = (name_f, start, f_waited, edges[1])
+        actions[k + 1] = (name_b, edges[1], edges[2], edges[3])  # then host up to `end` (thread start, join)
+    return actions, sorted([sp for sp, kept in zip(spans, keep) if kept] + exposed, key=lambda sp: sp[2])
+
+
+def _sweep(lo: float, hi: float, threads: list) -> tuple[list, list, float]:
+    """Cut [lo, hi] at every edge; each piece to compute, exposed communication or host
+    (serialise_pairs). `threads`: (compute start, end, spans) of F's and B's threads."""
+    edges = sorted({lo, hi, *(min(max(x, lo), hi) for a, b, sp in threads
+                               for x in (a, b, *(t for _, _, s, e in sp for t in (s, e))))})
+    compute, comm, host = [0.0, 0.0], [{}, {}], 0.0
+    for a, b in zip(edges, edges[1:]):
+        mid, n = (a + b) / 2, b - a
+        dims = [next((d for d, _, s, e in sp if s <= mid <= e), None) for _, _, sp in threads]
+        busy = [t0 <= mid <= t1 and dims[t] is None for t, (t0, t1, _) in enumerate(threads)]
+        if any(busy):
+            for t in range(2):
+                compute[t] += n * busy[t] / sum(busy)
+        elif any(d is not None for d in dims):
+            t = 0 if dims[0] is not None else 1
+            comm[t][dims[t]] = comm[t].get(dims[t], 0.0) + n
+        else:
+            host += n
+    return compute, comm, host
+
+
 def split_waits(per_rank: list, smap, pipelines: list[list[int]]) -> list[dict]:
     """Every rank's parts with its receive waits split (module docstring): before the
     message was sent, bubble; after, comm_pp. A message sent in an earlier step (the

@@ -10,6 +10,9 @@ transfer plus the wait for the slowest peer); on CUDA two events on the compute 
 read after the step (no host sync per call: the span is the compute stream's wait for
 the collective, i.e. the exposed time).
 
+Threads (parallelism.overlap_dualpipe): each thread has its own open span, and a span from
+a pair's F thread is marked (`last_side`), so the breakdown can tell whose compute hid it.
+
 Nested spans count once, in the outermost (a gradient sync over tp inside the dp span is
 dp's). Not seen: torch DDP's bucketed all-reduce (its C++ reducer overlaps the last
 backward; what it exposes stays in that backward's compute) and FSDP2's own collectives.
@@ -28,12 +31,14 @@ there, never more than was hidden.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Optional
 
 import torch
 
 from framework.metrics.timestamps import clock_for
+from framework.parallel.side_thread import on_side
 
 DIMS = ("dp", "tp", "pp", "ep", "cp")
 
@@ -42,7 +47,10 @@ class CommTimer:
     def __init__(self, device: torch.device):
         self.clock = clock_for(device)
         self.spans: list[tuple] = []  # this step's (dim, what, start mark, end mark)
-        self.open: Optional[str] = None
+        self._open = threading.local()  # per thread: a pair's two threads time their own calls
+        self._lock = threading.Lock()
+        self.side: set[int] = set()  # indices of spans from a pair's F thread (side_thread.py)
+        self.last_side: set[int] = set()  # the last take()'s: indices into what it returned
         self.host = device.type != "cuda"  # completion times of overlapped calls are readable
         self.overlapped: set[int] = set()  # indices of spans that wait for an overlapped call
         self.async_calls: list[tuple[str, float, list]] = []  # (dim, issue time, completion times)
@@ -51,21 +59,30 @@ class CommTimer:
     def begin_step(self) -> None:
         """Before the step's first span (CUDA: anchors event times to the host clock)."""
         self.clock.begin_step()
-        self.spans, self.overlapped, self.async_calls = [], set(), []
+        self.spans, self.overlapped, self.async_calls, self.side = [], set(), [], set()
+
+    @property
+    def open(self) -> Optional[str]:
+        """The calling thread's open span's dimension (None: none open)."""
+        return getattr(self._open, "dim", None)
 
     @contextlib.contextmanager
     def span(self, dim: str, what: str = "", overlapped: bool = False):
         if self.open is not None:  # nested: the outer span owns the time
             yield
             return
-        self.open, start = dim, self.clock.mark()
+        self._open.dim, start = dim, self.clock.mark()
         try:
             yield
         finally:
-            if overlapped:
-                self.overlapped.add(len(self.spans))
-            self.spans.append((dim, what or dim, start, self.clock.mark()))
-            self.open = None
+            end = self.clock.mark()
+            with self._lock:
+                if overlapped:
+                    self.overlapped.add(len(self.spans))
+                if on_side():
+                    self.side.add(len(self.spans))
+                self.spans.append((dim, what or dim, start, end))
+            self._open.dim = None
 
     def issued(self, dim: str, works) -> bool:
         """An overlapped call was just issued: its total runs until its last Work completes.
@@ -94,7 +111,8 @@ class CommTimer:
                 totals[d] += e - s
         for d, issued, done in self.async_calls:
             totals[d] += max(done, default=issued) - issued
-        self.totals, self.spans, self.overlapped, self.async_calls = totals, [], set(), []
+        self.totals, self.last_side = totals, self.side
+        self.spans, self.overlapped, self.async_calls, self.side = [], set(), [], set()
         return out
 
 

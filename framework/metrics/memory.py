@@ -138,7 +138,7 @@ class ActivationTracker:
 
     def live_bytes(self) -> int:
         keys = {}
-        for saved in self._live.values():
+        for saved in list(self._live.values()):  # a copy: a pair's B thread may pop meanwhile
             keys.update(saved)
         return sum(keys.values())
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.metrics.timestamps import now
+from framework.parallel.side_thread import on_side
 from framework.parallel.tensor_parallel import TPShard
 from framework.parallel.tp_comm import TPComm
 
@@ -51,11 +52,20 @@ class EPComm(TPComm):
     come from those; without one (direct use), host time around each call after
     synchronising the compute stream on CUDA (`metrics.timestamps.now`)."""
 
-    def __init__(self, group, size: int, rank: int, device=None, timer=None):
+    def __init__(self, group, size: int, rank: int, device=None, timer=None, side_group=None):
+        self._side = side_group  # parallelism.overlap_dualpipe: the F thread's group (side_thread.py)
         super().__init__(group, size, rank, timer=timer, dim="ep")
         self.device = device if device is not None else torch.device("cpu")
         self.a2a_bytes, self.a2a_s = 0, 0.0
         self.spans: list[tuple[str, float, float]] = []  # this step's calls: (what, start, end), unix s
+
+    @property
+    def group(self):
+        return self._side if self._side is not None and on_side() else self._group
+
+    @group.setter
+    def group(self, group) -> None:
+        self._group = group
 
     def take_a2a(self, timed: Optional[list] = None) -> tuple[int, float, list]:
         """(bytes, seconds, spans) of all-to-all since the last call (a step's when called once

@@ -54,6 +54,9 @@ class StepResult:
     skipped_steps: int = 0  # fp16-mixed: overflowed steps so far (cumulative)
     moe: Optional[dict] = None  # MoE models: per-layer routing sums of the step (framework/models/moe_layer.py)
     started: float = 0.0  # unix time pipeline_s began (the first action's first mark; pp = 1: the first forward)
+    # parallelism.overlap_dualpipe: per overlapped pair, (index of its F in records, F's compute
+    # start, end, B's compute start, end), unix s (breakdown.serialise_pairs reads them)
+    pairs: list = field(default_factory=list)
 
 
 @dataclass

@@ -100,11 +100,12 @@ class PipelineRunner:
             self.steps = steps
             plan = self._segment_plan(0)
         else:
-            plan = comm_plan(self.schedule.generate(p, m, v, 1), self.smap)[ctx.coords.pp]
+            plan = comm_plan(self.schedule.generate(p, m, v, 1), self.smap,
+                             run.parallelism.overlap_dualpipe)[ctx.coords.pp]
         self.clock = clock_for(ctx.device)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
                                          self._backward_done, act_dtype, plan, self.clock, run.debug.coalesced_p2p,
-                                         _delay_s(run, ctx.coords.pp), ctx.recorder)
+                                         _delay_s(run, ctx.coords.pp), ctx.recorder, run.parallelism.overlap_dualpipe)
         if self.is_async:
             self.versions = WeightVersions(self.chunks[0], self._uses(), tracker)
         else:
@@ -205,6 +206,7 @@ class PipelineRunner:
                           window_s=window, records=records,
                           weight_version_bytes=self.versions.peak_bytes if self.is_async else 0,
                           p2p_buffer_peak_bytes=self.executor.p2p_peak_bytes, moe=moe, started=start,
+                          pairs=[(k, *map(self.clock.seconds, m)) for k, *m in self.executor.pair_marks],
                           **self.update.step_fields())
 
     def _aux_scale(self, loss_weight: float) -> None:

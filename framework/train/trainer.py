@@ -41,7 +41,7 @@ from framework.parallel.pipeline.schedules import Op
 from framework.models import recompute
 from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
-from framework.metrics.breakdown import busy_s, rank_parts
+from framework.metrics.breakdown import busy_s, rank_parts, serialise_pairs
 from framework.metrics.comm_timer import CommTimer
 from framework.precision import autocast_context
 from framework.report.records import RunInfo, StepRecord, StepResult
@@ -59,7 +59,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
     tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp, timer=ctx.timer)
     tp_comm.delay_s = run.debug.tp_delay_ms / 1e3
     d = ctx.dims
-    ep_comm = EPComm(ctx.ep_group, d.ep, d.ep_rank(ctx.coords), ctx.device, ctx.timer) if d.ep > 1 else None
+    ep_comm = (EPComm(ctx.ep_group, d.ep, d.ep_rank(ctx.coords), ctx.device, ctx.timer, ctx.groups.get("ep_side"))
+               if d.ep > 1 else None)
     # On the meta device: the runner materialises what this rank keeps (its stages, its tp
     # shards, ZeRO unit by unit), never the whole model (framework/models/materialise.py).
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
@@ -127,7 +128,9 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
     t2 = now(ctx.device)
     spans = ctx.timer.take() if ctx.timer is not None else []
     actions = [(r.action, r.start, r.compute_start, r.end) for r in out.records]
-    parts, inside = rank_parts(t0, t1, t2, out.started, out.pipeline_s, out.optimizer_s, actions, spans)
+    # parallelism.overlap_dualpipe: each pair's threads as two records in turn, its exposed spans
+    actions, cut = serialise_pairs(actions, out.pairs, spans, ctx.timer.last_side if ctx.timer else set())
+    parts, inside = rank_parts(t0, t1, t2, out.started, out.pipeline_s, out.optimizer_s, actions, cut)
     if actions:  # busy is compute alone: a tp collective or an all-to-all inside an action is not
         out.busy_s = busy_s(parts)
         out.bubble = 1.0 - out.busy_s / out.window_s

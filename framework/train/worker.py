@@ -104,7 +104,7 @@ def init_rank(run: RunConfig, recorder) -> ParallelContext:
     dist.barrier()
     recorder.note("build process groups")
     p = run.parallelism
-    return ParallelContext.create(ParallelDims.of(p), rank, device, recorder, pg_timeout(run))
+    return ParallelContext.create(ParallelDims.of(p), rank, device, recorder, pg_timeout(run), p.overlap_dualpipe)
 
 
 def pg_timeout(run: RunConfig) -> timedelta:

@@ -47,8 +47,24 @@ def check_schedule(run: RunConfig) -> None:
                           f"{run.model.n_layer} blocks: a stage would hold no block",
                           f"use pp * virtual_stages <= {run.model.n_layer}")
     _partition(run, stages)
+    _overlap_dualpipe(run)
     if pp > 1:
         _prove(run, sched, where)
+
+
+def _overlap_dualpipe(run: RunConfig) -> None:
+    """A pair's F and B run on two threads, and a process group's collectives must be issued
+    in one order on every rank: ep's all-to-alls get a second group for the F thread
+    (topology.py); tp's and cp's collectives inside a block have none."""
+    p = run.parallelism
+    if not p.overlap_dualpipe:
+        return
+    for k, n in (("parallelism.tp", p.tp), ("parallelism.cp", p.cp)):
+        if n > 1:
+            raise ConfigError(k, n, "with parallelism.overlap_dualpipe=true: a pair's F and B run on two threads, "
+                              f"and only ep's collectives have a group per thread ({k.split('.')[1]}'s would "
+                              "interleave in a different order on each rank)",
+                              f"use {k}=1, or parallelism.overlap_dualpipe=false")
 
 
 def _auto_keys(run: RunConfig) -> None:
@@ -112,7 +128,7 @@ def _prove(run: RunConfig, sched, where) -> None:
     steps = min(2, run.trainer.steps) if not sched.flushes else 1
     try:
         prove(sched, sched.generate(pp, s.microbatches, s.virtual_stages, steps), pp, s.microbatches,
-              s.virtual_stages, steps)
+              s.virtual_stages, steps, run.parallelism.overlap_dualpipe)
     except ScheduleError as e:
         if where is not None:
             raise ConfigError("schedule.csv", s.csv, f"{_cells(e, where)}breaks a rule: {e}",

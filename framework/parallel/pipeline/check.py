@@ -144,9 +144,11 @@ def _stuck(plan: RankPlan, unit_list: list, started: int, done: int, computed: i
     return f"{plan.actions[computed]} waits" if computed < len(plan.actions) else "batch never starts"
 
 
-def prove(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: int = 1, steps: int = 1) -> None:
+def prove(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: int = 1, steps: int = 1,
+          pairs: bool = False) -> None:
     """Prove given lists for a schedule's declarations: the rules above, the declared
-    activation-memory bound, and the executor's batches under gloo's and NCCL's rules."""
+    activation-memory bound, and the executor's batches under gloo's and NCCL's rules
+    (`pairs`: those of parallelism.overlap_dualpipe, p2p._pair)."""
     smap = sched.stage_map(pp, v)
     n = m * steps if not sched.flushes else m
     if sorted(lists) != list(range(pp)):
@@ -154,17 +156,17 @@ def prove(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: i
     _check_lists(sched, lists, v, n)
     _check_memory(sched, lists, pp, n if not sched.flushes else m, v)
     simulate(lists, smap)
-    nccl_simulate(comm_plan(lists, smap), smap)
+    nccl_simulate(comm_plan(lists, smap, pairs), smap)
     if not sched.flushes:
         _check_versions(sched, lists, smap, m)
 
 
-def check(name: str, pp: int, m: int, v: int = 1, steps: int = 1) -> dict[int, list[Action]]:
+def check(name: str, pp: int, m: int, v: int = 1, steps: int = 1, pairs: bool = False) -> dict[int, list[Action]]:
     """Build and prove a registered schedule; returns the lists."""
     sched = get(name)
     bad = sched.why_not(pp, m, v)
     if bad is not None:
         raise ScheduleError(f"{bad.key}: {bad.reason}")
     lists = sched.generate(pp, m, v, steps if not sched.flushes else 1)
-    prove(sched, lists, pp, m, v, steps)
+    prove(sched, lists, pp, m, v, steps, pairs)
     return lists

@@ -18,6 +18,11 @@ Work per call). `debug.coalesced_p2p` makes gloo behave as NCCL: one merged Work
 group, and every tag 0, so gloo also matches a pair's messages in issue order.
 Sends are waited for at the end of a flushing step (every receive has run by then).
 
+DualPipe's pairs (`parallelism.overlap_dualpipe`, a schedule registered with `pairs`): an F
+followed at once by a B of the other chunk runs as one unit (`_pair`): both receives waited
+for, the F on a second thread (framework/parallel/side_thread.py: its ep all-to-alls on a
+group of their own) beside the B on this one, both results sent after (p2p.py's `_pair`).
+
 Timing (framework/metrics/timestamps.py): per action a mark before the receive wait, one after
 it (compute starts) and one after the compute; host time on CPU, CUDA events on GPUs,
 read after the step, so the measured bubble is step time minus compute, never time spent
@@ -38,7 +43,9 @@ from framework.train.flight import NullRecorder
 from framework.metrics.memory import tensor_bytes
 from framework.parallel.pipeline.messages import Message, needs, produces
 from framework.parallel.pipeline.p2p import RankPlan
-from framework.parallel.pipeline.schedules.base import Action, Op, StageMap
+from framework.parallel.pipeline.p2p_work import BatchWork, batch_isend_irecv
+from framework.parallel.pipeline.schedules.base import Action, Op, StageMap, pair_starts
+from framework.parallel.side_thread import SideThread
 from framework.parallel.pipeline.split_backward import PendingWeight, backward_input, backward_weight
 
 
@@ -75,55 +82,6 @@ def _tag(msg: Message, num_stages: int) -> int:
     return ((msg.microbatch * num_stages + msg.stage) * 2 + (msg.kind == "grad")) % (2 ** 31 - 1)
 
 
-class BatchWork:
-    """One handle for a group's Works: NCCL returns one coalesced Work, gloo one per op."""
-
-    def __init__(self, works, tensors, segment: int):
-        self.works = list(works or [])
-        self.tensors = tensors  # keep sent tensors and receive buffers alive until done
-        self.segment = segment  # which run() call issued it (a step, for async schedules)
-        self.done = [False] * len(self.works)
-        self.waited = False
-
-    def wait_for(self, i: int) -> None:
-        """Op i's Work alone when each op has one (gloo); else the group's one Work."""
-        self._wait(i if len(self.works) > 1 else 0)
-
-    def _wait(self, i: int) -> None:
-        if not self.done[i]:  # once: a gloo receive Work waited a second time blocks forever
-            self.works[i].wait()
-            self.done[i] = True
-
-    def wait(self) -> None:
-        for i in range(len(self.works)):
-            self._wait(i)
-        self.waited = True
-
-    def is_completed(self) -> bool:
-        # gloo reports a send complete only once it is waited for; waited means done.
-        return self.waited or all(d or w.is_completed() for d, w in zip(self.done, self.works))
-
-
-class _MergedWork:
-    """debug.coalesced_p2p: gloo's per-op Works behind one, as NCCL returns them."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
-def _batch_isend_irecv(ops: list, coalesced: bool) -> list:
-    works = dist.batch_isend_irecv(ops)
-    return [_MergedWork(works)] if coalesced and works else works
-
-
 def stage_delay(device: torch.device, seconds: float) -> None:
     """debug.stage_delay_ms: make this stage's compute slower by a known amount (on CUDA
     the stream sleeps, so the GPU time grows, not only the host's)."""
@@ -140,8 +98,12 @@ class PipelineExecutor:
     def __init__(self, chunks: list[nn.Module], peers: PipelinePeers, device: torch.device,
                  act_shape: tuple[int, ...], forward_context: Callable, on_backward_done: Callable,
                  act_dtype: torch.dtype, plan: RankPlan, clock, coalesced_p2p: bool = False,
-                 delay_s: float = 0.0, recorder=None):
+                 delay_s: float = 0.0, recorder=None, pairs: bool = False):
         self.chunks, self.peers, self.device = chunks, peers, device
+        # parallelism.overlap_dualpipe: the indices k whose F runs beside B k + 1 (`_pair`)
+        self.pairs = set(pair_starts(plan.actions)) if pairs else set()
+        self.side = SideThread(device) if pairs else None
+        self.pair_marks: list[tuple] = []
         self.recorder = recorder or NullRecorder()  # framework.train.flight: what the hang watchdog reads
         self.act_shape = act_shape  # (micro_batch_size, seq_len, hidden)
         self.act_dtype = act_dtype  # fp32 (also under bf16 autocast), fp64 in verification mode
@@ -185,7 +147,7 @@ class PipelineExecutor:
         self.recorder.note("p2p batch " + ", ".join(f"{o.op} {o.msg.kind} mb{o.msg.microbatch} "
                                                     f"{'->' if o.op == 'send' else '<-'} pp{o.peer}"
                                                     for o in group))
-        work = BatchWork(_batch_isend_irecv(ops, self.coalesced), tensors, self.segment)
+        work = BatchWork(batch_isend_irecv(ops, self.coalesced), tensors, self.segment)
         self.inflight = [w for w in self.inflight if not w.is_completed()] + [work]
         for msg, t, i in recvs:
             self.posted[msg] = (work, t, i)
@@ -252,34 +214,75 @@ class PipelineExecutor:
             update: Optional[Callable[[int], None]] = None) -> list:
         """Actions first..last-1 of the plan, each followed by its batch; `batch_of(j)` gives
         micro-batch j's (tokens, labels). Returns raw marks (action, start, compute start,
-        end): `clock.seconds` reads them once the step is over."""
+        end): `clock.seconds` reads them once the step is over. An overlapped pair's threads'
+        own marks are in `pair_marks` (`_pair`)."""
         marks = []
         self.segment += 1
+        self.pair_marks = []
         if first == 0:
             self._issue(0)
-        for k in range(first, last):
+        k = first
+        while k < last:
+            if k in self.pairs and k + 1 < last:
+                marks += self._pair(k, len(marks), batch_of, microbatch_weight)
+                self._issue(k + 1)  # empty (p2p._pair): the pair's sends go with batch k + 2
+                self._issue(k + 2)
+                k += 2
+                continue
             a = self.plan.actions[k]
             start = self.clock.mark()
             received = self._received(a)
             compute_start = self.clock.mark()
-            self.recorder.note(str(a))
-            if a.op is Op.F:
-                x, y = batch_of(a.microbatch)
-                x = received.requires_grad_(True) if received is not None else x
-                self.forward(a, x, y, microbatch_weight, params_of(a.microbatch, a.chunk) if params_of else None)
-            elif a.op is Op.B:
-                self.backward(a, received)
-            elif a.op is Op.I:
-                self.backward_input(a, received)
-            elif a.op is Op.W:
-                self.backward_weight(a)
-            else:
-                update(a.microbatch)
-            if a.op.is_compute:
-                stage_delay(self.device, self.delay_s)
+            self._compute(a, received, batch_of, microbatch_weight, params_of, update)
             marks.append((str(a), start, compute_start, self.clock.mark()))
             self._issue(k + 1)
+            k += 1
         return marks
+
+    def _compute(self, a: Action, received, batch_of, microbatch_weight: float, params_of=None,
+                 update: Optional[Callable[[int], None]] = None) -> None:
+        self.recorder.note(str(a))
+        if a.op is Op.F:
+            x, y = batch_of(a.microbatch)
+            x = received.requires_grad_(True) if received is not None else x
+            self.forward(a, x, y, microbatch_weight, params_of(a.microbatch, a.chunk) if params_of else None)
+        elif a.op is Op.B:
+            self.backward(a, received)
+        elif a.op is Op.I:
+            self.backward_input(a, received)
+        elif a.op is Op.W:
+            self.backward_weight(a)
+        else:
+            update(a.microbatch)
+        if a.op.is_compute:
+            stage_delay(self.device, self.delay_s)
+
+    def _pair(self, k: int, index: int, batch_of, microbatch_weight: float) -> list:
+        """parallelism.overlap_dualpipe: F (action k) on the side thread beside B (k + 1) on
+        this one, once both receives are in (DualPipe's unit). Marks: F (start, its receive
+        waited, the same), B (then, both waited, both done); each thread's compute (start,
+        end) goes to `pair_marks` as (index of F's mark, F start, F end, B start, B end)."""
+        f, b = self.plan.actions[k], self.plan.actions[k + 1]
+        start = self.clock.mark()
+        x = self._received(f)
+        f_waited = self.clock.mark()
+        g = self._received(b)
+        both = self.clock.mark()
+        f_marks = []
+
+        def forward() -> None:
+            f_marks.append(self.clock.mark())
+            self._compute(f, x, batch_of, microbatch_weight)
+            f_marks.append(self.clock.mark())
+
+        running = self.side.submit(forward)
+        b_start = self.clock.mark()
+        self._compute(b, g, batch_of, microbatch_weight)
+        b_end = self.clock.mark()
+        running.result()  # re-raises the F thread's exception here
+        end = self.clock.mark()
+        self.pair_marks.append((index, *f_marks, b_start, b_end))
+        return [(str(f), start, f_waited, f_waited), (str(b), f_waited, both, end)]
 
     def wait_sends(self) -> None:
         """End of a flushing step: every message of the step has been received by now."""

@@ -40,7 +40,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
 from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
-from framework.parallel.pipeline.schedules.base import Action, StageMap
+from framework.parallel.pipeline.schedules.base import Action, StageMap, pair_starts
 from framework.sim.clock import simulate
 
 
@@ -61,8 +61,9 @@ class RankPlan:
     batches: list[list[P2POp]] = field(default_factory=list)
 
 
-def comm_plan(lists: dict[int, list[Action]], smap: StageMap) -> dict[int, RankPlan]:
-    """Every rank's batches under the lockstep rule (module docstring)."""
+def comm_plan(lists: dict[int, list[Action]], smap: StageMap, pairs: bool = False) -> dict[int, RankPlan]:
+    """Every rank's batches under the lockstep rule (module docstring); `pairs`
+    (parallelism.overlap_dualpipe): each F / B pair of `pair_starts` runs as one unit."""
     timeline = simulate(lists, smap, "unit")
     plans = {r: RankPlan(list(acts), [[] for _ in range(len(acts) + 1)]) for r, acts in lists.items()}
     sent_at: dict[Message, float] = {}
@@ -85,18 +86,40 @@ def comm_plan(lists: dict[int, list[Action]], smap: StageMap) -> dict[int, RankP
         for k, _, msg in sorted(recvs, key=lambda x: (x[0], x[1], _order(x[2]))):
             plans[r].batches[k].append(P2POp("recv", sender_of(msg, smap), msg))
     for r, plan in plans.items():
-        _gate(plan, r, smap)
+        if pairs:
+            _pair(plan, r, smap)
+        _gate(plan, r, smap, pairs)
     return plans
 
 
-def _gate(plan: RankPlan, rank: int, smap: StageMap) -> None:
+def _pair(plan: RankPlan, rank: int, smap: StageMap) -> None:
+    """A pair (F at k, B at k + 1) starts once both its inputs are there and both results
+    leave at its end (DualPipe's unit): batch k + 1, issued between the two, is emptied. B's
+    receive (with any receive from the same peer before it, so a channel keeps its order) is
+    appended to batch k; the rest (F's sends, receives for later actions) goes ahead of batch
+    k + 2, in its order. A rank then issues nothing between the two computes, so the
+    sequential NCCL model (check.nccl_simulate) proves the concurrent run too."""
+    for k in pair_starts(plan.actions):
+        moved, want = plan.batches[k + 1], needs(plan.actions[k + 1], rank, smap)
+        last = next((i for i, op in enumerate(moved) if op.op == "recv" and op.msg == want), -1)
+        early = [i for i, op in enumerate(moved[:last + 1]) if op.op == "recv" and op.peer == moved[last].peer]
+        plan.batches[k] = plan.batches[k] + [moved[i] for i in early]
+        plan.batches[k + 2] = [op for i, op in enumerate(moved) if i not in early] + plan.batches[k + 2]
+        plan.batches[k + 1] = []
+
+
+def _gate(plan: RankPlan, rank: int, smap: StageMap, pairs: bool = False) -> None:
     """Cut each batch into groups (the gating rule): the receive consumed first, with the
     batch's sends, is group 0; every later-consumed receive is a group of its own, in the
-    order of its consumers. Sorted by group, so the order within a channel is kept."""
+    order of its consumers (a pair's two receives: one group, its unit waits for both).
+    Sorted by group, so the order within a channel is kept."""
     consumer = {needs(a, rank, smap): k for k, a in enumerate(plan.actions)}
+    for k in pair_starts(plan.actions) if pairs else ():  # a pair waits for both: one consumer
+        consumer[needs(plan.actions[k + 1], rank, smap)] = k
     for k, batch in enumerate(plan.batches):
         recvs = sorted((op for op in batch if op.op == "recv"), key=lambda op: consumer[op.msg])
-        group = {op.msg: g for g, op in enumerate(recvs)}
+        order = list(dict.fromkeys(consumer[op.msg] for op in recvs))
+        group = {op.msg: order.index(consumer[op.msg]) for op in recvs}
         ops = [replace(op, group=group.get(op.msg, 0) if op.op == "recv" else 0) for op in batch]
         plan.batches[k] = sorted(ops, key=lambda op: op.group)  # stable: a channel's order is kept
 

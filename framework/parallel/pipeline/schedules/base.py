@@ -169,6 +169,9 @@ class Schedule:
     # the clock at the given op times: a simulation, which reports must not call analytic.
     bubble_source: Callable[[int, int, int], str] = lambda pp, m, v: CLOSED_FORM
     bubble_formula: str = ""
+    # Its steady state pairs one chunk's F with the other chunk's B (DualPipe): with
+    # parallelism.overlap_dualpipe the pair runs side by side (`pair_starts`, executor.py).
+    pairs: bool = False
 
     @property
     def flushes(self) -> bool:
@@ -198,6 +201,26 @@ class Schedule:
                              f"set schedule.virtual_stages={self.min_chunks}" +
                              (f", or use a schedule with several chunks ({', '.join(multi)})" if v > 1 else ""))
         return self.constraint(pp, m, v)
+
+
+def pair_starts(actions: list[Action]) -> list[int]:
+    """Indices k where actions k, k + 1 form an overlapped pair: an F followed at once by a
+    B of another chunk (DualPipe's F&B; a split backward's I is not paired: it must send its
+    gradient before the W that follows)."""
+    out, k = [], 0
+    while k + 1 < len(actions):
+        a, b = actions[k], actions[k + 1]
+        if a.op is Op.F and b.op is Op.B and a.chunk != b.chunk:
+            out.append(k)
+            k += 2
+        else:
+            k += 1
+    return out
+
+
+def pairs_forward_backward(name: str) -> bool:
+    """Whether schedule `name` is registered with overlappable F / B pairs."""
+    return name in REGISTRY and REGISTRY[name].pairs
 
 
 REGISTRY: dict[str, Schedule] = {}

@@ -1,8 +1,9 @@
 """DualPipeV (DeepSeek-V3's DualPipe, arXiv 2412.19437, folded into a V; torch 2.13's
 ScheduleDualPipeV): two chunks per rank in a V (rank r holds stages r and 2p-1-r). Its
 steady state pairs the forward of one chunk with the backward of the other; DualPipe
-overlaps each pair's computation with the other's communication on a GPU, and here the
-pair runs one after the other (F, then B). The start and the end split the backward into
+overlaps each pair's computation with the other's communication on a GPU. Here the pair
+runs one after the other (F, then B), or with `parallelism.overlap_dualpipe` side by side
+(`pairs=True`: the executor's `_pair`, p2p.py's `_pair`). The start and the end split the backward into
 I and W to fill the ramps. Needs microbatches >= 2p (the number of stages).
 
 Bubble. DeepSeek-V3's Table 2 gives DualPipe (PP/2-1)(F&B+B-3W), B the full backward and
@@ -100,5 +101,6 @@ register(Schedule(
     name="dualpipev", generate=dualpipev, ops=frozenset({Op.F, Op.B, Op.I, Op.W}), placement="v", chunks=2,
     preset_chunks=2, constraint=_check,
     doc="DualPipeV's order: 2 chunks per rank in a V; the steady state's forward/backward pairs of the two "
-        "chunks run one after the other (DualPipe's F/B overlap is not built)",
+        "chunks run one after the other, or side by side with parallelism.overlap_dualpipe (DualPipe's overlap)",
+    pairs=True,
     bubble=simulated(dualpipev, "v"), bubble_source=modelled, memory_bound=lambda pp, m, v, r: 2 * pp + 1))
