@@ -385,3 +385,33 @@ def test_the_rings_passes_hide_only_where_the_run_overlaps_them():
     off, on = (price(prof, Job(shape, lay, dp=4, microbatches=2, cp_ring_overlap=mode)) for mode in (False, True))
     assert off.step_s > on.step_s and off.comm_s["cp"] > on.comm_s["cp"]
     assert off.step_s - on.step_s == pytest.approx(off.comm_s["cp"] - on.comm_s["cp"])
+
+
+def test_dualpipe_pairs_hide_each_all_to_all_under_the_other_ops_compute():
+    """Job.dualpipe_overlap (a run's parallelism.overlap_dualpipe): in each dualpipev pair an
+    op's all-to-alls are exposed only past the other op's compute (sim/cost/pairs.py). A
+    hand case: F of chunk 0 (3.0 s, 1.0 of it all-to-all) beside B of chunk 1 (5.0, 2.5):
+    F = 2.0 + max(0, 1.0 - 2.5) = 2.0, B = 2.5 + max(0, 2.5 - 2.0) = 3.0 (1.0 + 2.0 hidden).
+    Priced: MoE at ep 2 x dp 2 x pp 2 on a slow link; the ramps keep their whole times, the
+    exposed ep time shrinks by what the pairs hid, and the step gets shorter."""
+    from framework.sim.cost.pairs import paired_costs
+    from framework.sim.cost.price import job_of
+
+    compute = {(0, 0, "F"): 3.0, (0, 1, "B"): 5.0, (0, 1, "F"): 2.0, (0, 0, "B"): 4.0}
+    a2a = {(0, 0, "F"): 1.0, (0, 1, "B"): 2.5, (0, 1, "F"): 0.5, (0, 0, "B"): 0.5}
+    got = paired_costs(compute, a2a, 1)
+    assert (got[(0, 0, "F")], got[(0, 1, "B")]) == (2.0, 3.0)
+    assert (got[(0, 1, "F")], got[(0, 0, "B")]) == (1.5, 3.5)  # nothing exposed: 0.5 < 3.5 and 0.5 < 1.5
+    prof = table_profile(gpus_per_node=8, host_overlaps=True,
+                         links={"intra": {"alpha_us": 5, "GBps": 2}, "inter": {"alpha_us": 5, "GBps": 2}})
+    shape = ModelShape.of(ModelConfig(arch="qwen3_moe", n_layer=8, n_embd=512, n_head=8, n_kv_head=2,
+                                      tie_embeddings=False, moe=MoEConfig(experts=8, top_k=2, expert_inner=512)), 512)
+    off, on = (price(prof, Job(shape, Layout(2, 1024, ep=2), dp=2, pp=2, microbatches=8, schedule="dualpipev",
+                               virtual_stages=2, dualpipe_overlap=mode)) for mode in (False, True))
+    hidden = on.comm_hidden_s["ep"]
+    assert hidden > 0 and "ep" not in off.comm_hidden_s and on.stage_s == off.stage_s
+    assert off.comm_s["ep"] - on.comm_s["ep"] == pytest.approx(hidden)
+    assert 0 < off.step_s - on.step_s <= 2 * hidden  # at most each rank's hidden part leaves the pipeline
+    run = compose("model=moe-tiny", "parallelism=dp2_pp2", "parallelism.ep=2", "schedule=dualpipev",
+                  "schedule.microbatches=4", "parallelism.overlap_dualpipe=true")
+    assert job_of(run, 256).dualpipe_overlap

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from framework.parallel.pipeline.messages import needs, produces, receiver_of, sender_of
-from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap
+from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap, pair_starts
 from framework.sim.matching import ScheduleError, match_pairs, recv_units, units
 
 
@@ -124,9 +124,14 @@ class Costs:
     # a receive posted after its send was issued: the latency from the posting (gloo's
     # rendezvous costs more then); None: alpha_s
     alpha_late_s: Optional[float] = None
+    # (rank, chunk, op) -> seconds of an action inside an overlapped F / B pair
+    # (parallelism.overlap_dualpipe: sim/cost/pairs.py); the pairs are `pair_starts`'
+    paired: dict = field(default_factory=dict)
 
-    def duration(self, rank: int, a: Action) -> float:
+    def duration(self, rank: int, a: Action, paired: bool = False) -> float:
         key = (rank, a.chunk, a.op.value)
+        if paired and key in self.paired:
+            return self.paired[key]
         if key not in self.compute:
             raise KeyError(f"no duration for {a} on rank {rank} (chunk {a.chunk}, op {a.op.value})")
         return self.compute[key]
@@ -172,6 +177,8 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
     na = {r: 0 for r in plans}  # actions computed (a prefix)
     local_ready: dict = {}  # a V's turn: handed over in memory when produced
     cost = (costs.transfer_s(), costs.transfer_s(late=True))
+    in_pair = {r: {i for k in pair_starts(p.actions) for i in (k, k + 1)} if costs.paired else set()
+               for r, p in plans.items()}
     progressed = True
     while progressed:
         progressed = False
@@ -209,7 +216,7 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
                         ready = None if where not in local_ready else max(ready, local_ready[where])
                     if ready is not None:
                         cstart[r][k] = ready
-                        end[r][k] = ready + costs.duration(r, a)
+                        end[r][k] = ready + costs.duration(r, a, k in in_pair[r])
                         out = produces(a, r, smap)
                         if out is not None and receiver_of(out, smap) == r:
                             local_ready[out] = end[r][k]

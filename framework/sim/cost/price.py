@@ -26,7 +26,8 @@ as each unit's gradients complete), in each micro-batch that reduces (ZeRO 1: th
 2 / 3: every one) one unit's share stays exposed and the others' only what exceeds the
 micro-batch's backward. ZeRO 3 gathers each chunk's parameters before every micro-batch's F
 and B: added to them, or overlapping them (`Job.zero3_prefetch`: the run's
-`parallelism.overlap_param_gather`, DeepSpeed's and FSDP's prefetch).
+`parallelism.overlap_param_gather`, DeepSpeed's and FSDP's prefetch). DualPipe's pairs
+(`Job.dualpipe_overlap`): each pair's all-to-alls under the other op's compute (pairs.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from framework.parallel.pipeline.partition import uniform
 from framework.parallel.pipeline.schedules import get
 from framework.parallel.pipeline.schedules.base import DEFAULT
 from framework.sim.clock import Costs, predict
+from framework.sim.cost.pairs import hidden_s, paired_costs
 from framework.sim.cost.activations import peak_bytes, recompute_transient
 from framework.sim.cost.collectives import collective_s, group_link
 from framework.sim.cost.traffic import (Collective, after_pipeline, dense_reduction, pass_collectives, rank_units,
@@ -68,6 +70,7 @@ class Job:
     overlap_grad_reduce: bool = False  # ZeRO 0, pp > 1: each chunk's dp all-reduce under the cooldown; ZeRO, pp 1:
     # each unit's reduce-scatter under the backward of the units before it
     cp_ring_overlap: bool = True  # cp's ring passes hide under their block's product (forward and backward)
+    dualpipe_overlap: bool = False  # a pairs schedule (dualpipev): each pair's ep all-to-alls under the other's compute
 
     @property
     def world(self) -> int:
@@ -101,7 +104,7 @@ def job_of(run, vocab: int) -> Job:
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
-               cp_ring_overlap=p.overlap_cp_ring)
+               cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe)
 
 
 def dtype_of(run) -> str:
@@ -134,6 +137,7 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
         out[ph] = _combine(prof, dev[ph], hb * (dev[ph] / back if back else 0.5))
     comm = pass_collectives(job, blocks, first, last)  # tp, ep and cp's collectives: on the critical path ...
     out["cp"] = 0.0
+    out["ep_F"], out["ep_B"] = (_seconds(prof, job, [c for c in comm[ph] if c.dim == "ep"]) for ph in "FB")
     for ph, pas in (("F", "F"), ("B", "I")):
         ring = [c for c in comm[ph] if c.op == "ring"]  # ... but the ring's passes, each hidden behind
         attention = prof.seconds([o for o in ops if o.kind == "attention"], lay.dtype, pas)  # a block's product
@@ -159,13 +163,14 @@ def price(prof: Profile, job: Job) -> Priced:
         raise ValueError(f"schedule {job.schedule} never flushes: the cost model prices flushing schedules")
     smap = sched.stage_map(p, v)
     parts = uniform(s.layers, p * v)
-    compute, executed, model, cp_s = {}, 0.0, 0.0, [0.0] * p
+    compute, executed, model, cp_s, ep = {}, 0.0, 0.0, [0.0] * p, {}
     for stage, blocks in enumerate(parts):
         t, ex, mo = stage_times(prof, job, len(blocks), stage == 0, stage == len(parts) - 1)
         r, c = smap.rank(stage), smap.chunk(stage)
         for op in "FIW":
             compute[(r, c, op)] = t[op]
         compute[(r, c, "B")] = t["I"] + t["W"]
+        ep[(r, c, "F")], ep[(r, c, "B")] = t["ep_F"], t["ep_B"]
         executed, model = executed + ex * m, model + mo * m
         cp_s[r] += t["cp"] * m
     dims = dims_of(job)
@@ -183,17 +188,22 @@ def price(prof: Profile, job: Job) -> Priced:
             units, times = len(rank_units(job, 0)), 1 if job.zero == 1 else m
             share = reduce / times / units  # one unit's reduce-scatter in one micro-batch
             exposed = times * (share + max(0.0, (units - 1) * share - compute[(0, 0, "B")]))
-            hidden = {"dp": reduce - exposed}
+            hidden["dp"] = reduce - exposed
             after, comm["dp"] = after - hidden["dp"], max(0.0, comm.get("dp", 0.0) - hidden["dp"])
     else:
         link = group_link(prof, dims, "pp")
         msg = lay.tokens * s.hidden * lay.act_bytes // (lay.tp if lay.sp else 1)
         costs = Costs(compute, {}, link.alpha_us * 1e-6, link.GBps * 1e9, msg)
-        pred = predict(comm_plan(sched.generate(p, m, v, 1), smap), smap, costs, True, "nccl")
+        lists, pairs = sched.generate(p, m, v, 1), job.dualpipe_overlap and sched.pairs
+        if pairs:  # DualPipe's F&B: each pair's all-to-alls under the other's compute (pairs.py)
+            costs.paired = paired_costs(compute, ep, p)
+            hidden["ep"] = hidden_s(compute, costs.paired, lists)
+            comm["ep"] = max(0.0, comm.get("ep", 0.0) - hidden["ep"])
+        pred = predict(comm_plan(lists, smap, pairs), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
         if job.overlap_grad_reduce and job.zero <= 1 and job.dp > 1:
             overlapped = _overlapped(prof, job, pred)
-            hidden = {"dp": max(0.0, after - overlapped)}  # what leaves the critical path (the worst rank's)
+            hidden["dp"] = max(0.0, after - overlapped)  # what leaves the critical path (the worst rank's)
             after, comm["dp"] = overlapped, max(0.0, comm.get("dp", 0.0) - hidden["dp"])
     params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
@@ -273,8 +283,9 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
             "fits": need <= capacity, "dtype": job.lay.dtype,
             "comm_hidden_s": r.comm_hidden_s,
             "assumptions": "no overlap of communication with compute (but cp's ring passes"
-                           f"{' and the dp reduction under backward' if r.comm_hidden_s else ''}"
-                           f"{' and ZeRO 3 gathers under compute' if job.zero3_prefetch else ''}); "
+                           f"{' and the dp reduction under backward' if r.comm_hidden_s.get('dp') else ''}"
+                           f"{' and ZeRO 3 gathers under compute' if job.zero3_prefetch else ''}"
+                           f"{' and each DualPipe pair all-to-all under the other op' if job.dualpipe_overlap else ''}); "
                            "ring collectives; "
                            "host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
