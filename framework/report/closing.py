@@ -8,6 +8,7 @@ from typing import Optional
 
 from framework.metrics.breakdown import PARTS
 from framework.metrics.comm_timer import DIMS
+from framework.metrics.noise import line as noise_line
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM
 
@@ -17,6 +18,8 @@ def summary_lines(summary: dict) -> str:
              f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
              f"(medians over {summary['measured_steps']} steps after "
              f"{summary['steps'] - summary['first_step'] + 1 - summary['measured_steps']} warm-up)"]
+    if summary.get("step_time_p10_s") is not None:
+        lines += noise_line(summary)
     if summary.get("pp", 1) > 1:
         ops = ", ".join(f"T_{op} {t * 1e3:.2f} ms" for op, t in summary.get("op_time_s", {}).items())
         lines.append(f"bubble {summary['bubble_fraction']:.3f} measured "

@@ -16,7 +16,8 @@ A fair comparison of layouts holds the work per step and the model fixed: the re
 when the completed jobs differ in global batch or tokens per step (set
 trainer.global_batch_size, and each layout derives its micro-batches), in any key of the
 `model` group of their config.yaml, or in their parameter count (`model_params` in
-summary.json; a tied embedding counts once). When the jobs share an objective, the best
+summary.json; a tied embedding counts once), and names each job whose measurement was
+noisy (summary.json's `noisy`: its step-time spread or the machine's load; metrics/noise.py). When the jobs share an objective, the best
 completed job is named (max for tokens_per_s and mfu, min for the others). report.html is the
 comparison dashboard (framework.report.dashboard): plots of every job, one self-contained page.
 """
@@ -32,12 +33,14 @@ from typing import Optional
 import yaml
 
 from framework.launch.commands import Directory, Parser, command, reject
+from framework.metrics.noise import warnings as noise_warnings
 
-METRICS = ("loss", "tokens_per_s", "step_time_s", "mfu", "memory_peak_bytes", "bubble_fraction",
-           "bubble_fraction_analytic", "world_size", "global_batch", "tokens_per_step")
+METRICS = ("loss", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
+           "other_cpu_share", "mfu", "memory_peak_bytes", "bubble_fraction", "bubble_fraction_analytic", "world_size",
+           "global_batch", "tokens_per_step")
 # Objectives a larger value of which is better (RunConfig.objective's choices in framework/config.py has them all).
 MAXIMISED = ("tokens_per_s", "mfu")
-COLUMNS = ("job", "overrides", "status") + METRICS + ("reason",)
+COLUMNS = ("job", "overrides", "status") + METRICS + ("noisy", "reason")
 MARKERS = ("config.yaml", "summary.json", ".hydra/overrides.yaml")
 
 
@@ -94,7 +97,7 @@ UNREADABLE = "unreadable"  # a summary.json that is not JSON, or whose fields ha
 # summary.json's fields the report and its dashboard read, by type (None: not measured)
 NUMBERS = (*METRICS, "model_params", "val_loss", "measured_steps", "timeline_step", "predicted_step_time_s",
            "predicted_bubble_fraction", "predicted_step_time_error")
-TEXTS = ("reason", "bubble_analytic_source", "layout", "schedule")
+TEXTS = ("reason", "bubble_analytic_source", "layout", "schedule", "noisy")
 
 
 def read_summary(path: Path) -> dict:
@@ -135,7 +138,7 @@ def _row(sweep: Path, job: Path) -> dict:
     except (OSError, ValueError) as e:
         return {**row, "status": UNREADABLE, "reason": f"{job / 'summary.json'} is unreadable "
                 f"({e.strerror if isinstance(e, OSError) else e})"}
-    row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS},
+    row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS}, noisy=s.get("noisy"),
                model_params=s.get("model_params"), model_config=_group(job, "model"),
                micro_batch_size=(_group(job, "trainer") or {}).get("micro_batch_size"))
     return row
@@ -171,7 +174,7 @@ def fairness_warnings(rows: list[dict]) -> list[str]:
             jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in done)
             out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
                        "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
-    return out + model_warnings(done) + micro_batch_warnings(done)
+    return out + model_warnings(done) + micro_batch_warnings(done) + noise_warnings(done)
 
 
 def micro_batch_warnings(done: list[dict]) -> list[str]:

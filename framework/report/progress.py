@@ -183,3 +183,11 @@ def console_to_run_log(job_dir: str):
             yield
         finally:
             sys.stdout, sys.stderr = out, err
+
+
+def grad_field(r: dict) -> str:
+    """The console's gradient field: the norm, and fp16-mixed's loss scale."""
+    norm = "grad overflow (step skipped)" if r["grad_norm"] is None else f"grad {r['grad_norm']:.3f}"
+    if "loss_scale" not in r:
+        return norm
+    return f"{norm} | scale {r['loss_scale']:g} (skipped {r['skipped_steps']})"

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from framework.config import RunConfig
 from framework.report.files import write_atomic
-from framework.metrics import breakdown
+from framework.metrics import breakdown, noise
+from framework.metrics.noise import median_or_none
 from framework.metrics.bubble import analytic_at_measured, analytic_label
 from framework.metrics.cp import step_metrics as cp_metrics
 from framework.metrics.flops import executed_flops_per_token, mfu
@@ -38,7 +39,7 @@ from framework.sim.replay import FlatPredictor, RunPredictor, predicted_keys, su
 from framework.parallel.pipeline.schedules import resolve
 from framework.metrics.timeline import kept_steps, write_run_timeline, write_trace
 from framework.precision import policy_of
-from framework.report.progress import Progress
+from framework.report.progress import Progress, grad_field
 from framework.report.records import RunInfo, StepRecord
 from framework.topology import ParallelContext
 from framework.report.wandb_sink import wandb_mode  # noqa: F401 (also imported from here)
@@ -49,7 +50,7 @@ MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bw
                "cp_attention_imbalance", *breakdown.KEYS)
 # Of each step's row, what rank 0 keeps for the summary: a few numbers, not every rank's lists.
 KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
-                           "loss_scale", "skipped_steps")
+                           "loss_scale", "skipped_steps", "other_cpu_share")
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
 # warm-up) and last loss are written by finish() instead, so W&B computes none for these.
 SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
@@ -136,6 +137,7 @@ class RunLogger:
             **cp_metrics(per_rank, self.ctx.dims.groups("cp")),  # framework/metrics/cp.py
             **self._breakdown(per_rank),
             "rank_step_time_s": [r.step_time_s for r in per_rank],
+            "other_cpu_share": noise.other_cpu_share(per_rank, step_time),  # framework/metrics/noise.py
             "rank_bubble_fraction": [r.bubble for r in per_rank],
             # the two terms of each rank's measured bubble (1 - busy / window), in seconds
             "rank_busy_s": [r.busy_s for r in per_rank],
@@ -210,7 +212,7 @@ class RunLogger:
 
     def _print(self, r: dict) -> None:
         self.progress.gathered(r, f"step {r['step']:>4}/{self.run.trainer.steps} | loss {r['loss']:.4f} "
-                               f"| lr {r['lr']:.2e} | {_grad(r)} | {r['tokens_per_s']:,.0f} tok/s "
+                               f"| lr {r['lr']:.2e} | {grad_field(r)} | {r['tokens_per_s']:,.0f} tok/s "
                                f"| {r['step_time_s'] * 1e3:.0f} ms/step "
                                f"| mfu {'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}"
                                + (f" | bubble {r['bubble_fraction']:.2f} ({analytic_label(self.info.bubble_analytic_source)} "
@@ -232,11 +234,12 @@ class RunLogger:
     def finish(self, rank_memory: dict) -> Optional[dict]:
         """Gather each rank's memory, write summary.json and finalise metrics.jsonl."""
         gathered = [None] * self.run.world_size if self.is_logger else None
-        mem = {"rank": self.ctx.rank, **self.ctx.dims.named(self.ctx.coords), **rank_memory}
+        mem = {"rank": self.ctx.rank, **self.ctx.dims.named(self.ctx.coords), **rank_memory, "pid": os.getpid()}
         dist.gather_object(mem, gathered, dst=0, group=self.ctx.log_group)
         if not self.is_logger:
             return None
         summary = self._summary(gathered)
+        noise.with_gpu(summary, noise.gpu_other_processes(self.ctx.device, {r.pop("pid") for r in gathered}))
         if self.run.parallelism.pp > 1:
             self._write_timeline(summary)
         elif self.comm_spans:  # no pipeline: the trace holds the communication alone
@@ -252,7 +255,8 @@ class RunLogger:
     def _summary(self, ranks: list[dict]) -> dict:
         # A resumed run may have fewer steps left than metrics.skip_first: then its last step.
         measured = self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
-        med = {k: _median([r[k] for r in measured]) for k in MEDIAN_KEYS}
+        med = {k: median_or_none([r[k] for r in measured]) for k in MEDIAN_KEYS}
+        med.update(noise.summary(measured))  # the spread, the machine's load, the flag
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
         if not resolve(self.run.schedule).flushes and self.busy_window:
@@ -315,16 +319,3 @@ class RunLogger:
         if self.wandb is not None:
             self.ctx.recorder.note("W&B finish (rank 0)")
             self.wandb.finish(exit_code=0 if self.completed else 1)
-
-
-def _grad(r: dict) -> str:
-    """The console's gradient field: the norm, and fp16-mixed's loss scale."""
-    norm = "grad overflow (step skipped)" if r["grad_norm"] is None else f"grad {r['grad_norm']:.3f}"
-    if "loss_scale" not in r:
-        return norm
-    return f"{norm} | scale {r['loss_scale']:g} (skipped {r['skipped_steps']})"
-
-
-def _median(values: list) -> Optional[float]:
-    """None when the metric is undefined for the run (tflops / mfu under fp64)."""
-    return None if None in values else statistics.median(values)

@@ -42,6 +42,7 @@ from framework.models import recompute
 from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
 from framework.metrics.breakdown import busy_s, rank_parts, serialise_pairs
+from framework.metrics.noise import CpuClock
 from framework.metrics.comm_timer import CommTimer
 from framework.precision import autocast_context
 from framework.report.records import RunInfo, StepRecord, StepResult
@@ -117,6 +118,8 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
 def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> StepRecord:
     """`step`: steps done before this one (0-based, what the sampler and the lr read); the
     record carries the step's number, step + 1 (the one numbering users see)."""
+    cpu = CpuClock(with_node=ctx.rank == 0)  # framework/metrics/noise.py: the machine's load
+    cpu.start()
     t0 = now(ctx.device)
     if ctx.timer is not None:
         ctx.timer.begin_step()
@@ -144,7 +147,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
                       actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans,
-                      comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {})
+                      comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {}, **cpu.take())
 
 
 def _a2a(runner, timed: list) -> dict:
