@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, RunConfig, load_config
 from framework.checkpoint import finished
+from framework.launch import repeats
 from framework.launch.job import run_job
 from framework.launch.jobdir import set_aside_previous, write_outcome
 from framework.launch.diagnosis import RankFailure
@@ -113,9 +114,10 @@ def sweeper_installed(argv: list[str]) -> bool:
 
 def overrides_known(argv: list[str]) -> bool:
     """Every key and group option on the command line exists (framework/validate/overrides.py):
-    told before Hydra composes, which would word it its own way."""
+    told before Hydra composes, which would word it its own way; sweep.repeats outside a sweep."""
     try:
         check_command_line(argv, CONF_DIR)
+        repeats.expand(argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return False
@@ -145,7 +147,7 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     if not sweeper_installed(sys.argv[1:]) or not overrides_known(sys.argv[1:]):
         sys.exit(1)
-    sys.argv[1:] = add_absent_keys(sys.argv[1:], CONF_DIR)
+    sys.argv[1:] = add_absent_keys(repeats.expand(sys.argv[1:]), CONF_DIR)  # sweep.repeats: A B C A B C
     StopSignals().install()  # Ctrl-C and SIGTERM raise Stopped, wherever this process is
     try:
         main()

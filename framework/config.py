@@ -330,6 +330,16 @@ class SearchConfig:
 
 
 @dataclass
+class SweepConfig:
+    """Repeats of a `-m` sweep (framework/launch/repeats.py, framework/report/repeats.py)."""
+
+    # each configuration run this many times, interleaved (A B C A B C); the report gives
+    # intervals and says which configurations are not distinguishable
+    repeats: int = key(1, ge=1, le=100)
+    repeat: int = key(0, ge=0, lt="sweep.repeats")  # this job's repeat (set by the sweep)
+
+
+@dataclass
 class SimConfig:
     """The simulator (docs/simulator.md). The command-line key is `sim.from`, stored as
     `source` (a Python keyword cannot name a field)."""
@@ -408,6 +418,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     device: str = key("auto", choices=("auto", "cpu", "cuda"))  # resolved once in framework/device.py

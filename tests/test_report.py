@@ -111,3 +111,16 @@ def test_a_moe_aux_loss_across_micro_batch_sizes_is_warned_about_and_capacity_is
                                   "MoE model has an `aux` loss")
     assert fairness_warnings([{**r, "model_config": moe("seq_aux")} for r in rows]) == []
     assert fairness_warnings([{**r, "micro_batch_size": 2} for r in rows]) == []
+
+
+def test_jobs_that_reach_the_same_loss_are_ranked_by_speed(tmp_path):
+    """The issue's walk: every layout reached 2.9392152-2.9392154, and the report headlined
+    the best loss. Within the layouts' tolerance the comparison is tokens/s; a job whose
+    loss differs more (another learning rate) keeps the ranking by loss."""
+    rows = [_row("0", tokens_per_s=100.0, loss=2.9392152), _row("1", tokens_per_s=300.0, loss=2.9392154)]
+    sweep = _sweep(tmp_path / "a", "loss", 2)
+    lines = headline(sweep, rows)
+    assert lines[0].startswith("every job reaches the same loss (2.93922, within 3.4e-08 relative")
+    assert best(sweep, rows) == (rows[1], "tokens_per_s") and lines[1].startswith("best by tokens_per_s: job 1")
+    rows[1]["loss"] = 2.95
+    assert best(sweep, rows) == (rows[0], "loss") and len(headline(sweep, rows)) == 1

@@ -33,7 +33,8 @@ from typing import Optional
 import yaml
 
 from framework.launch.commands import Directory, Parser, command, reject
-from framework.metrics.noise import warnings as noise_warnings
+from framework.report import repeats
+from framework.report.fairness import LOSS_RTOL, fairness_warnings, same_loss  # noqa: F401 (tests import them here)
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
            "other_cpu_share", "mfu", "memory_peak_bytes", "bubble_fraction", "bubble_fraction_analytic", "world_size",
@@ -163,60 +164,6 @@ def collect(sweep: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (int(r["job"]) if r["job"].isdigit() else -1, r["job"]))
 
 
-def fairness_warnings(rows: list[dict]) -> list[str]:
-    """The completed jobs must do the same work per step, on the same model, for their
-    numbers to compare. One warning per key that differs, with every job's value."""
-    done = [r for r in rows if r.get("status") == "completed"]
-    out = []
-    for key in ("global_batch", "tokens_per_step"):
-        values = sorted({r.get(key) for r in done if r.get(key) is not None})
-        if len(values) > 1:
-            jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in done)
-            out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
-                       "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
-    return out + model_warnings(done) + micro_batch_warnings(done) + noise_warnings(done)
-
-
-def micro_batch_warnings(done: list[dict]) -> list[str]:
-    """What a MoE model computes per micro-batch changes with trainer.micro_batch_size, which
-    trainer.global_batch_size derives per layout: the Switch `aux` loss (f_e and P_e over a
-    micro-batch's tokens). Capacity does not: it is per sequence (framework/models/moe_routing.py)."""
-    def per_micro_batch(r):
-        moe = (r.get("model_config") or {}).get("moe") or {}
-        return any(isinstance(a, dict) and a.get("type") == "aux" for a in moe.get("aux_losses") or [])
-    moe = [r for r in done if per_micro_batch(r)]
-    if len({r.get("micro_batch_size") for r in moe}) <= 1:
-        return []
-    jobs = ", ".join(f"job {r['job']}: {r.get('micro_batch_size')}" for r in moe)
-    return [f"WARNING: the jobs differ in trainer.micro_batch_size ({jobs}) and their MoE model has an `aux` "
-            "loss, which is computed per micro-batch: they train with different balancing losses. Fix: set "
-            "trainer.micro_batch_size once for the sweep, or use seq_aux (per sequence) instead of aux"]
-
-
-ABSENT = "(not set)"  # a key one job's config.yaml lacks (written by another version)
-
-
-def model_warnings(done: list[dict]) -> list[str]:
-    """The jobs must train one model: every key of config.yaml's `model` group (rows'
-    `model_config`) and the parameter count (`model_params`) the same. A layout search
-    changes only the layout (conf/schedule presets set only schedule keys)."""
-    out = []
-    configs = [r for r in done if isinstance(r.get("model_config"), dict)]
-    for key in dict.fromkeys(k for r in configs for k in r["model_config"]):  # config order
-        values = [r["model_config"].get(key, ABSENT) for r in configs]
-        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
-            jobs = ", ".join(f"job {r['job']}: {v}" for r, v in zip(configs, values, strict=True))
-            out.append(f"WARNING: the jobs differ in model.{key} ({jobs}): they train different models, so their "
-                       f"throughput and loss are not comparable. Fix: set model.{key} once for the whole sweep "
-                       "(a layout comparison changes only the layout)")
-    if len({r.get("model_params") for r in done if r.get("model_params") is not None}) > 1:
-        jobs = ", ".join(f"job {r['job']}: {r.get('model_params')}" for r in done)
-        out.append(f"WARNING: the jobs differ in model_params ({jobs}): they train models of different sizes, so "
-                   "their throughput and loss are not comparable. Fix: give every job the same model.* keys and "
-                   "vocabulary (model.vocab_size, else the data's tokenizer)")
-    return out
-
-
 def objective_of(sweep: Path, job: str) -> Optional[str]:
     try:
         return (yaml.safe_load((sweep / job / "config.yaml").read_text()) or {}).get("objective")
@@ -231,6 +178,8 @@ def best(sweep: Path, rows: list[dict]) -> Optional[tuple[dict, str]]:
     if len(objectives) != 1 or None in objectives:
         return None
     key = objectives.pop()
+    if key == "loss" and same_loss(done):  # every layout trains the same model: what differs is speed
+        key = "tokens_per_s"
     scored = [r for r in done if isinstance(r.get(key), (int, float))]
     if not scored:
         return None
@@ -263,6 +212,11 @@ def write(rows: list[dict], sweep: Path, notes: list[str] = ()) -> None:
 def headline(sweep: Path, rows: list[dict]) -> list[str]:
     """Lines above the table: fairness warnings, then the best job."""
     lines = fairness_warnings(rows)
+    lines += repeats.lines(sweep, [r for r in rows if r.get("status") == "completed"])  # sweep.repeats
+    agree = same_loss([r for r in rows if r.get("status") == "completed"])
+    if agree:
+        lines.append(f"every job reaches the same loss ({agree[0]:.6g}, within {agree[1]:.1e} relative; the "
+                     f"layouts' tolerance {LOSS_RTOL:g}): what differs is speed, ranked by tokens_per_s")
     found = best(sweep, rows)
     if found:
         row, key = found
