@@ -124,3 +124,29 @@ def test_jobs_that_reach_the_same_loss_are_ranked_by_speed(tmp_path):
     assert best(sweep, rows) == (rows[1], "tokens_per_s") and lines[1].startswith("best by tokens_per_s: job 1")
     rows[1]["loss"] = 2.95
     assert best(sweep, rows) == (rows[0], "loss") and len(headline(sweep, rows)) == 1
+
+
+def test_a_simulate_sweeps_report_warns_of_unfair_candidates_and_a_bad_source(tmp_path):
+    """The issue's walk: candidates at m = 8 (global batch 64) ranked beside m = 4 (32), and
+    a source run whose replay was 68 % off (measured under load): both said above the table;
+    the candidates not run are `predicted only`."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "summary.json").write_text(json.dumps({"status": "completed", "predicted_step_time_error": 0.68}))
+    sweep = tmp_path / "sweep"
+    table = []
+    for j, tokens in enumerate((2048, 4096)):
+        job = sweep / str(j)
+        job.mkdir(parents=True)
+        (job / "config.yaml").write_text("objective: tokens_per_s\n")
+        (job / "prediction.json").write_text("{}")
+        table.append({"job_dir": str(job), "source": str(source), "predicted_rank": j + 1, "launched": False,
+                      "predicted_tokens_per_s": 1000.0 - j, "predicted_step_time_s": 1.0, "tokens_per_step": tokens})
+    (sweep / "simulated_search.json").write_text(json.dumps(table))
+    rows = collect(sweep)
+    assert [r["status"] for r in rows] == ["predicted only", "predicted only"]
+    lines = headline(sweep, rows)
+    assert lines[0] == f"search.mode=simulate: 2 candidates predicted from {source}, whose own replay was +68.0% off " \
+                       "its measured step time"
+    assert lines[1].startswith("WARNING: the source run's replay is +68% off its own measurement")
+    assert lines[2].startswith("WARNING: the jobs differ in tokens_per_step (job 0: 2048, job 1: 4096)")

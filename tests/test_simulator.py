@@ -190,6 +190,19 @@ def test_search_mode_simulate_runs_only_the_best_candidate(delayed_flush, tmp_pa
     assert len(summaries) == 1 and json.loads(summaries[0].read_text())["status"] == "completed"
     assert str(summaries[0].parent) == rows[0]["job_dir"] and rows[0]["measured_status"] == "completed"
     assert "step_time_error" in rows[0]
+    # the report reads simulated_search.json: predicted and measured columns, no "incomplete"
+    from framework.report.compare import collect, headline, markdown
+
+    report = collect(tmp_path)
+    assert sorted(r["status"] for r in report) == ["completed", "predicted only", "predicted only"]
+    assert all(r["predicted_tokens_per_s"] > 0 and r["tokens_per_step"] for r in report)
+    ran = next(r for r in report if r["status"] == "completed")
+    assert ran["step_time_error"] == pytest.approx(rows[0]["step_time_error"]) and ran["predicted_rank"] == 1
+    md = markdown(report)
+    assert "| predicted_rank | predicted_tokens_per_s | predicted_step_time_s | step_time_error |" in md
+    assert "incomplete" not in md
+    assert headline(tmp_path, report)[0].startswith(f"search.mode=simulate: 3 candidates predicted from {job}, "
+                                                    "whose own replay was ")
 
 
 def test_simulator_keys_are_checked_before_launch(tmp_path):

@@ -33,7 +33,7 @@ from typing import Optional
 import yaml
 
 from framework.launch.commands import Directory, Parser, command, reject
-from framework.report import repeats
+from framework.report import repeats, simulated
 from framework.report.fairness import LOSS_RTOL, fairness_warnings, same_loss  # noqa: F401 (tests import them here)
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
@@ -161,6 +161,7 @@ def collect(sweep: Path) -> list[dict]:
         if str(num) not in seen:
             rows.append({"job": str(num), "overrides": overrides, "status": "not run",
                          "reason": "no job directory: the sweep stopped before this job"})
+    rows = simulated.merge(sweep, rows)  # search.mode=simulate: "predicted only" and the predicted columns
     return sorted(rows, key=lambda r: (int(r["job"]) if r["job"].isdigit() else -1, r["job"]))
 
 
@@ -195,23 +196,29 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def columns(rows: list[dict]) -> tuple:
+    """The table's columns: a simulate sweep's add the predicted ones (report/simulated.py)."""
+    return COLUMNS + (simulated.COLUMNS if any(r.get("predicted_tokens_per_s") is not None for r in rows) else ())
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    cols = columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def write(rows: list[dict], sweep: Path, notes: list[str] = ()) -> None:
     with open(sweep / "report.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns(rows))
         w.writeheader()
-        w.writerows({c: r.get(c) for c in COLUMNS} for r in rows)
+        w.writerows({c: r.get(c) for c in columns(rows)} for r in rows)
     (sweep / "report.md").write_text("".join(f"{n}\n\n" for n in notes) + markdown(rows))
 
 
 def headline(sweep: Path, rows: list[dict]) -> list[str]:
     """Lines above the table: fairness warnings, then the best job."""
-    lines = fairness_warnings(rows)
+    lines = simulated.lines(sweep) + fairness_warnings(rows)
     lines += repeats.lines(sweep, [r for r in rows if r.get("status") == "completed"])  # sweep.repeats
     agree = same_loss([r for r in rows if r.get("status") == "completed"])
     if agree:

@@ -14,13 +14,15 @@ from framework.metrics.noise import warnings as noise_warnings
 
 def fairness_warnings(rows: list[dict]) -> list[str]:
     """The completed jobs must do the same work per step, on the same model, for their
-    numbers to compare. One warning per key that differs, with every job's value."""
+    numbers to compare. One warning per key that differs, with every job's value (a
+    simulate sweep's predicted-only candidates are compared in the work per step too)."""
     done = [r for r in rows if r.get("status") == "completed"]
     out = []
     for key in ("global_batch", "tokens_per_step"):
-        values = sorted({r.get(key) for r in done if r.get(key) is not None})
+        ranked = done + [r for r in rows if r.get("status") == "predicted only"]
+        values = sorted({r.get(key) for r in ranked if r.get(key) is not None})
         if len(values) > 1:
-            jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in done)
+            jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in ranked if r.get(key) is not None)
             out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
                        "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
     return out + model_warnings(done) + micro_batch_warnings(done) + noise_warnings(done)
