@@ -131,6 +131,7 @@ class Saver:
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[CheckpointWriteError] = None
         self.last: dict = {}  # the last save's numbers (summary.json's checkpoint_save)
+        self.completed: list[dict] = []  # saves written and not yet told on the console (finished_lines)
 
     def save(self, runner, full, step: int, vocab_size: int, metrics_path: Optional[str]) -> str:
         self.wait()  # the previous save first: one in flight
@@ -225,6 +226,7 @@ class Saver:
         if ctx.rank == 0:
             prune(self.job_dir, self.run.trainer.keep_checkpoints)  # never raises
         self.last.update(write_s=time.time() - t0, peak_rss_bytes=sampler.stop())
+        self.completed.append(self.last)  # (the same dict: step_wait_s is filled in by then or soon after)
 
     def wait(self) -> None:
         """Wait for the save in flight (if any); raise its failure."""
@@ -238,6 +240,17 @@ class Saver:
         if self.error is not None:
             e, self.error = self.error, None
             raise e
+
+    def finished_lines(self) -> list[str]:
+        """Once per completed save: the console's line (step, where, bytes on disk, time)."""
+        out = []
+        while self.completed:
+            done = self.completed.pop(0)
+            path = step_dir(self.job_dir, done["step"])
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+            out.append(f"checkpoint saved: step {done['step']} -> {path} ({size / 2 ** 20:.1f} MiB; the step waited "
+                       f"{done['step_wait_s'] or 0.0:.2f} s, the write took {done['write_s']:.2f} s)")
+        return out
 
     def poll(self) -> None:
         """At a step boundary: a finished write's failure surfaces here."""

@@ -27,7 +27,7 @@ from framework.report.records import RunInfo
 from framework.metrics.bubble import analytic_bubble, analytic_source
 from framework.parallel.pipeline.schedules import resolve
 from framework.metrics.flops import active_expert_params, flops_per_token, matmul_params
-from framework.metrics.peak import PENDING, device_peak, fixed_peak
+from framework.metrics.peak import NO_UNIT, PENDING, device_peak, fixed_peak
 from framework.models import build_hf_model, with_pretrained_sizes
 from framework.launch.plan import make_plan, render_plan
 from framework.precision import policy_of
@@ -108,7 +108,7 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
     assert per_dp_rank * p.dp == run.global_batch
     derived = " (trainer.global_batch_size)" if t.global_batch_size is not None else ""
     return (f"world {run.world_size} = dp {p.dp} x tp {p.tp} x pp {p.pp} on {device_type} | "
-            f"model {_model_text(run)} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
+            f"model {_model_text(run, info)} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
             f"global batch {run.global_batch} seqs{derived} = micro_batch_size {t.micro_batch_size} x microbatches "
             f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
             f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}{_resume_text(info)}")
@@ -121,9 +121,10 @@ def _resume_text(info: RunInfo) -> str:
     return f"\nresuming from {info.resume_from} (saved after step {k}): continuing at step {k + 1}"
 
 
-def _model_text(run: RunConfig) -> str:
+def _model_text(run: RunConfig, info: RunInfo) -> str:
     m = run.model
-    source = f"from {m.pretrained}" if m.pretrained else "random init"
+    source = (f"weights from {info.resume_from}" if info.resume_from else f"from {m.pretrained}" if m.pretrained
+              else "random init")
     return (f"{m.name} ({m.arch}, {m.n_layer} layers, n_embd {m.n_embd}, {m.n_head} heads, "
             f"vocab {m.vocab_size or 'of the data'}; {source})")
 
@@ -131,6 +132,8 @@ def _model_text(run: RunConfig) -> str:
 def _peak_text(info: RunInfo) -> str:
     if info.peak_source == PENDING:
         return "peak: each rank looks up its GPU's datasheet peak"
+    if info.peak_source.startswith(NO_UNIT):
+        return f"WARNING: no MFU ({info.peak_source})"
     if info.peak_flops_per_rank is None:
         return "no MFU (fp64 has no peak to compare with)"
     return f"peak {info.peak_flops_per_rank / 1e12:.3f} TFLOP/s per rank ({info.peak_source})"
@@ -254,6 +257,7 @@ def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[di
         write_outcome(job_dir, "rejected", str(e))
         raise
     write_job_files(run, info, job_dir)
+    print(f"job directory {os.path.abspath(job_dir)}", flush=True)
     print(startup_banner(run, info, device_type), flush=True)
     if run.launcher == "external":
         print(f"launch the {run.world_size} ranks with, on each node (this job directory on a filesystem every node "
@@ -275,6 +279,8 @@ def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[di
             raise
         print(f"stopped by {e.name} after the last step: the job completed", flush=True)
     print(summary_lines(summary), flush=True)
+    print(f"results in {os.path.abspath(job_dir)}: summary.json, metrics.jsonl, run.log"
+          + (", trace.json, timeline.png" if run.parallelism.pp > 1 else ""), flush=True)
     return summary
 
 

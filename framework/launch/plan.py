@@ -21,11 +21,11 @@ from torch import nn
 from framework.config import RunConfig
 from framework.metrics.bubble import analytic_bubble, analytic_label, analytic_source
 from framework.models import ARCHS
-from framework.metrics.model_states import config_model_states, optimizer_state_ratio, zero_model_states
+from framework.metrics.model_states import config_model_states, optimizer_state_ratio, paper_form, zero_model_states
 from framework.parallel.tensor_parallel import shard_numels
 from framework.parallel.pipeline.schedules import resolve
 from framework.sim.clock import grid
-from framework.precision import policy_of
+from framework.precision import bytes_of, policy_of
 from framework.topology import Coords, ParallelDims
 
 MAX_DRAWN = {"pp": 4, "dp": 8, "tp": 8}
@@ -102,10 +102,12 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
             config_model_states(p.zero, [n - e], p.replicas, policy_of(run), ratio, offload=p.offload_optimizer).items(),
             config_model_states(p.zero, [e], p.dp // p.ep, policy_of(run), ratio,
                                 offload=p.offload_optimizer).values(), strict=True)}
-        bf16 = sum(zero_model_states(p.zero, n - e, p.replicas, ratio, bf16=True).values()) + \
-            sum(zero_model_states(p.zero, e, p.dp // p.ep, ratio, bf16=True).values())
+        policy, word = policy_of(run), bytes_of(policy_of(run).state_dtype)
+        bf16, paper = (sum(zero_model_states(p.zero, n - e, p.replicas, ratio, bf16=mixed, word=word).values()) +
+                       sum(zero_model_states(p.zero, e, p.dp // p.ep, ratio, bf16=mixed, word=word).values())
+                       for mixed in (True, policy.mixed))  # the run's own form: 2+2+12 mixed, else 4+4+8 (8+8+16)
         memory.append({"pp_rank": rank, "psi": n, "expert_psi": e, **est, "model_state_bytes": sum(est.values()),
-                       "model_state_formula_bf16_bytes": int(bf16)})
+                       "model_state_formula_bf16_bytes": int(bf16), "model_state_formula_paper_bytes": int(paper)})
     sched = resolve(s)
     activations, why = _activations(run, hf_model, ranges, sched)
     for mem, act in zip(memory, activations or [None] * p.pp):
@@ -160,12 +162,15 @@ def render_plan(plan: dict) -> str:
     for st in plan["stages"]:
         parts = (["embedding"] if st["embedding"] else []) + [f"blocks {st['blocks'][0]}-{st['blocks'][1]}"] + (["head"] if st["head"] else [])
         lines.append(f"  stage {st['stage']} (pp rank {st['pp_rank']}, chunk {st['chunk']}): {' + '.join(parts)} "
-                     f"| {st['params'] / 1e6:.2f}M params")
+                     f"| {st['params'] / 1e6:.2f}M params" + (f" per tp rank (tp {plan['dims']['tp']})"
+                                                              if plan["dims"]["tp"] > 1 else ""))
     for mem in plan["memory_estimate_per_rank"]:
         lines.append(f"  pp rank {mem['pp_rank']} per rank est.: params {mem['params_bytes'] / 2**20:.1f} MiB, "
                      f"grads {mem['grads_bytes'] / 2**20:.1f} MiB, master {mem['master_bytes'] / 2**20:.1f} MiB, "
                      f"optimizer {mem['optimizer_bytes'] / 2**20:.1f} MiB (ZeRO-{plan['zero']}, {plan['precision']}; "
-                     f"the paper's 2 + 2 + 12 form {mem['model_state_formula_bf16_bytes'] / 2**20:.1f} MiB in all), "
+                     f"the paper's {paper_form(plan['precision'])} form "
+                     f"{mem.get('model_state_formula_paper_bytes', mem['model_state_formula_bf16_bytes']) / 2**20:.1f}"
+                     " MiB in all), "
                      + (f"activations {mem['activation_bytes'] / 2**20:.1f} MiB" if mem.get("activation_bytes") is not None
                         else "activations not estimated"))
     if plan.get("activation_estimate"):  # absent from a plan.json written before the estimate existed

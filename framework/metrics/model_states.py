@@ -134,3 +134,9 @@ def formula_report(runner, run) -> dict:
             # the paper's form of this mode: 2 + 2 + 12 with master weights, else 4 + 4 + 8 (fp64: 8 + 8 + 16)
             "model_state_formula_paper_bytes": mixed if policy.mixed else full,
             "model_state_formula_bf16_bytes": mixed}
+
+
+def paper_form(mode: str) -> str:
+    """The ZeRO paper's bytes per parameter for a precision mode (parameters + gradients +
+    optimizer states): the mixed modes' 2 + 2 + 12, fp64's 8 + 8 + 16, else 4 + 4 + 8."""
+    return "2 + 2 + 12" if mode.endswith("-mixed") else "8 + 8 + 16" if mode == "fp64" else "4 + 4 + 8"

@@ -32,6 +32,7 @@ with sequence parallelism), into the metrics.jsonl row (docs/metrics.md):
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Optional
 
 
@@ -68,8 +69,35 @@ def step_metrics(per_rank: list[Optional[dict]], moe_cfg) -> dict:
     coeff = {a["type"]: float(a["coeff"]) for a in moe_cfg.aux_losses}
     return {"moe_layers": rows,
             "moe_load_cv_max": max((r["load_cv"] for r in rows.values() if r["load_cv"] is not None), default=None),
+            "moe_load_max_over_mean": max((r["load_max_over_mean"] for r in rows.values()
+                                           if r["load_max_over_mean"] is not None), default=None),
             "moe_dead_experts": sum(r["dead_experts"] for r in rows.values()),
             "moe_dropped_fraction": sum(layers[i]["dropped"] for i in layers) / assignments if assignments else 0.0,
             "moe_aux_loss": sum(coeff[k] * r[k] for r in rows.values() for k in coeff),
             "moe_route_margin": min((r["route_margin"] for r in rows.values() if r["route_margin"] is not None),
                                     default=None)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """summary.json's MoE line over the measured steps (medians): the worst layer's load max
+    / mean, the dropped share of assignments and, with ep > 1, the all-to-all's share of the
+    step (a2a_s / step_time_s: both the slowest rank's); {} for a dense model."""
+    def median(key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    if not any("moe_dropped_fraction" in r for r in rows):
+        return {}
+    shares = [r["a2a_s"] / r["step_time_s"] for r in rows if r.get("a2a_s") is not None and r["step_time_s"] > 0]
+    return {"moe_load_max_over_mean": median("moe_load_max_over_mean"),
+            "moe_dropped_fraction": median("moe_dropped_fraction"),
+            "moe_a2a_share": statistics.median(shares) if shares else None}
+
+
+def line(summary_: dict) -> str:
+    """The console's MoE line under the summary."""
+    share = summary_.get("moe_a2a_share")
+    load = summary_.get("moe_load_max_over_mean")
+    return (f"MoE: all-to-all {'n/a (ep = 1)' if share is None else format(share, '.0%') + ' of the step'} | "
+            f"load max/mean {'n/a' if load is None else format(load, '.2f')} (the worst layer) | "
+            f"dropped {summary_['moe_dropped_fraction']:.1%} of assignments")

@@ -119,7 +119,26 @@ def device_peak(precision: str, device: torch.device) -> tuple[float, str]:
                       "measured matmul peak instead; set metrics.peak_tflops to compare with other machines",
                       stacklevel=2)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy_of(precision).peak_column, torch.float32)
-    return cached_probe(device, dtype), "probe"
+    peak = cached_probe(device, dtype)
+    if dtype != torch.float32:
+        fp32 = cached_probe(device, torch.float32)
+        if peak < NO_MATRIX_UNIT * fp32:  # e.g. fp16 on a CPU: emulated, so MFU against it means nothing
+            return None, no_matrix_unit_source(dtype, peak, fp32, device)
+    return peak, "probe"
+
+
+# A probed low-precision peak under this share of the same device's fp32 one: the device has
+# no matrix unit for that dtype (a CPU's fp16 runs emulated, ~0.001 TFLOP/s against fp32's
+# ~0.09 on this project's machine), so an MFU against it would read hundreds of percent.
+NO_MATRIX_UNIT = 0.25
+NO_UNIT = "no matrix unit"
+
+
+def no_matrix_unit_source(dtype, peak: float, fp32: float, device) -> str:
+    """peak_source for such a run: MFU is n/a, and the banner says why (once)."""
+    name = str(dtype).removeprefix("torch.")
+    return (f"{NO_UNIT}: {name} matmuls run at {peak / 1e12:.3f} TFLOP/s on this {device.type}, under "
+            f"{NO_MATRIX_UNIT:.0%} of fp32's {fp32 / 1e12:.3f}; MFU n/a")
 
 
 def resolve_peak(run, device: torch.device) -> tuple[Optional[float], str]:
@@ -138,8 +157,8 @@ def resolve_rank_peak(run, info, device: torch.device, announce: bool = False):
     peak, source = resolve_peak(run, device)
     if announce:
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        print(f"peak {peak / 1e12:.1f} TFLOP/s per rank ({source}: {what}, "
-              f"{peak_dtype(run.trainer.precision)})", flush=True)
+        print(f"WARNING: no MFU ({source}: {what})" if peak is None else f"peak {peak / 1e12:.1f} TFLOP/s per rank "
+              f"({source}: {what}, {peak_dtype(run.trainer.precision)})", flush=True)
     return dataclasses.replace(info, peak_flops_per_rank=peak, peak_source=source)
 
 

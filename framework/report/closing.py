@@ -8,6 +8,8 @@ from typing import Optional
 
 from framework.metrics.breakdown import PARTS
 from framework.metrics.comm_timer import DIMS
+from framework.metrics.moe import line as moe_line
+from framework.metrics.model_states import paper_form
 from framework.metrics.noise import line as noise_line
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM
@@ -16,10 +18,12 @@ from framework.parallel.pipeline.schedules import CLOSED_FORM
 def summary_lines(summary: dict) -> str:
     lines = [f"loss {summary['loss_first']:.4f} -> {summary['loss']:.4f} | {summary['tokens_per_s']:,.0f} tokens/s "
              f"| {summary['step_time_s'] * 1e3:.1f} ms/step | mfu {_percent(summary['mfu'])} "
-             f"(medians over {summary['measured_steps']} steps after "
+             f"(medians over {summary['measured_steps']} step{'s' * (summary['measured_steps'] != 1)} after "
              f"{summary['steps'] - summary['first_step'] + 1 - summary['measured_steps']} warm-up)"]
     if summary.get("step_time_p10_s") is not None:
         lines += noise_line(summary)
+    if summary.get("moe_dropped_fraction") is not None:
+        lines.append(moe_line(summary))
     if summary.get("pp", 1) > 1:
         ops = ", ".join(f"T_{op} {t * 1e3:.2f} ms" for op, t in summary.get("op_time_s", {}).items())
         lines.append(f"bubble {summary['bubble_fraction']:.3f} measured "
@@ -40,7 +44,7 @@ def summary_lines(summary: dict) -> str:
                      f" | activations peak {r['activation_peak_bytes'] / 2**20:.1f} MiB | RSS peak {r['rss_peak_bytes'] / 2**20:.0f} MiB")
         lines.append(f"    model states {r['model_state_bytes']:,} B measured | {r['model_state_formula_bytes']:,} B "
                      f"this configuration's formula | {r['model_state_formula_paper_bytes']:,.0f} B the ZeRO paper's "
-                     f"{_paper_form(summary.get('precision', ''))} form")
+                     f"{paper_form(summary.get('precision', ''))} form")
     return "\n".join(lines)
 
 
@@ -76,6 +80,3 @@ def _percent(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.2%}"
 
 
-def _paper_form(mode: str) -> str:
-    """The ZeRO paper's bytes per parameter for a precision mode, as the summary labels them."""
-    return "2 + 2 + 12" if mode.endswith("-mixed") else "8 + 8 + 16" if mode == "fp64" else "4 + 4 + 8"

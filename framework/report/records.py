@@ -120,7 +120,7 @@ class RunInfo:
     # None for fp64 (no MFU), and for CUDA until each rank looks its GPU up at start-up
     # (framework.metrics.peak.resolve_rank_peak replaces the pending value).
     peak_flops_per_rank: Optional[float]
-    peak_source: str  # "config" | "table" | "probe" | "none" (fp64) | "pending" (CUDA, before the ranks)
+    peak_source: str  # "config" | "table" | "probe" | "none" (fp64) | "pending" (CUDA, before the ranks) | "no matrix unit: ..." (MFU n/a)
     bubble_fraction_analytic: float
     resume_from: Optional[str] = None  # the checkpoint this run continues (framework.checkpoint)
     val_tokens_path: Optional[str] = None  # held-out tokens (trainer.eval_interval; None: synthetic or off)

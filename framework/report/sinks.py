@@ -35,6 +35,7 @@ from framework.metrics.cp import step_metrics as cp_metrics
 from framework.metrics.flops import executed_flops_per_token, mfu
 from framework.metrics.memory import memory_summary
 from framework.metrics.moe import step_metrics
+from framework.metrics.moe import summary as moe_summary
 from framework.sim.replay import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
 from framework.parallel.pipeline.schedules import resolve
 from framework.metrics.timeline import kept_steps, write_run_timeline, write_trace
@@ -50,7 +51,8 @@ MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bw
                "cp_attention_imbalance", *breakdown.KEYS)
 # Of each step's row, what rank 0 keeps for the summary: a few numbers, not every rank's lists.
 KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
-                           "loss_scale", "skipped_steps", "other_cpu_share")
+                           "loss_scale", "skipped_steps", "other_cpu_share", "moe_load_max_over_mean",
+                           "moe_dropped_fraction", "a2a_s")
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
 # warm-up) and last loss are written by finish() instead, so W&B computes none for these.
 SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
@@ -257,6 +259,7 @@ class RunLogger:
         measured = self.records[min(self.run.metrics.skip_first, len(self.records) - 1):]
         med = {k: median_or_none([r[k] for r in measured]) for k in MEDIAN_KEYS}
         med.update(noise.summary(measured))  # the spread, the machine's load, the flag
+        med.update(moe_summary(measured))  # MoE: load, drops, the all-to-all's share
         n_ranks = len(ranks)
         per_rank = [statistics.median(r["rank_bubble_fraction"][i] for r in measured) for i in range(n_ranks)]
         if not resolve(self.run.schedule).flushes and self.busy_window:

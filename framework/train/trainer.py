@@ -150,6 +150,15 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {}, **cpu.take())
 
 
+def _announce(saver, logger) -> None:
+    """A completed checkpoint's console line (rank 0 says it)."""
+    if not logger.is_logger:
+        saver.completed.clear()  # only rank 0 tells: nothing piles up elsewhere
+        return
+    for line in saver.finished_lines():
+        logger.say(line)
+
+
 def _a2a(runner, timed: list) -> dict:
     comm = getattr(runner, "ep_comm", None)
     if comm is None:
@@ -235,6 +244,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                 pending = []
             if saving:
                 saver.poll()  # a background write that failed is told here, on every rank
+                _announce(saver, logger)
                 signum = _agreed_stop(stop, ctx)
                 last = k == run.trainer.steps  # a stop agreed here finishes the job normally
                 if (signum and not last) or k % run.trainer.checkpoint_interval == 0:
@@ -243,6 +253,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
                         pending = []
                     saver.save(runner, full, k, run.model.vocab_size or info.vocab_size,
                                logger.partial_path if ctx.rank == 0 else None)
+                    _announce(saver, logger)  # a synchronous write is done now; a background one later
                 if signum and not last:
                     saver.wait()  # written and marked complete before the rank exits
                     logger.say(f"stopped by {signal.Signals(signum).name}: checkpoint saved after step {k}")
@@ -254,6 +265,7 @@ def train(run: RunConfig, info: RunInfo, ctx: ParallelContext, job_dir: str,
             ledger.write(ledger_path(job_dir, ctx.rank))
         if saver is not None:
             saver.wait()
+            _announce(saver, logger)
             io["checkpoint_save"] = saver.last
         if run.trainer.save_checkpoint:
             ctx.recorder.note("save checkpoint (gather to rank 0)", wait=True)
