@@ -74,3 +74,18 @@ def test_the_dry_run_labels_tp_shards_and_uses_the_runs_own_precision_form(tmp_p
             str(tmp_path / "b"))
     out = capsys.readouterr().out
     assert "(ZeRO-0, bf16-mixed; the paper's 2 + 2 + 12 form " in out and "per tp rank" not in out
+
+
+def test_a_what_if_that_changes_the_rank_count_says_its_times_may_not_carry_over(pipeline_job_files):
+    """The issue's walk (`parallelism.pp=4` from a pp 2 run on 2 cores predicted 12,000
+    tokens/s and measured 8,919, and nothing said why it might be off); here dp 2 from a pp 2 job."""
+    from framework.sim.cli import describe, what_if
+
+    from .conftest import PIPELINE_JOB, compose
+
+    same = what_if(str(pipeline_job_files), target=compose(*PIPELINE_JOB, "schedule=zbh1"))
+    assert "rank_count_note" not in same and "WARNING" not in describe(same)
+    more = what_if(str(pipeline_job_files), target=compose(*PIPELINE_JOB, "parallelism.dp=2"))
+    assert describe(more).splitlines()[-1] == (
+        "  WARNING: the target runs 4 ranks where the source ran 2: the source's per-rank times were measured "
+        "with 2 ranks sharing the machine and may not carry over (on a CPU, ranks share its cores)")

@@ -259,6 +259,10 @@ def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[di
     write_job_files(run, info, job_dir)
     print(f"job directory {os.path.abspath(job_dir)}", flush=True)
     print(startup_banner(run, info, device_type), flush=True)
+    cores = os.cpu_count() or 1
+    if device_type == "cpu" and run.launcher == "local" and run.world_size > cores:
+        print(f"WARNING: {run.world_size} ranks on {cores} CPU cores: the ranks take turns on the cores, so step "
+              "times include waiting for one; compare layouts of the same rank count (docs/sweeps.md)", flush=True)
     if run.launcher == "external":
         print(f"launch the {run.world_size} ranks with, on each node (this job directory on a filesystem every node "
               "sees; torchrun's options, docs/multinode.md):\n  python -m framework.launch.node --nnodes=<N> "

@@ -141,7 +141,7 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
     check_same_work(job_dir, src, info, dst)
     check_expert_parallel(dst)
     if cal.fwd_bwd_s is not None:
-        return _flat_what_if(job_dir, src, cal, dst)
+        return {**_flat_what_if(job_dir, src, cal, dst), **_rank_note(src, dst, summary)}
     p, m, v = dst.parallelism.pp, dst.schedule.microbatches, dst.schedule.virtual_stages
     sp, sv = src.parallelism.pp, src.schedule.virtual_stages
     if p < 2:
@@ -167,7 +167,7 @@ def what_if(job_dir: str, overrides: list[str] | None = None, target: RunConfig 
         used = shift_stages(used, tmap.stage, blocks, a2a["delta"])
     pred = replay(used, sched, p, m, v, dst.trainer.steps, rules_for(summary.get("device", "cpu")))
     own = same and m == src.schedule.microbatches and not a2a["changed"]  # the job's own layout: a replay
-    result = _result(job_dir, dst, pred, not same or a2a["changed"], a2a, own)
+    result = {**_result(job_dir, dst, pred, not same or a2a["changed"], a2a, own), **_rank_note(src, dst, summary)}
     if sched.flushes:  # the step cut as the measured one is (replay.py's breakdown_of)
         result.update({f"predicted_time_{k}_s": v for k, v in breakdown_of(pred, used, tmap).items()})
     return result
@@ -265,6 +265,17 @@ def fill_measured_times(run: RunConfig, job_dir: str) -> None:
         s.op_times = auto_op_times(job_dir, run)
 
 
+def _rank_note(src: RunConfig, dst: RunConfig, summary: dict) -> dict:
+    """A target with another rank count: the source's per-rank times came from its own ranks
+    sharing the machine (on a CPU, its cores), which the target shares otherwise."""
+    if src.world_size == dst.world_size:
+        return {}
+    cores = f" on a {summary.get('device', 'cpu')} machine" if summary.get("device", "cpu") != "cpu" else ""
+    return {"rank_count_note": f"the target runs {dst.world_size} ranks where the source ran {src.world_size}"
+                               f"{cores}: the source's per-rank times were measured with {src.world_size} ranks "
+                               "sharing the machine and may not carry over (on a CPU, ranks share its cores)"}
+
+
 def describe(result: dict) -> str:
     ep = f" ep={result['ep']}" if result.get("ep", 1) > 1 or "a2a_model" in result else ""
     lines = [f"{result['schedule']} pp={result['pp']}{ep} m={result['microbatches']} v={result['virtual_stages']} "
@@ -281,6 +292,8 @@ def describe(result: dict) -> str:
                                                                       for k, v in parts.items()))
     for r, (b, a) in enumerate(zip(result["predicted_rank_bubble_fraction"], result["predicted_activation_peak_bytes"])):
         lines.append(f"  pp rank {r}: bubble {b:.3f} | activation peak {a / 2**20:.1f} MiB")
+    if result.get("rank_count_note"):
+        lines.append(f"  WARNING: {result['rank_count_note']}")
     return "\n".join(lines)
 
 
