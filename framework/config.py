@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.parallel.pipeline.schedules.base import AUTO as AUTO_SCHEDULE
 from framework.parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
-from framework.parallel.pipeline.schedules.base import pairs_forward_backward
+from framework.parallel.pipeline.schedules.base import REGISTRY, pairs_forward_backward
 from framework.precision import PRECISIONS
 
 
@@ -90,6 +90,7 @@ _WANDB = dict(when=lambda r: r.logger.name == "wandb", when_text="logger=wandb",
               base=("logger=wandb", "logger.mode=disabled"))
 _CP = dict(when=lambda r: r.parallelism.cp > 1, when_text="parallelism.cp > 1", base=("parallelism.cp=2",))
 _LABEL = "a free label (only shown)"
+PAIRED = [n for n, s in REGISTRY.items() if s.pairs]  # the schedules parallelism.overlap_dualpipe acts on
 
 
 @dataclass
@@ -191,8 +192,8 @@ class ParallelismConfig:
     # schedules with F / B pairs (dualpipev): each pair's F and B run side by side, so one's
     # all-to-all (ep) runs under the other's compute (DualPipe's overlap; executor.py)
     overlap_dualpipe: bool = key(False, when=lambda r: r.parallelism.pp > 1 and pairs_forward_backward(r.schedule.name),
-                                 when_text="a schedule with forward / backward pairs (schedule=dualpipev)",
-                                 base=("parallelism=pp2", "schedule=dualpipev", "schedule.microbatches=4"))
+                                 when_text=f"a schedule with forward / backward pairs (schedule={'|'.join(PAIRED)})",
+                                 base=("parallelism=pp2", f"schedule={PAIRED[0]}", "schedule.microbatches=4"))
     # null = dp * cp * tp * pp; set it to assert the launch size (or to derive dp)
     world_size: Optional[int] = key(None, ge=1, le=MAX_RANKS)
     # blocks -> stages: uniform | parameters | type:<regex> | [n0, n1, ...]

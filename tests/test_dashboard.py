@@ -14,12 +14,13 @@ import pytest
 
 from framework.report.dashboard import byte_unit, common_overrides, fmt_bytes, fmt_number, fmt_percent, label, write_dashboard
 from framework.report.compare import collect, headline
+from framework.report.dashboard_checks import read_checks
 from framework.report.compare import main as report_main
 
 from .test_report import fake_sweep
 
 CHROMIUM = "chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--window-size=1280,1000",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
@@ -62,15 +63,22 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
     assert 'id="moe"' not in source  # a dense sweep: no Mixture-of-Experts section (tests/test_dashboard_moe.py)
     dom = _render(page)
 
-    # 4 comparison figures + the one pipeline job's timeline, each drawn by plotly
-    titles = re.findall(r'class="gtitle"[^>]*>([^<]*)<', dom)
-    assert len(titles) == len(re.findall(r'class="plot-container plotly"', dom)) == 5, titles
-    assert titles[:4] == ["Loss against step (training loss lines; held-out val_loss markers)", "Throughput per job",
+    # the comparison figures + the one pipeline job's timeline, each drawn by plotly, and the
+    # page's own layout checks (framework/report/dashboard_checks.py) all pass
+    checks = read_checks(dom)
+    assert checks["table_fits"] and checks["empty_plots"] == checks["titles_under_toolbar"] == \
+        checks["titles_cut"] == [], checks
+    titles = checks["titles"]
+    assert checks["plots"] == len(re.findall(r'class="plot-container plotly"', dom)) == 8, titles
+    assert titles[:7] == ["Loss against step (training loss lines; held-out val_loss markers)", "Throughput per job",
+                          "Tokens/s over the steps (bands: each job's p10-p90 over its measured steps)",
+                          "Where each job's step goes (ms per step: medians, means over ranks)",
+                          "Memory against throughput (tensor memory of the fullest rank; Pareto front marked)",
                           "Pipeline bubble per job: measured (mean over ranks), the simulator's replay of each run, and "
                           "the schedule's (closed form or schedule model)",
                           "Memory per rank: model states and the activation peak, against the formulas"]
-    assert titles[4].startswith("2: parallelism=pp2: step ")  # the timeline of the pipeline job
-    assert ", replay " in titles[4] and "vs measured)" in titles[4]  # the simulator's replay of the step under it
+    assert titles[7].startswith("2: parallelism=pp2: step ")  # the timeline of the pipeline job
+    assert ", replay " in titles[7] and "vs measured)" in titles[7]  # the simulator's replay of the step under it
     legends = set(re.findall(r'class="legendtext"[^>]*>([^<]*)<', dom))
     names = ["0: parallelism=single", "1: parallelism=dp2", "2: parallelism=pp2"]
     assert set(names) <= legends and {f"{n} (val_loss)" for n in names} <= legends
@@ -86,9 +94,9 @@ def test_the_dashboard_renders_every_job_in_headless_chromium(layout_sweep):
         assert tps in bar_texts and fmt_percent(s["mfu"]) in bar_texts, (tps, bar_texts)  # drawn on the bars
         row = table[table.index(f"<td>{job}</td>"):].split("</tr>")[0]
         for cell in (name.split(": ")[1], s["layout"], "16", "512", fmt_number(s["loss"]), fmt_number(s["val_loss"]),
-                     tps, fmt_percent(s["mfu"]), fmt_percent(s["bubble_fraction"]),
+                     tps, fmt_percent(s["mfu"]), fmt_percent(s["bubble_fraction"]) if s["pp"] > 1 else "n/a",
                      fmt_bytes(s["memory_peak_bytes"])):
-            assert f"<td>{cell}</td>" in row, (cell, row)
+            assert f"<td>{cell}</td>" in row or f'<td class="text">{cell}</td>' in row, (cell, row)
     # the x axis of the memory figure: every rank of every job (1 + 2 + 2)
     ticks = re.findall(r">(job \d · rank \d)<", dom)
     assert sorted(set(ticks)) == ["job 0 · rank 0", "job 1 · rank 0", "job 1 · rank 1", "job 2 · rank 0",

@@ -10,6 +10,7 @@ import re
 from framework.report.dashboard import Job, fmt_percent
 from framework.report.dashboard_moe import MAX_LAYERS, a2a_share, load_heatmap, shown_layers
 from framework.report.compare import main as report_main
+from framework.report.dashboard_checks import read_checks
 
 from .test_dashboard import _render
 
@@ -30,7 +31,10 @@ def test_the_moe_section_renders_in_headless_chromium(moe_sweep):
     dom = _render(moe_sweep / "report.html")
     assert dom.count('id="moe"') == 1
     section = dom[dom.index('<div id="moe-section">'):]
-    titles = re.findall(r'class="gtitle"[^>]*>([^<]*)<', section)
+    checks = read_checks(dom)  # the page's own layout checks (dashboard_checks.py): all pass
+    assert checks["table_fits"] and checks["empty_plots"] == checks["titles_under_toolbar"] == \
+        checks["titles_cut"] == [], checks
+    titles = checks["titles"][-4:]  # the MoE section's (wrapped titles: their lines joined)
     assert titles == ["Expert load imbalance: the worst layer's coefficient of variation of tokens per expert "
                       "(moe_load_cv_max; 0 = even)",
                       "All-to-all share of the step (a2a_s / step_time_s, median over measured steps; host seconds)",
@@ -71,4 +75,4 @@ def test_many_layers_are_spread_over_the_depth_and_the_rest_named():
     rows = [{"step": s, "moe_layers": {i: {"tokens_per_expert": [1.0, 2.0, 3.0]} for i in layers}} for s in (1, 2)]
     fig = load_heatmap(Job({"job": "0"}, "0: big", {}, rows))
     assert len(fig.data) == MAX_LAYERS
-    assert fig.layout.title.text.endswith("(8 of 12 layers shown; left out: 1, 4, 7, 10)")
+    assert fig.layout.title.text.replace("<br>", " ").endswith("(8 of 12 layers shown; left out: 1, 4, 7, 10)")

@@ -7,7 +7,9 @@ attachment) and needs no server. It holds, for the jobs of the sweep:
     units, under the report's headline (framework.report.compare's fairness warnings: jobs that differ
     in work per step, model config or parameter count; then the best job);
   - loss against step, every completed job overlaid (held-out val_loss as markers);
-  - tokens/s and MFU per job;
+  - tokens/s (p10-p90 error bars) and MFU per job; tokens/s over the steps with each job's
+    p10-p90 band; the step-time breakdown stacked per job; memory against throughput with
+    the Pareto front (framework/report/dashboard_compare.py);
   - measured pipeline bubble per job, beside the simulator's replay of the run's own durations
     and the schedule's declared bubble (a closed form, or its schedule model: a simulation);
   - per-rank memory, stacked: parameters, gradients, optimizer states, activations (the peak
@@ -15,7 +17,8 @@ attachment) and needs no server. It holds, for the jobs of the sweep:
   - each pipeline job's timeline: the step `timeline_step` of summary.json (the measured
     step with the median time), from trace.json, one row per rank, and its replay under it;
   - MoE jobs only: expert load heat maps, load imbalance, all-to-all share (dashboard_moe.py).
-Only completed jobs are plotted; every job is in the table. Each job has one label
+Only completed jobs are plotted; every job is in the table; a panel without data is left
+out. The page checks its own layout in the browser (dashboard_checks.py). Each job has one label
 everywhere: its number and overrides.
 """
 
@@ -27,6 +30,9 @@ from pathlib import Path
 
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM, SCHEDULE_MODEL
+from framework.report.dashboard_compare import (breakdown_figure, interval_text, pareto_figure, steps_figure,
+                                                tensor_memory, throughput_error)
+from framework.report.dashboard_checks import CHECKS
 from framework.report.dashboard_moe import moe_section
 from framework.report.dashboard_parts import Job, _layout, byte_unit, fmt_bytes, fmt_number, fmt_percent  # noqa: F401 (re-exported)
 
@@ -122,22 +128,30 @@ def throughput_figure(jobs: list[Job]):
     from plotly.subplots import make_subplots
 
     names = [j.label for j in jobs]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (median after warm-up)",
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s (median after warm-up; bars: p10-p90 steps)",
                                                         "MFU (model FLOP/s over the per-rank peak)"))
     tps = [j.summary.get("tokens_per_s") for j in jobs]
     mfu = [j.summary.get("mfu") for j in jobs]  # null under fp64: no bar
     fig.add_trace(go.Bar(x=names, y=tps, name="tokens/s", text=[fmt_number(v) for v in tps],
+                         error_y=throughput_error(jobs), hovertext=[interval_text(j) for j in jobs],
+                         hovertemplate="%{x}<br>tokens/s %{hovertext} (median, p10-p90 steps)<extra></extra>",
                          marker_color="#3182bd"), row=1, col=1)
     fig.add_trace(go.Bar(x=names, y=mfu, name="MFU", text=[fmt_percent(v) for v in mfu],
                          marker_color="#e6550d"), row=1, col=2)
     fig.update_yaxes(title_text="tokens/s", tickformat=",", row=1, col=1)
     fig.update_yaxes(title_text="MFU", tickformat=".1%", row=1, col=2)
-    return _layout(fig, "Throughput per job", height=480, showlegend=False)
+    _layout(fig, "Throughput per job", height=480, showlegend=False)
+    fig.update_layout(margin_t=fig.layout.margin.t + 30)  # room for the subplots' own titles under the figure's
+    return fig
 
 
 def bubble_figure(jobs: list[Job]):
+    """The pipeline jobs only (None without any: an empty chart says nothing)."""
     import plotly.graph_objects as go
 
+    jobs = [j for j in jobs if (j.summary.get("pp") or 1) > 1]
+    if not jobs:
+        return None
     names = [j.label for j in jobs]
     fig = go.Figure()
     for key, name, colour in (("bubble_fraction", "measured", "#31a354"),
@@ -216,12 +230,14 @@ def timeline_figure(job: Job):
 
 TABLE = (("job", "job", str), ("own_overrides", "overrides (beyond the common ones)", str), ("status", "status", str),
          ("layout", "layout", str), ("global_batch", "global batch", fmt_number),
-         ("tokens_per_step", "tokens/step", fmt_number), ("model_params", "parameters", "{:,}".format),
+         ("tokens_per_step", "tokens per step", fmt_number), ("model_params", "params", "{:,}".format),
          ("loss", "loss", fmt_number),
          ("val_loss", "val_loss", fmt_number), ("tokens_per_s", "tokens/s", fmt_number), ("mfu", "MFU", fmt_percent),
          ("bubble_fraction", "bubble (measured)", fmt_percent),
          ("bubble_schedule", "bubble (the schedule's: closed form, or schedule model)", str),
-         ("memory_peak_bytes", "peak memory", fmt_bytes), ("reason", "reason", str))
+         ("memory_peak_bytes", "peak RSS (process memory, max over ranks)", fmt_bytes),
+         ("tensor_memory", "tensors (model states + activation peak, fullest rank)", fmt_bytes),
+         ("noisy", "noisy", str), ("reason", "reason", str))
 
 
 def table_html(rows: list[dict], jobs: list[Job]) -> str:
@@ -232,22 +248,37 @@ def table_html(rows: list[dict], jobs: list[Job]) -> str:
     for row in rows:
         own = " ".join(o for o in (row.get("overrides") or "").split() if o not in common)
         values = {**row, **summaries.get(row["job"], {}), "own_overrides": own}
+        job = next((j for j in jobs if j.row["job"] == row["job"]), None)
+        values["tensor_memory"] = tensor_memory(job) if job is not None else None
+        if (values.get("pp") or 1) == 1 and job is not None:  # no pipeline: no bubble to speak of
+            values["bubble_fraction"] = values["bubble_fraction_analytic"] = None
+            values["bubble_schedule"] = "n/a"
         if values.get("bubble_fraction_analytic") is not None:
             values["bubble_schedule"] = fmt_percent(values["bubble_fraction_analytic"]) + (
                 " (schedule model)" if values.get("bubble_analytic_source") == SCHEDULE_MODEL else "")
-        cells = "".join(f"<td>{html.escape(fmt(values[key]) if values.get(key) is not None else '')}</td>"
+        cells = "".join(f"<td{TEXT_CLASS if key in TEXT_COLUMNS else ''}>{html.escape(_cell(values, key, fmt))}</td>"
                         for key, _, fmt in TABLE)
         body.append(f'<tr class="status-{html.escape(str(row.get("status")))}">{cells}</tr>')
     return f'<table id="jobs"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
+TEXT_COLUMNS = ("own_overrides", "layout", "noisy", "reason")  # wrapped anywhere: the numbers stay whole
+TEXT_CLASS = ' class="text"'
+
+
+def _cell(values: dict, key: str, fmt) -> str:
+    if key == "bubble_fraction" and values.get("bubble_schedule") == "n/a":
+        return "n/a"
+    return fmt(values[key]) if values.get(key) is not None else ""
+
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 28px; }
-table { border-collapse: collapse; font-size: 0.85em; }
-th, td { border: 1px solid #ddd; padding: 4px 8px; text-align: right; white-space: nowrap; }
-td:nth-child(2), td:last-child { text-align: left; white-space: normal; max-width: 28em; }
-th { background: #f5f5f5; white-space: normal; }
+table { border-collapse: collapse; font-size: 0.8em; width: 100%; }
+th, td { border: 1px solid #ddd; padding: 3px 5px; text-align: right; white-space: nowrap; }
+td.text { text-align: left; white-space: normal; overflow-wrap: anywhere; min-width: 4.5em; }
+th { background: #f5f5f5; white-space: normal; font-weight: 600; }
 tr.status-failed, tr.status-rejected, tr.status-interrupted, tr.status-incomplete, tr.status-not\\ run {
   background: #fff3f3; }
 .notes p { margin: 4px 0; } .warning { color: #b30000; }
@@ -255,6 +286,9 @@ tr.status-failed, tr.status-rejected, tr.status-interrupted, tr.status-incomplet
 
 
 def _section(title: str, fig) -> str:
+    """A panel; "" for a figure without data (None): a panel is drawn only when it has some."""
+    if fig is None:
+        return ""
     return f"<h2>{html.escape(title)}</h2>" + fig.to_html(full_html=False, include_plotlyjs=False)
 
 
@@ -271,6 +305,9 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
              table_html(rows, jobs)]
     if jobs:
         parts += [_section("Loss", loss_figure(jobs)), _section("Throughput", throughput_figure(jobs)),
+                  _section("Tokens/s over the steps", steps_figure(jobs)),
+                  _section("Where the step goes", breakdown_figure(jobs)),
+                  _section("Memory against throughput", pareto_figure(jobs)),
                   _section("Pipeline bubble", bubble_figure(jobs)), _section("Memory per rank", memory_figure(jobs))]
         for job in jobs:
             fig = timeline_figure(job)
@@ -279,7 +316,7 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
         parts.append(moe_section(jobs))  # "" for a dense sweep
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>Sweep report</title>"
             f"<style>{STYLE}</style><script type=\"text/javascript\">{get_plotlyjs()}</script></head>"
-            f"<body>{''.join(parts)}</body></html>")
+            f"<body>{''.join(parts)}<script>{CHECKS}</script></body></html>")
 
 
 def write_dashboard(sweep: Path, rows: list[dict], notes: list[str]) -> Path:

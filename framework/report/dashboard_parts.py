@@ -43,7 +43,29 @@ def fmt_number(value: Optional[float], digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
+TITLE_CHARS = 64  # a title line's most characters: left-aligned, it fits a ~700 px figure and ends before the toolbar
+
+
+def wrap_title(title: str) -> str:
+    """A long title on several lines (<br>), broken at spaces."""
+    lines, line = [], ""
+    for word in title.split(" "):
+        if line and len(line) + 1 + len(word) > TITLE_CHARS:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return "<br>".join([*lines, line])
+
+
 def _layout(fig, title: str, **kwargs):
-    fig.update_layout(title=title, template="plotly_white", margin=dict(l=70, r=30, t=60, b=60),
+    """The house style: the title left-aligned and wrapped, so it never runs under plotly's
+    toolbar at the top right (report.html checks that: dashboard_checks.py)."""
+    text = wrap_title(title)
+    below_toolbar = 40  # px from the top: plotly's toolbar takes the top ~32 px at the right
+    height = kwargs.get("height", 450)
+    fig.update_layout(title=dict(text=text, x=0.01, xanchor="left", y=1 - below_toolbar / height, yanchor="top"),
+                      template="plotly_white", margin=dict(l=70, r=30, t=below_toolbar + 30 + 22 * text.count("<br>"),
+                                                           b=60),
                       legend=dict(orientation="h", y=-0.25), **kwargs)
     return fig
