@@ -28,7 +28,7 @@ def test_an_empty_chart_a_wide_table_and_a_title_under_the_toolbar_are_caught(tm
     empty = go.Figure(go.Bar(x=["a", "b"], y=[None, None]))
     empty.update_layout(title="an empty chart")
     text = ("a title centred across the whole width of its figure, long enough to reach the toolbar at the top "
-            "right of the figure, where plotly draws it")
+            "right of the figure, where plotly draws it, even in a window 1280 pixels wide as the test's")
     centred = go.Figure(go.Bar(x=["a"], y=[1.0]))  # at the top, as a small top margin puts it
     centred.update_layout(title=dict(text=text, y=0.99), margin=dict(t=20))
     wide = '<table id="jobs"><tr>' + "".join(f'<td style="white-space:nowrap">{"w" * 40}</td>' for _ in range(12)) \
