@@ -87,3 +87,21 @@ def test_a_real_sweep_with_three_repeats_reports_intervals(tmp_path, data_cache)
     assert "repeats: tokens/s, median [95% interval]" in rep.stdout
     assert rep.stdout.count(" repeats: ") == 2  # each configuration's line: its 3 repeats' medians
     assert ("faster than" in rep.stdout) or ("not distinguishable" in rep.stdout)
+
+
+def test_wandb_groups_a_configurations_repeats_by_job_type():
+    """W&B: the repeat index and count are run keys; with repeats, a run's job_type is its
+    configuration (its name without sweep.repeat=), so the grouped charts of one sweep (one
+    W&B group) draw each configuration's mean and spread; W&B caps job_type at 64 characters."""
+    from framework.report.wandb_sink import job_type, layout_keys
+
+    from .conftest import compose
+
+    run = compose("sweep.repeats=3", "sweep.repeat=2")
+    run.logger.run_name = "sweep.repeat=2 parallelism=dp2 sweep.repeats=3"
+    assert job_type(run) == "parallelism=dp2 sweep.repeats=3"
+    assert (layout_keys(run)["repeat"], layout_keys(run)["repeats"]) == (2, 3)
+    run.logger.run_name = "sweep.repeat=2 " + " ".join(f"model.n_layer={i}" for i in range(12))
+    long = job_type(run)
+    assert len(long) == 64 and long.startswith("model.n_layer=0 model.n_layer=1") and long[-9] == "~"
+    assert job_type(compose()) is None  # no repeats: no job_type

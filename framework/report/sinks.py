@@ -44,7 +44,7 @@ from framework.report.progress import Progress, grad_field
 from framework.report.records import RunInfo, StepRecord
 from framework.topology import ParallelContext
 from framework.report.wandb_sink import wandb_mode  # noqa: F401 (also imported from here)
-from framework.report.wandb_sink import declare_metrics, init_run, layout_keys, wandb_config, wandb_row
+from framework.report.wandb_sink import declare_metrics, init_run, job_type, layout_keys, wandb_config, wandb_row
 
 MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bwd_s", "optimizer_s",
                "bubble_fraction", "bubble_fraction_max", "tp_comm_bytes", "cp_comm_bytes", "cp_comm_s",
@@ -100,7 +100,8 @@ class RunLogger:
             return None
         # Probed and bounded: an unreachable server means an offline run, never a lost job.
         run = init_run(wandb_mode(lg.mode), self.job_dir, project=lg.project, entity=lg.entity, group=lg.group,
-                       name=lg.run_name, config=wandb_config(self.run), reinit="finish_previous")
+                       name=lg.run_name, config=wandb_config(self.run), reinit="finish_previous",
+                       job_type=job_type(self.run))
         if run is None:
             return None
         declare_metrics(run, SUMMARY_FROM_FINISH)

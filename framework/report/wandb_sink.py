@@ -18,6 +18,7 @@ No `import wandb` at module level: the validator imports this module.
 
 from __future__ import annotations
 
+import hashlib
 import netrc
 import os
 import sys
@@ -156,10 +157,27 @@ def layout_keys(run: RunConfig) -> dict:
         "activation_checkpointing": t.activation_checkpointing, "precision": t.precision,
         "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
         "zero_impl": p.zero_impl, "zero_states": zero_states(run),
+        "repeat": run.sweep.repeat, "repeats": run.sweep.repeats,  # sweep.repeats: which repeat, of how many
         "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-{zero_label(run)}-{s.name}-m{s.microbatches}"
                   + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else "")
                   + (f"-cp{p.cp}-{p.cp_balance}" if p.cp > 1 else ""),
     }
+
+
+JOB_TYPE_CHARS = 64  # W&B's limit on job_type
+
+
+def job_type(run: RunConfig) -> Optional[str]:
+    """A sweep with repeats: the configuration (the run's name without `sweep.repeat=`), so
+    W&B's runs of one configuration share a job_type and its grouped charts draw their
+    mean and spread without setup (docs/sweeps.md); None otherwise."""
+    if run.sweep.repeats <= 1:
+        return None
+    name = " ".join(o for o in (run.logger.run_name or "").split() if not o.startswith("sweep.repeat=")) or "default"
+    if len(name) <= JOB_TYPE_CHARS:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name[:JOB_TYPE_CHARS - 9]}~{digest}"
 
 
 def zero_states(run: RunConfig) -> int:
