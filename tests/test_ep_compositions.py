@@ -82,6 +82,7 @@ def test_ep_composition_reproduces_the_single_process_in_fp64(single, layout, tm
     assert summary["global_batch"] == 16 and summary["virtual_stages"] == 2 - (layout in ONE_CHUNK)
     assert all(m["a2a_bytes"] > 0 for m in metrics)  # the experts were split over ep
     assert_same_training(metrics, params, *single[1:])
+    assert 0 < summary["moe_a2a_share"] < 1 and 0 <= summary["moe_dropped_fraction"] < 1  # the MoE summary line
     if layout == "dualpipev_overlap":  # the pairs ran side by side: some all-to-all hidden, none lost
         assert all(m["comm_total_ep_s"] >= m["time_comm_ep_s"] > 0 for m in metrics)
         assert sum(m["comm_hidden_ep"] for m in metrics) > 0

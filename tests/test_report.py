@@ -150,3 +150,17 @@ def test_a_simulate_sweeps_report_warns_of_unfair_candidates_and_a_bad_source(tm
                        "its measured step time"
     assert lines[1].startswith("WARNING: the source run's replay is +68% off its own measurement")
     assert lines[2].startswith("WARNING: the jobs differ in tokens_per_step (job 0: 2048, job 1: 4096)")
+
+
+def test_a_baseline_job_gives_every_jobs_speed_up(tmp_path, capsys):
+    from framework.report.compare import baseline, main
+
+    rows = [_row("0", tokens_per_s=100.0), _row("1", tokens_per_s=250.0), _row("2", "failed")]
+    assert baseline(rows, "0") == ["speed-up against job 0 (parallelism=layout0), tokens/s over its: job 1 2.50x "
+                                   "(+150.0%)"]
+    assert rows[1]["speedup"] == 2.5 and rows[0]["speedup"] == 1.0 and "speedup" not in rows[2]
+    sweep = _sweep(tmp_path / "s", "loss", 1)
+    (sweep / "0" / "summary.json").write_text(json.dumps({"status": "completed", "tokens_per_s": 5.0}))
+    assert main([str(sweep), "report.baseline=3"]) == 2
+    assert "config error: report.baseline='3': is no completed job of this sweep (completed: 0)" in \
+        capsys.readouterr().err

@@ -198,7 +198,8 @@ def _fmt(v) -> str:
 
 def columns(rows: list[dict]) -> tuple:
     """The table's columns: a simulate sweep's add the predicted ones (report/simulated.py)."""
-    return COLUMNS + (simulated.COLUMNS if any(r.get("predicted_tokens_per_s") is not None for r in rows) else ())
+    return COLUMNS + (simulated.COLUMNS if any(r.get("predicted_tokens_per_s") is not None for r in rows) else ()) \
+        + (("speedup",) if any("speedup" in r for r in rows) else ())
 
 
 def markdown(rows: list[dict]) -> str:
@@ -237,7 +238,26 @@ WHICH = "give a sweep directory (hydra.sweep.dir, e.g. multirun/<date>/<time>) o
 def parser() -> Parser:
     p = Parser(prog="python -m framework.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", type=Directory(WHICH), help="a sweep's directory (hydra.sweep.dir) or one job's")
+    p.add_argument("--baseline", metavar="JOB", help="report.baseline=<job> works too: every job's speed-up "
+                   "against this one (its tokens/s over the baseline's)")
     return p
+
+
+def baseline(rows: list[dict], job: str) -> list[str]:
+    """report.baseline=<job>: each completed job's tokens/s over the baseline's (the rows get
+    a `speedup` column); the line above the table."""
+    base = next((r for r in rows if r["job"] == job), None)
+    if base is None or not isinstance(base.get("tokens_per_s"), (int, float)) or base["status"] != "completed":
+        have = ", ".join(r["job"] for r in rows if r.get("status") == "completed")
+        reject("report.baseline", job, f"is no completed job of this sweep (completed: {have or 'none'})",
+               "give the number of a completed job")
+    parts = []
+    for r in rows:
+        if r.get("status") == "completed" and isinstance(r.get("tokens_per_s"), (int, float)):
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if r is not base:
+                parts.append(f"job {r['job']} {r['speedup']:.2f}x ({r['speedup'] - 1:+.1%})")
+    return [f"speed-up against job {job} ({base['overrides'] or 'defaults'}), tokens/s over its: " + ", ".join(parts)]
 
 
 @command
@@ -245,7 +265,9 @@ def main(argv: list[str]) -> int:
     """Bad arguments (none or several, a missing path, a file, a directory without readable
     jobs) are one `config error:` line and exit 2; a summary.json that cannot be read is
     one warning line and left out of the table; an unwritable report one line and exit 1."""
-    sweep = Path(parser().parse_args(argv).sweep_dir)
+    argv = [a for b in argv for a in (["--baseline", b.split("=", 1)[1]] if b.startswith("report.baseline=") else [b])]
+    args = parser().parse_args(argv)
+    sweep = Path(args.sweep_dir)
     try:
         rows = collect(sweep)
         if not rows:
@@ -257,7 +279,7 @@ def main(argv: list[str]) -> int:
             reject("sweep_dir", str(sweep), f"none of its {len(bad)} summary.json files is readable "
                    f"({bad[0]['reason']})", "give the directory of a sweep this framework wrote")
         notes = [f"WARNING: {r['reason']}: job {r['job']} is left out of the table" for r in bad]
-        notes += headline(sweep, rows)
+        notes += (baseline(rows, args.baseline) if args.baseline is not None else []) + headline(sweep, rows)
         print("\n".join([*notes, ""]) if notes else "", end="")
         print(markdown(rows), end="")
         write(rows, sweep, notes)
