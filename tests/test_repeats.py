@@ -39,8 +39,8 @@ def _job(sweep: Path, num: int, overrides: list[str], tokens_per_s: list[float])
     job = sweep / str(num)
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    warm = [{"step": 1, "tokens_per_s": 1.0}]  # a warm-up step: left out
-    rows = warm + [{"step": i + 2, "tokens_per_s": t} for i, t in enumerate(tokens_per_s)]
+    warm = [{"step": 1, "tokens_per_s": 1.0, "loss": 2.0}]  # a warm-up step: left out
+    rows = warm + [{"step": i + 2, "tokens_per_s": t, "loss": 2.0} for i, t in enumerate(tokens_per_s)]
     (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (job / "summary.json").write_text(json.dumps({
         "status": "completed", "loss": 2.0, "tokens_per_s": sorted(tokens_per_s)[len(tokens_per_s) // 2],
@@ -105,3 +105,23 @@ def test_wandb_groups_a_configurations_repeats_by_job_type():
     long = job_type(run)
     assert len(long) == 64 and long.startswith("model.n_layer=0 model.n_layer=1") and long[-9] == "~"
     assert job_type(compose()) is None  # no repeats: no job_type
+
+
+def test_the_dashboard_draws_the_repeats_with_their_intervals(tmp_path):
+    """The made sweep above, as report.html in headless chromium: the repeats panel has a bar
+    per configuration and a point per repeat, names the pair it cannot tell apart, and
+    passes the page's own layout checks."""
+    from framework.report.compare import main
+    from framework.report.dashboard_checks import read_checks
+
+    from .test_dashboard import _render
+
+    rng = random.Random(1)
+    for num, (rep, name) in enumerate((r, n) for r in range(3) for n in ("fast", "a", "b")):
+        _job(tmp_path, num, [f"sweep.repeat={rep}", f"x={name}", "sweep.repeats=3"],
+             [rng.gauss({"fast": 150.0}.get(name, 100.0), 3.0) for _ in range(20)])
+    assert main([str(tmp_path)]) == 0
+    checks = read_checks(_render(tmp_path / "report.html"))
+    title = next(t for t in checks["titles"] if t.startswith("Repeats: tokens/s per configuration"))
+    assert "not distinguishable: x=" in title and "~ x=" in title
+    assert checks["empty_plots"] == checks["titles_under_toolbar"] == checks["titles_cut"] == [], checks

@@ -30,10 +30,11 @@ from pathlib import Path
 
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM, SCHEDULE_MODEL
-from framework.report.dashboard_compare import (breakdown_figure, interval_text, pareto_figure, steps_figure,
-                                                tensor_memory, throughput_error)
+from framework.report.dashboard_compare import (breakdown_figure, interval_text, pareto_figure, repeats_figure,
+                                                steps_figure, throughput_error)
 from framework.report.dashboard_checks import CHECKS
 from framework.report.dashboard_moe import moe_section
+from framework.report.dashboard_table import common_overrides, table_html  # noqa: F401 (tests import it here)
 from framework.report.dashboard_parts import Job, _layout, byte_unit, fmt_bytes, fmt_number, fmt_percent  # noqa: F401 (re-exported)
 
 PAGE = "report.html"
@@ -46,14 +47,6 @@ ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "
 MEMORY_PARTS = (("params_bytes", "parameters", "#4292c6"), ("grads_bytes", "gradients", "#fd8d3c"),
                 ("master_bytes", "master weights", "#fdd0a2"), ("optimizer_bytes", "optimizer states", "#74c476"),
                 ("activation_peak_bytes", "activations (peak)", "#9e9ac8"))
-
-
-def common_overrides(rows: list[dict]) -> list[str]:
-    """The overrides every job of the sweep shares (said once, above the table)."""
-    sets = [(r.get("overrides") or "").split() for r in rows]
-    if len(sets) < 2:
-        return []
-    return [o for o in sets[0] if all(o in s for s in sets[1:])]
 
 
 def label(row: dict, common: list[str] = ()) -> str:
@@ -171,6 +164,8 @@ def memory_figure(jobs: list[Job]):
     import plotly.graph_objects as go
 
     ranks = [(job, r) for job in jobs for r in job.summary.get("ranks", [])]
+    if not ranks:  # summaries without per-rank memory: no chart rather than an empty one
+        return None
     totals = [sum(r.get(k) or 0 for k, _, _ in MEMORY_PARTS) for _, r in ranks]
     formulas = [r.get("model_state_formula_bytes") for _, r in ranks] + [r.get("model_state_formula_paper_bytes")
                                                                           for _, r in ranks]
@@ -228,50 +223,6 @@ def timeline_figure(job: Job):
 
 # ---- the page ---------------------------------------------------------------------------
 
-TABLE = (("job", "job", str), ("own_overrides", "overrides (beyond the common ones)", str), ("status", "status", str),
-         ("layout", "layout", str), ("global_batch", "global batch", fmt_number),
-         ("tokens_per_step", "tokens per step", fmt_number), ("model_params", "params", "{:,}".format),
-         ("loss", "loss", fmt_number),
-         ("val_loss", "val_loss", fmt_number), ("tokens_per_s", "tokens/s", fmt_number), ("mfu", "MFU", fmt_percent),
-         ("bubble_fraction", "bubble (measured)", fmt_percent),
-         ("bubble_schedule", "bubble (the schedule's: closed form, or schedule model)", str),
-         ("memory_peak_bytes", "peak RSS (process memory, max over ranks)", fmt_bytes),
-         ("tensor_memory", "tensors (model states + activation peak, fullest rank)", fmt_bytes),
-         ("noisy", "noisy", str), ("reason", "reason", str))
-
-
-def table_html(rows: list[dict], jobs: list[Job]) -> str:
-    summaries = {j.row["job"]: j.summary for j in jobs}
-    common = common_overrides(rows)
-    head = "".join(f"<th>{html.escape(title)}</th>" for _, title, _ in TABLE)
-    body = []
-    for row in rows:
-        own = " ".join(o for o in (row.get("overrides") or "").split() if o not in common)
-        values = {**row, **summaries.get(row["job"], {}), "own_overrides": own}
-        job = next((j for j in jobs if j.row["job"] == row["job"]), None)
-        values["tensor_memory"] = tensor_memory(job) if job is not None else None
-        if (values.get("pp") or 1) == 1 and job is not None:  # no pipeline: no bubble to speak of
-            values["bubble_fraction"] = values["bubble_fraction_analytic"] = None
-            values["bubble_schedule"] = "n/a"
-        if values.get("bubble_fraction_analytic") is not None:
-            values["bubble_schedule"] = fmt_percent(values["bubble_fraction_analytic"]) + (
-                " (schedule model)" if values.get("bubble_analytic_source") == SCHEDULE_MODEL else "")
-        cells = "".join(f"<td{TEXT_CLASS if key in TEXT_COLUMNS else ''}>{html.escape(_cell(values, key, fmt))}</td>"
-                        for key, _, fmt in TABLE)
-        body.append(f'<tr class="status-{html.escape(str(row.get("status")))}">{cells}</tr>')
-    return f'<table id="jobs"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
-
-
-TEXT_COLUMNS = ("own_overrides", "layout", "noisy", "reason")  # wrapped anywhere: the numbers stay whole
-TEXT_CLASS = ' class="text"'
-
-
-def _cell(values: dict, key: str, fmt) -> str:
-    if key == "bubble_fraction" and values.get("bubble_schedule") == "n/a":
-        return "n/a"
-    return fmt(values[key]) if values.get(key) is not None else ""
-
-
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 28px; }
@@ -305,6 +256,7 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
              table_html(rows, jobs)]
     if jobs:
         parts += [_section("Loss", loss_figure(jobs)), _section("Throughput", throughput_figure(jobs)),
+                  _section("Repeats", repeats_figure(sweep, [j.row for j in jobs])),
                   _section("Tokens/s over the steps", steps_figure(jobs)),
                   _section("Where the step goes", breakdown_figure(jobs)),
                   _section("Memory against throughput", pareto_figure(jobs)),

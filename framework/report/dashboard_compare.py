@@ -136,3 +136,27 @@ def interval_text(job: Job) -> str:
     lo, hi = spread(job)
     t = fmt_number(job.summary.get("tokens_per_s"))
     return t if lo is None else f"{t} ({fmt_number(lo)}-{fmt_number(hi)})"
+
+
+def repeats_figure(sweep, done_rows: list[dict]):
+    """sweep.repeats: each configuration's median tokens/s with its interval and each
+    repeat's median as a point; a pair the interval cannot tell apart is named under the
+    title. None without repeats (framework/report/repeats.py)."""
+    import plotly.graph_objects as go
+
+    from framework.report.repeats import LEVEL, summarise
+
+    configs, pairs = summarise(sweep, done_rows)
+    if not configs:
+        return None
+    names = [c.name for c in configs]
+    fig = go.Figure(go.Bar(x=names, y=[c.median for c in configs], name=f"median ({LEVEL:.0%} interval)",
+                           marker_color="#9ecae1", text=[fmt_number(c.median) for c in configs],
+                           error_y=dict(type="data", symmetric=False, array=[c.high - c.median for c in configs],
+                                        arrayminus=[c.median - c.low for c in configs], color="#252525")))
+    fig.add_trace(go.Scatter(x=[c.name for c in configs for _ in c.repeats], y=[m for c in configs for m in c.repeats],
+                             mode="markers", name="each repeat's median", marker=dict(color="#08519c", size=9)))
+    same = [f"{p.faster} ~ {p.slower}" for p in pairs if not p.distinguishable]
+    title = "Repeats: tokens/s per configuration (median over every repeat's steps, interval bars)" + (
+        f"; not distinguishable: {'; '.join(same)}" if same else "")
+    return _layout(fig, title, yaxis_title="tokens/s", yaxis_tickformat=",", height=480)

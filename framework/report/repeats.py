@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 RESAMPLES = 1000
@@ -49,30 +50,63 @@ def _interval(values: list[float]) -> tuple[float, float]:
     return values[int(lo * (len(values) - 1))], values[int(round(hi * (len(values) - 1)))]
 
 
-def lines(sweep: Path, done: list[dict]) -> list[str]:
-    """The report's lines about repeats; [] when no configuration ran more than once."""
+@dataclass
+class Configuration:
+    name: str  # the overrides without sweep.repeat=
+    median: float  # tokens/s over every measured step of every repeat
+    low: float  # the median's interval (LEVEL)
+    high: float
+    repeats: list[float]  # each repeat's own median
+
+
+@dataclass
+class Pair:
+    faster: str  # the better-ranked configuration
+    slower: str
+    gain: float  # median(faster) / median(slower) - 1
+    low: float  # its interval
+    high: float
+
+    @property
+    def distinguishable(self) -> bool:
+        return not self.low <= 0 <= self.high
+
+
+def summarise(sweep: Path, done: list[dict]) -> tuple[list[Configuration], list[Pair]]:
+    """The configurations, best first, and each against the next; ([], []) when none ran
+    more than once."""
     by: dict[str, list[list[float]]] = {}
     for r in done:
         got = samples(sweep / r["job"])
         if got:
             by.setdefault(configuration(r.get("overrides")), []).append(got)
     if not any(len(reps) > 1 for reps in by.values()):
-        return []
+        return [], []
     rng = random.Random(0)
     boot = {c: [_resample(rng, reps) for _ in range(RESAMPLES)] for c, reps in by.items()}
     median = {c: statistics.median([x for rep in reps for x in rep]) for c, reps in by.items()}
     ranked = sorted(by, key=lambda c: -median[c])
+    configs = [Configuration(c, median[c], *_interval(boot[c]), [statistics.median(rep) for rep in by[c]])
+               for c in ranked]
+    pairs = [Pair(a, b, median[a] / median[b] - 1, *_interval([x / y - 1 for x, y in zip(boot[a], boot[b])]))
+             for a, b in zip(ranked, ranked[1:])]
+    return configs, pairs
+
+
+def lines(sweep: Path, done: list[dict]) -> list[str]:
+    """The report's lines about repeats; [] when no configuration ran more than once."""
+    configs, pairs = summarise(sweep, done)
+    if not configs:
+        return []
     out = [f"repeats: tokens/s, median [{LEVEL:.0%} interval] over the measured steps of every repeat "
            "(repeats interleaved; framework/report/repeats.py):"]
-    for i, c in enumerate(ranked, 1):
-        lo, hi = _interval(boot[c])
-        each = " / ".join(f"{statistics.median(rep):,.0f}" for rep in by[c])
-        out.append(f"  {i}. {c}: {median[c]:,.0f} [{lo:,.0f} - {hi:,.0f}] ({len(by[c])} repeats: {each})")
-    for a, b in zip(ranked, ranked[1:]):
-        gain = median[a] / median[b] - 1
-        lo, hi = _interval([x / y - 1 for x, y in zip(boot[a], boot[b])])
-        if lo <= 0 <= hi:
-            out.append(f"  {a} and {b} are not distinguishable ({gain:+.1%}, interval {lo:+.1%} to {hi:+.1%})")
+    for i, c in enumerate(configs, 1):
+        each = " / ".join(f"{m:,.0f}" for m in c.repeats)
+        out.append(f"  {i}. {c.name}: {c.median:,.0f} [{c.low:,.0f} - {c.high:,.0f}] ({len(c.repeats)} repeats: {each})")
+    for p in pairs:
+        if p.distinguishable:
+            out.append(f"  {p.faster} is {p.gain:.1%} faster than {p.slower} (interval {p.low:+.1%} to {p.high:+.1%})")
         else:
-            out.append(f"  {a} is {gain:.1%} faster than {b} (interval {lo:+.1%} to {hi:+.1%})")
+            out.append(f"  {p.faster} and {p.slower} are not distinguishable ({p.gain:+.1%}, interval {p.low:+.1%} "
+                       f"to {p.high:+.1%})")
     return out
