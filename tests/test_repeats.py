@@ -30,6 +30,8 @@ def test_the_repeat_index_goes_first_so_the_configurations_interleave():
     assert expand(["-m", "a=1", "sweep.repeats=1"]) == ["-m", "a=1", "sweep.repeats=1"]
     with pytest.raises(ConfigError, match="sweep.repeats=3: repeats the jobs of a sweep, and this is a single run"):
         expand(["parallelism=dp2", "sweep.repeats=3"])
+    with pytest.raises(ConfigError, match="sweep.repeats=2: repeats the jobs of a basic sweep"):
+        expand(["-m", "hparams_search=layout", "sweep.repeats=2"])
     with pytest.raises(ConfigError, match="sweep.repeat='given': is set by sweep.repeats"):
         expand(["-m", "sweep.repeat=0,1", "sweep.repeats=2"])
     assert configuration("sweep.repeat=2 parallelism=dp2 sweep.repeats=3") == "parallelism=dp2 sweep.repeats=3"

@@ -31,6 +31,10 @@ def expand(argv: list[str]) -> list[str]:
     if not any(a in MULTIRUN for a in argv):
         raise ConfigError("sweep.repeats", n, "repeats the jobs of a sweep, and this is a single run",
                           f"add -m (python run.py -m <overrides> sweep.repeats={n}), or drop sweep.repeats")
+    if any(a.startswith("hparams_search=") and a != "hparams_search=null" for a in argv):
+        raise ConfigError("sweep.repeats", n, "repeats the jobs of a basic sweep (-m over listed values); a layout "
+                          "search's sampler would take the repeat index for a parameter to search",
+                          "drop sweep.repeats from the search, or repeat its best layouts in a basic sweep")
     if any(a.split("=", 1)[0].lstrip("+") == "sweep.repeat" for a in argv):
         raise ConfigError("sweep.repeat", "given", "is set by sweep.repeats (each job's repeat index)",
                           "drop sweep.repeat from the command line")
