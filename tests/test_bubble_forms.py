@@ -198,7 +198,7 @@ def test_the_timeline_and_the_dashboard_call_a_runs_own_simulation_a_replay(tmp_
     summary = {"step_time_s": 0.004, "bubble_fraction": 0.3, "predicted_step_time_s": 0.0041,
                "predicted_step_time_error": 0.025, "predicted_bubble_fraction": 0.28,
                "bubble_analytic_source": SCHEDULE_MODEL, "bubble_fraction_analytic": 0.25,
-               "predicted_bubble_error": -0.02, "timeline_step": 1}
+               "predicted_bubble_error": -0.02, "timeline_step": 1, "pp": 2}
     timeline.write_run_timeline(run, str(tmp_path), {1: records},
                                 [{"step": 1, "step_time_s": 0.004, "bubble_fraction": 0.3,
                                   "bubble_fraction_analytic": 0.25}], summary, object(), None)
@@ -214,7 +214,7 @@ def test_the_timeline_and_the_dashboard_call_a_runs_own_simulation_a_replay(tmp_
     assert list(fig.data[2].text) == ["25.0% (schedule model)", "25.0%"]
     assert "predict" not in fig.layout.title.text
     fig = timeline_figure(job)
-    assert "schedule model 25.0%, replay 28.0% (step time +2.5% vs measured)" in fig.layout.title.text
+    assert "schedule model 25.0%, replay 28.0% (step time +2.5% vs measured)" in fig.layout.title.text.replace("<br>", " ")
     assert {"rank 0", "rank 1", "replay rank 0", "replay rank 1"} == set(fig.layout.yaxis.categoryarray)
     assert list(fig.layout.yaxis.categoryarray)[-1] == "replay rank 1"  # the replay's rows under the measured
     table = table_html([job.row, flush.row], [job, flush])

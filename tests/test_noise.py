@@ -64,7 +64,7 @@ def test_a_run_beside_busy_loops_is_flagged_in_the_summary_the_console_and_the_r
     assert "load: other processes used" in summary["noisy"]
     assert summary["step_time_p10_s"] <= summary["step_time_p50_s"] <= summary["step_time_p90_s"]
     lines = summary_lines(summary).splitlines()
-    assert any(line.startswith("step time p10 / p50 / p90") for line in lines)
+    assert any(line.startswith("spread of the step time: p10 / p50 / p90") for line in lines)
     assert any(line.startswith("WARNING: noisy measurement (") for line in lines)
     from framework.report.compare import main
 

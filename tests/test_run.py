@@ -2,6 +2,8 @@
 submitit_local, the dry run at 1024 ranks, torchrun, and a crashing rank."""
 
 import glob
+import csv
+import io
 import json
 import os
 import re
@@ -76,8 +78,9 @@ def test_the_console_shows_the_first_step_and_run_log_holds_it(main_job):
     log = (job / "run.log").read_text().splitlines()
     banner = next(i for i, x in enumerate(log) if x.startswith("world 2 = dp 1 x tp 1 x pp 2 on cpu"))  # launcher's
     assert [x for x in log[banner:] if x.startswith("step ")] == steps  # rank 0's lines, after the banner
-    assert any(x.startswith("loss ") and "tokens/s" in x for x in log) and log[-2].startswith("  rank 1 ")
-    assert log[-1].startswith("    model states ") and "B measured | " in log[-1]  # measured, formula, paper
+    assert any(x.startswith("loss ") and "tokens/s" in x for x in log) and log[-3].startswith("  rank 1 ")
+    assert log[-2].startswith("    model states ") and "B measured | " in log[-2]  # measured, formula, paper
+    assert log[-1] == f"results in {job}: summary.json, metrics.jsonl, run.log, trace.json, timeline.png"
 
 
 def test_wandb_offline_run_reads_back(main_job):
@@ -142,7 +145,8 @@ def test_a_sweep_over_layouts_keeps_tokens_per_step_and_the_report_compares_it(l
     assert len(table) == 2 + 3 and "| global_batch | tokens_per_step |" in table[0]
     rows = (tmp_path / "report.csv").read_text().splitlines()
     assert len(rows) == 4 and "parallelism=pp2 trainer.global_batch_size=16" in rows[3] and ",completed," in rows[3]
-    assert rows[3].split(",")[-3:-1] == ["16", "512"]
+    last = next(csv.DictReader(io.StringIO("\n".join([rows[0], rows[3]]))))
+    assert (last["global_batch"], last["tokens_per_step"]) == ("16", "512")
 
 
 def test_submitit_local_launcher(tmp_path):

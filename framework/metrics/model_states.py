@@ -138,5 +138,12 @@ def formula_report(runner, run) -> dict:
 
 def paper_form(mode: str) -> str:
     """The ZeRO paper's bytes per parameter for a precision mode (parameters + gradients +
-    optimizer states): the mixed modes' 2 + 2 + 12, fp64's 8 + 8 + 16, else 4 + 4 + 8."""
-    return "2 + 2 + 12" if mode.endswith("-mixed") else "8 + 8 + 16" if mode == "fp64" else "4 + 4 + 8"
+    optimizer states), from its policy: with fp32 master weights 2 + 2 + 12, in fp64 8 + 8 +
+    16, else 4 + 4 + 8 (also for an unknown mode: an older summary's)."""
+    from framework.precision import policy_of
+
+    try:
+        policy = policy_of(mode)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return "4 + 4 + 8"
+    return "2 + 2 + 12" if policy.mixed else "8 + 8 + 16" if bytes_of(policy.state_dtype) == 8 else "4 + 4 + 8"

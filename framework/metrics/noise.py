@@ -97,7 +97,7 @@ def line(summary_: dict) -> list[str]:
     """The console's spread and load line, and a warning when the run is flagged."""
     ms = [summary_[f"step_time_p{q}_s"] * 1e3 for q in (10, 50, 90)]
     load = summary_.get("other_cpu_share")
-    out = [f"step time p10 / p50 / p90 {ms[0]:.1f} / {ms[1]:.1f} / {ms[2]:.1f} ms (cv {summary_['step_time_cv']:.0%})"
+    out = [f"spread of the step time: p10 / p50 / p90 {ms[0]:.1f} / {ms[1]:.1f} / {ms[2]:.1f} ms (cv {summary_['step_time_cv']:.0%})"
            f" | other processes used {'n/a' if load is None else format(load, '.0%')} of the CPUs"]
     if summary_.get("noisy"):
         out.append(f"WARNING: noisy measurement ({summary_['noisy']}): compare this run's speed only side by side "
