@@ -243,13 +243,13 @@ def parser() -> Parser:
     return p
 
 
-def baseline(rows: list[dict], job: str) -> list[str]:
+def baseline(rows: list[dict], job: str, key: str = "report.baseline") -> list[str]:
     """report.baseline=<job>: each completed job's tokens/s over the baseline's (the rows get
     a `speedup` column); the line above the table."""
     base = next((r for r in rows if r["job"] == job), None)
     if base is None or not isinstance(base.get("tokens_per_s"), (int, float)) or base["status"] != "completed":
         have = ", ".join(r["job"] for r in rows if r.get("status") == "completed")
-        reject("report.baseline", job, f"is no completed job of this sweep (completed: {have or 'none'})",
+        reject(key, job, f"is no completed job of this sweep (completed: {have or 'none'})",
                "give the number of a completed job")
     parts = []
     for r in rows:
@@ -265,6 +265,7 @@ def main(argv: list[str]) -> int:
     """Bad arguments (none or several, a missing path, a file, a directory without readable
     jobs) are one `config error:` line and exit 2; a summary.json that cannot be read is
     one warning line and left out of the table; an unwritable report one line and exit 1."""
+    key = "report.baseline" if any(a.startswith("report.baseline=") for a in argv) else "--baseline"  # as given
     argv = [a for b in argv for a in (["--baseline", b.split("=", 1)[1]] if b.startswith("report.baseline=") else [b])]
     args = parser().parse_args(argv)
     sweep = Path(args.sweep_dir)
@@ -279,7 +280,7 @@ def main(argv: list[str]) -> int:
             reject("sweep_dir", str(sweep), f"none of its {len(bad)} summary.json files is readable "
                    f"({bad[0]['reason']})", "give the directory of a sweep this framework wrote")
         notes = [f"WARNING: {r['reason']}: job {r['job']} is left out of the table" for r in bad]
-        notes += (baseline(rows, args.baseline) if args.baseline is not None else []) + headline(sweep, rows)
+        notes += (baseline(rows, args.baseline, key) if args.baseline is not None else []) + headline(sweep, rows)
         print("\n".join([*notes, ""]) if notes else "", end="")
         print(markdown(rows), end="")
         write(rows, sweep, notes)
