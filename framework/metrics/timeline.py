@@ -71,11 +71,23 @@ def write_trace(steps: dict[int, list[list[Record]]], path: str, comm: Optional[
 def render_timeline(per_rank: list[list[Record]], path: str, title: str,
                     predicted: Optional[list[list[Record]]] = None, predicted_title: str = "",
                     comm: Optional[list[list]] = None) -> None:
-    """Gantt chart of one step, coloured by micro-batch: forwards light, backwards (B) dark,
-    a split backward's I dark and hatched `//`, its W light and hatched `..`; updates grey.
+    """timeline.png: `gantt_figure` saved (the figure's artists are what tests read)."""
+    fig = gantt_figure(per_rank, title, predicted, predicted_title, comm)  # first: it picks the Agg backend
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def gantt_figure(per_rank: list[list[Record]], title: str, predicted: Optional[list[list[Record]]] = None,
+                 predicted_title: str = "", comm: Optional[list[list]] = None):
+    """Gantt chart of one step, coloured by micro-batch (one hue each, MB_PAIRS): forwards light,
+    backwards (B) dark, a split backward's I dark and hatched `//`, its W light and hatched `..`;
+    updates grey.
     `comm`: per rank (dim, what, start, end) spans, a thin lane under the rank's compute,
-    coloured by dimension. `predicted`: a simulated step (per pipeline rank; a run's own: the
-    simulator's replay of its durations), drawn underneath on the same time axis."""
+    one grey per dimension (COMM_COLORS), its legend right of the chart. `predicted`: a
+    simulated step (per pipeline rank; a run's own: the simulator's replay of its
+    durations), drawn underneath on the same time axis."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a training node
@@ -89,29 +101,37 @@ def render_timeline(per_rank: list[list[Record]], path: str, title: str,
         _gantt(ax, recs, plt.get_cmap("tab20"), comm if i == 0 else None)
         ax.set_title(text, fontsize=9)
     axes[-1, 0].set_xlabel("ms since the step's first action (white = idle: waiting for a neighbour)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.tight_layout()  # counts the legend outside the axes: the axes shrink to leave it room
+    return fig
 
 
-COMM_COLORS = {"dp": "tab:blue", "tp": "tab:red", "pp": "tab:green", "ep": "tab:purple", "cp": "tab:orange"}
+# A micro-batch takes one of tab20's hue pairs (dark: B, I; light: F, W), never its grey pair
+# (index 7): greys are the updates' (0.5) and communication's, so neither reads as a micro-batch.
+MB_PAIRS = (0, 1, 2, 3, 4, 5, 6, 8, 9)
+# One grey per dimension, none of them tab20's (0.5, 0.78); a black edge keeps the palest visible on white.
+COMM_COLORS = {"dp": "#000000", "tp": "#3a3a3a", "pp": "#606060", "ep": "#a0a0a0", "cp": "#e0e0e0"}
+COMM_OTHER = "#202020"  # a dimension not listed above
 
 
 def _gantt(ax, per_rank: list[list[Record]], cmap, comm: Optional[list[list]] = None) -> None:
     t0 = min(r[1] for recs in per_rank for r in recs)
     for rank, spans in enumerate(comm or []):  # the communication lane, under the compute bars
         for dim, _, s, e in spans:
-            ax.barh(rank + 0.5, (e - s) * 1e3, left=(s - t0) * 1e3, height=0.18, color=COMM_COLORS.get(dim, "0.3"))
-    if comm:
+            ax.barh(rank + 0.5, (e - s) * 1e3, left=(s - t0) * 1e3, height=0.18, color=COMM_COLORS.get(dim, COMM_OTHER),
+                    edgecolor="black", linewidth=0.3, gid=f"comm {dim}")
+    dims = sorted({dim for spans in comm or [] for dim, *_ in spans}, key=lambda d: (list(COMM_COLORS) + [d]).index(d))
+    if dims:
         from matplotlib.patches import Patch
 
-        ax.legend(handles=[Patch(color=c, label=f"{d} comm") for d, c in COMM_COLORS.items()], fontsize=6,
-                  loc="upper right", ncol=5)
+        # Outside the axes, right of the chart: inside, it hid the bars under it
+        ax.legend(handles=[Patch(facecolor=COMM_COLORS.get(d, COMM_OTHER), edgecolor="black", linewidth=0.3,
+                                 label=f"{d} comm") for d in dims], fontsize=6, loc="upper left",
+                  bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
     for rank, recs in enumerate(per_rank):
         for name, _start, cstart, end in recs:
             action = Action.parse(name)
             mb, op = action.microbatch, action.op.value
-            color = "0.5" if op == "U" else cmap((2 * mb + (op in "FW")) % 20)
+            color = "0.5" if op == "U" else cmap(2 * MB_PAIRS[mb % len(MB_PAIRS)] + (op in "FW"))
             x, w = (cstart - t0) * 1e3, (end - cstart) * 1e3
             ax.barh(rank, w, left=x, height=0.8, color=color, edgecolor="black", linewidth=0.4,
                     hatch={"I": "//", "W": ".."}.get(op))

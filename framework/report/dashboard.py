@@ -30,8 +30,8 @@ from pathlib import Path
 
 from framework.metrics.bubble import analytic_label
 from framework.parallel.pipeline.schedules import CLOSED_FORM, SCHEDULE_MODEL
-from framework.report.dashboard_compare import (breakdown_figure, interval_text, pareto_figure, repeats_figure,
-                                                steps_figure, throughput_error)
+from framework.report.dashboard_compare import (breakdown_figure, interval_text, labels_above, pareto_figure,
+                                                repeats_figure, steps_figure, throughput_error)
 from framework.report.dashboard_checks import CHECKS
 from framework.report.dashboard_moe import moe_section
 from framework.report.dashboard_table import common_overrides, table_html  # noqa: F401 (tests import it here)
@@ -125,13 +125,16 @@ def throughput_figure(jobs: list[Job]):
                                                         "MFU (model FLOP/s over the per-rank peak)"))
     tps = [j.summary.get("tokens_per_s") for j in jobs]
     mfu = [j.summary.get("mfu") for j in jobs]  # null under fp64: no bar
-    fig.add_trace(go.Bar(x=names, y=tps, name="tokens/s", text=[fmt_number(v) for v in tps],
-                         error_y=throughput_error(jobs), hovertext=[interval_text(j) for j in jobs],
+    error = throughput_error(jobs)
+    fig.add_trace(go.Bar(x=names, y=tps, name="tokens/s", error_y=error, hovertext=[interval_text(j) for j in jobs],
                          hovertemplate="%{x}<br>tokens/s %{hovertext} (median, p10-p90 steps)<extra></extra>",
                          marker_color="#3182bd"), row=1, col=1)
+    # the numbers above the error bars, not on the bars, where the error bars struck them through
+    labels, y_range = labels_above(names, tps, error, [fmt_number(v) for v in tps])
+    fig.add_trace(labels, row=1, col=1)
     fig.add_trace(go.Bar(x=names, y=mfu, name="MFU", text=[fmt_percent(v) for v in mfu],
                          marker_color="#e6550d"), row=1, col=2)
-    fig.update_yaxes(title_text="tokens/s", tickformat=",", row=1, col=1)
+    fig.update_yaxes(title_text="tokens/s", tickformat=",", range=y_range, row=1, col=1)
     fig.update_yaxes(title_text="MFU", tickformat=".1%", row=1, col=2)
     _layout(fig, "Throughput per job", height=480, showlegend=False)
     fig.update_layout(margin_t=fig.layout.margin.t + 30)  # room for the subplots' own titles under the figure's

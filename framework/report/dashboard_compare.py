@@ -14,13 +14,14 @@ steps with each job's spread, and throughput bars with their spread.
 - **Tokens/s over the steps**: each job's per-step tokens/s (metrics.jsonl) as a line, and
   a band from its p10 to its p90 step (summary.json's `step_time_p90_s` / `p10`: the spread
   over the measured steps) behind it.
-- **Throughput bars** carry error bars from the same p10 / p90.
+- **Throughput bars** carry error bars from the same p10 / p90, their numbers above the
+  error bar's top (`labels_above`: on the bar, the error bar struck them through).
 """
 
 from __future__ import annotations
 
 from framework.metrics.breakdown import PARTS
-from framework.report.dashboard_parts import Job, _layout, byte_unit, fmt_number
+from framework.report.dashboard_parts import JOB_COLOURS, Job, _layout, byte_unit, fmt_number, rgba
 
 PART_COLOURS = {"compute": "#3182bd", "comm_dp": "#e6550d", "comm_tp": "#fd8d3c", "comm_pp": "#fdae6b",
                 "comm_ep": "#a63603", "comm_cp": "#fdd0a2", "bubble": "#bdbdbd", "host": "#756bb1",
@@ -106,16 +107,17 @@ def steps_figure(jobs: list[Job]):
     if not have:
         return None
     fig = go.Figure()
-    for j in have:
+    for i, j in enumerate(have):
         rows = [r for r in j.metrics if r.get("tokens_per_s") is not None]
         steps = [r["step"] for r in rows]
         lo, hi = spread(j)
+        colour = JOB_COLOURS[i % len(JOB_COLOURS)]  # the line's and its band's (the page checks: dashboard_checks.py)
         if lo is not None:
             fig.add_trace(go.Scatter(x=[steps[0], steps[-1], steps[-1], steps[0]], y=[lo, lo, hi, hi], fill="toself",
-                                     mode="lines", line=dict(width=0), opacity=0.2, legendgroup=j.label,
-                                     name=f"{j.label} (p10-p90)", hoverinfo="skip"))
+                                     mode="lines", line=dict(width=0, color=colour), fillcolor=rgba(colour, 0.2),
+                                     legendgroup=j.label, name=f"{j.label} (p10-p90)", hoverinfo="skip"))
         fig.add_trace(go.Scatter(x=steps, y=[r["tokens_per_s"] for r in rows], mode="lines+markers", name=j.label,
-                                 legendgroup=j.label))
+                                 legendgroup=j.label, line=dict(color=colour), marker=dict(color=colour)))
     return _layout(fig, "Tokens/s over the steps (bands: each job's p10-p90 over its measured steps)",
                    xaxis_title="step", yaxis_title="tokens/s", yaxis_tickformat=",", height=460)
 
@@ -129,6 +131,18 @@ def throughput_error(jobs: list[Job]) -> dict:
         lows.append(None if lo is None or t is None else max(0.0, t - lo))
         highs.append(None if hi is None or t is None else max(0.0, hi - t))
     return dict(type="data", symmetric=False, array=highs, arrayminus=lows, color="#252525")
+
+
+def labels_above(x: list, values: list, error: dict, texts: list[str]):
+    """The bars' numbers as a text trace just above each error bar's top, and the y range
+    that leaves them room: a bar's own text sits where its error bar crosses it (report.html
+    checks that no label is crossed: dashboard_checks.py)."""
+    import plotly.graph_objects as go
+
+    tops = [None if v is None else v + (up or 0.0) for v, up in zip(values, error["array"], strict=True)]
+    trace = go.Scatter(x=x, y=tops, mode="text", text=texts, textposition="top center", cliponaxis=False,
+                       showlegend=False, hoverinfo="skip")
+    return trace, [0, 1.15 * max([t for t in tops if t is not None] or [1.0])]
 
 
 def interval_text(job: Job) -> str:
@@ -150,12 +164,15 @@ def repeats_figure(sweep, done_rows: list[dict]):
     if not configs:
         return None
     names = [c.name for c in configs]
+    error = dict(type="data", symmetric=False, array=[c.high - c.median for c in configs],
+                 arrayminus=[c.median - c.low for c in configs], color="#252525")
     fig = go.Figure(go.Bar(x=names, y=[c.median for c in configs], name=f"median ({LEVEL:.0%} interval)",
-                           marker_color="#9ecae1", text=[fmt_number(c.median) for c in configs],
-                           error_y=dict(type="data", symmetric=False, array=[c.high - c.median for c in configs],
-                                        arrayminus=[c.median - c.low for c in configs], color="#252525")))
+                           marker_color="#9ecae1", error_y=error))
     fig.add_trace(go.Scatter(x=[c.name for c in configs for _ in c.repeats], y=[m for c in configs for m in c.repeats],
                              mode="markers", name="each repeat's median", marker=dict(color="#08519c", size=9)))
+    labels, top = labels_above(names, [c.median for c in configs], error, [fmt_number(c.median) for c in configs])
+    fig.add_trace(labels)
+    fig.update_yaxes(range=[0, max([top[1], *(1.05 * m for c in configs for m in c.repeats)])])
     same = [f"{p.faster} ~ {p.slower}" for p in pairs if not p.distinguishable]
     title = "Repeats: tokens/s per configuration (median over every repeat's steps, interval bars)" + (
         f"; not distinguishable: {'; '.join(same)}" if same else "")

@@ -43,6 +43,18 @@ def fmt_number(value: Optional[float], digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
+# A job's colour where a figure draws more than one trace per job (a line and its band): set, not
+# left to plotly, which gives every trace the next colour (a band would not match its line).
+JOB_COLOURS = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff",
+               "#fecb52")  # plotly_white's own colorway
+
+
+def rgba(colour: str, alpha: float) -> str:
+    """'#rrggbb' at opacity `alpha`, as plotly reads it."""
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r}, {g}, {b}, {alpha})"
+
+
 TITLE_CHARS = 64  # a title line's most characters: left-aligned, it fits a ~700 px figure and ends before the toolbar
 
 
