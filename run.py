@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import ConfigError, RunConfig, load_config
 from framework.checkpoint import finished
+from framework.device import share_cores_in_a_sweep
 from framework.launch import repeats
 from framework.launch.job import run_job
 from framework.launch.jobdir import set_aside_previous, write_outcome
@@ -53,6 +54,8 @@ def job(cfg: DictConfig, hc, job_dir: str) -> float:
         write_outcome(job_dir, "rejected", str(e))
         raise
     name_run(run, hc)
+    if hc.mode == RunMode.MULTIRUN:
+        share_cores_in_a_sweep(run.trainer)  # every job the same threads per rank (framework/device.py)
     try:
         result = run_job(run, job_dir, set_aside=False)  # main() set earlier files aside before run.log began
     except (ConfigError, RankFailure):

@@ -258,6 +258,9 @@ class TrainerConfig:
     eval_interval: int = key(0, ge=0, le=1 << 40)  # steps between held-out evaluations (val_loss); 0 = off
     eval_batches: int = key(4, ge=1, le=MAX_COUNT, when=lambda r: r.trainer.eval_interval > 0,
                             when_text="trainer.eval_interval > 0", base=("trainer.eval_interval=2",))
+    # CPU ranks' intra-op threads; null = the node's cores split over its ranks in a single run,
+    # 1 in a sweep (framework/device.py cpu_threads: every job of a sweep the same per rank)
+    cpu_threads_per_rank: Optional[int] = key(None, ge=1, le=4096)
 
 
 @dataclass

@@ -9,6 +9,7 @@ under torchrun the answer can differ).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -23,9 +24,21 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def threads_per_rank(ranks_per_node: int) -> int:
-    """CPU ranks split the cores; oversubscribed intra-op threads would distort timings."""
-    return max(1, (os.cpu_count() or 1) // ranks_per_node)
+def threads_per_rank(ranks_per_node: int, fixed: Optional[int] = None) -> int:
+    """A CPU rank's intra-op threads: `trainer.cpu_threads_per_rank` when set, else the
+    node's cores split over its ranks (oversubscribed threads would distort timings)."""
+    return fixed or max(1, (os.cpu_count() or 1) // ranks_per_node)
+
+
+def share_cores_in_a_sweep(trainer) -> None:
+    """A sweep's jobs get the same threads per rank, whatever their rank count: left to
+    `threads_per_rank`, a 1-rank job would take both threads of a 2-core node while each rank
+    of a 2-rank job got one, so the two would differ in intra-op threading as well as in
+    layout (and a 2-thread rank suffers most from a neighbour on one core). One thread per
+    rank is the CPU's stand-in for one GPU per rank: more ranks, more hardware. Set
+    trainer.cpu_threads_per_rank to choose another count for every job."""
+    if trainer.cpu_threads_per_rank is None:
+        trainer.cpu_threads_per_rank = 1
 
 
 def rank_device(requested: str, local_rank: int) -> torch.device:

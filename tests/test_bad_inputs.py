@@ -70,3 +70,21 @@ def test_a_key_the_preset_does_not_list_is_rejected_by_run_py_with_a_summary(tmp
 
 def test_the_same_key_on_a_model_with_experts_is_taken(tmp_path):
     prelaunch(BASE + ["model=moe-tiny"], "model.moe.bias_update_rate=0.01", str(tmp_path / "job"))
+
+
+def test_a_key_spelled_out_at_its_default_is_taken_where_it_has_no_effect(tmp_path):
+    """A sweep that writes `parallelism.overlap_cp_ring=false` beside cp_comm=a2a changes
+    nothing, so it is no error; the same key set to true there is one (it would do nothing)."""
+    base = BASE + ["model=llama-tiny", "parallelism=dp2", "parallelism.cp=2", "parallelism.cp_comm=a2a"]
+    prelaunch(base, "parallelism.overlap_cp_ring=false", str(tmp_path / "default"))
+    with pytest.raises(ConfigError, match="has no effect in this run: it acts only with"):
+        prelaunch(base, "parallelism.overlap_cp_ring=true", str(tmp_path / "on"))
+
+
+def test_a_range_errors_example_lies_inside_the_range(tmp_path):
+    """data.seq_len's default (64) is above model.max_positions 16: the example must not be it."""
+    with pytest.raises(ConfigError) as e:
+        prelaunch(BASE + ["model.max_positions=16"], "data.seq_len=64", str(tmp_path / "job"))
+    text = str(e.value)
+    assert "must be <= model.max_positions (model.max_positions=16)" in text, text
+    assert "e.g. data.seq_len=16" in text and "its default" not in text, text

@@ -89,3 +89,39 @@ def test_a_what_if_that_changes_the_rank_count_says_its_times_may_not_carry_over
     assert describe(more).splitlines()[-1] == (
         "  WARNING: the target runs 4 ranks where the source ran 2: the source's per-rank times were measured "
         "with 2 ranks sharing the machine and may not carry over (on a CPU, ranks share its cores)")
+
+
+def test_the_banners_factors_multiply_to_the_world():
+    """A cp run's banner read `world 2 = dp 1 x tp 1 x pp 1`: the factors now multiply to it."""
+    import math
+
+    from framework.launch.job import world_factors
+
+    from .conftest import compose
+
+    for overrides in ([], ["parallelism=dp2", "parallelism.cp=2"], ["parallelism=dp4", "parallelism.cp=2"],
+                      ["parallelism=tp2_pp2"], ["model=moe-tiny", "parallelism=dp4", "parallelism.ep=2"]):
+        run = compose(*overrides)
+        text = world_factors(run.parallelism)
+        factors = [int(text.split(f"{d} ")[1].split()[0]) for d in ("dp", "cp", "tp", "pp") if f"{d} " in text]
+        assert math.prod(factors) == run.world_size, (overrides, text)
+    assert world_factors(compose("parallelism=single", "parallelism.cp=2").parallelism) == "dp 1 x cp 2 x tp 1 x pp 1"  # world 2
+
+
+def test_layout_names_differ_by_every_cp_and_overlap_key():
+    """W&B groups runs by `layout`: runs that differ in cp_comm, cp_balance, an overlap or
+    sequence parallelism must not share a name (they all read dp1-tp1-pp1-z0-...-cp2-headtail)."""
+    from framework.report.wandb_sink import layout_keys
+
+    from .conftest import compose
+
+    cp = ["model=llama-tiny", "parallelism=dp2", "parallelism.cp=2"]
+    variants = [cp, [*cp, "parallelism.cp_comm=ring"], [*cp, "parallelism.cp_comm=a2a"],
+                [*cp, "parallelism.cp_balance=contiguous"], [*cp, "parallelism.cp_comm=ring", "parallelism.overlap_cp_ring=true"],
+                ["parallelism=dp2", "parallelism.zero=3"], ["parallelism=dp2", "parallelism.zero=3", "parallelism.overlap_param_gather=true"],
+                ["parallelism=dp2", "parallelism.zero=3", "parallelism.overlap_grad_reduce=true"],
+                ["parallelism=tp2"], ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+                ["parallelism=pp2", "schedule=dualpipev"], ["parallelism=pp2", "schedule=dualpipev", "parallelism.overlap_dualpipe=true"]]
+    names = [layout_keys(compose(*v))["layout"] for v in variants]
+    assert len(set(names)) == len(names), names
+    assert names[4].endswith("-cp2-ring-headtail-overlap_ring"), names[4]

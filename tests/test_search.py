@@ -61,7 +61,13 @@ def test_a_trial_that_picks_1f1b_on_a_tied_model_is_rejected_before_launch(tmp_p
     assert summary["status"] == "rejected" and summary["reason"].startswith("model.tie_embeddings=True: schedule=1f1b")
     assert not (tmp_path / "0" / "config.yaml").exists()  # never launched
     assert "job 0 did not complete" in r.stderr and "it scores 0.0; the sweep goes on" in r.stderr
-    assert yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())["best_value"] == 0.0
+    # Its only trial was rejected: the search has no best (Optuna's own lines said "Best value: 0.0").
+    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert result["best_params"] is None and result["best_value"] is None, result
+    assert result["no_best"].startswith("no trial completed: every one of the 1 trials was rejected or failed")
+    out = r.stdout + r.stderr
+    assert "Best value:" not in out and "Best parameters:" not in out, out[-2000:]
+    assert "no best layout: no trial completed" in r.stdout
 
 
 def _overrides(sweep, job: int) -> str:

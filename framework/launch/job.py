@@ -34,6 +34,7 @@ from framework.precision import policy_of
 from framework.report.closing import summary_lines
 from framework.launch.jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
 from framework.launch.signals import Stopped
+from framework.launch.search_result import install_filter, rewrite_results
 from framework.sim.sweep import finish as finish_simulated_search
 from framework.sim.sweep import predict_job
 from framework.sim.calibrate import read_calibration
@@ -61,7 +62,7 @@ def _peak(run: RunConfig, device_type: str) -> tuple[Optional[float], str]:
     if device_type == "cuda":
         return None, PENDING
     threads = torch.get_num_threads()
-    torch.set_num_threads(threads_per_rank(run.world_size))  # what one rank will have
+    torch.set_num_threads(threads_per_rank(run.world_size, run.trainer.cpu_threads_per_rank))  # one rank's
     try:
         return device_peak(run.trainer.precision, torch.device("cpu"))
     finally:
@@ -107,11 +108,18 @@ def startup_banner(run: RunConfig, info: RunInfo, device_type: str) -> str:
     per_dp_rank = t.micro_batch_size * run.schedule.microbatches
     assert per_dp_rank * p.dp == run.global_batch
     derived = " (trainer.global_batch_size)" if t.global_batch_size is not None else ""
-    return (f"world {run.world_size} = dp {p.dp} x tp {p.tp} x pp {p.pp} on {device_type} | "
+    return (f"world {run.world_size} = {world_factors(p)} on {device_type} | "
             f"model {_model_text(run, info)} | data {run.data.name} ({info.num_samples} x {run.data.seq_len} tokens)\n"
             f"global batch {run.global_batch} seqs{derived} = micro_batch_size {t.micro_batch_size} x microbatches "
             f"{run.schedule.microbatches} x dp {p.dp} | {run.tokens_per_step} tokens/step | "
             f"{info.flops_per_token / 1e6:.2f} MFLOP/token | {_peak_text(info)}{_resume_text(info)}")
+
+
+def world_factors(p) -> str:
+    """The factors whose product is the world: cp when it cuts sequences (ep lives inside dp)."""
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
+    ep = f" (ep {p.ep} within dp x cp)" if p.ep > 1 else ""
+    return f"dp {p.dp}{cp} x tp {p.tp} x pp {p.pp}{ep}"
 
 
 def _resume_text(info: RunInfo) -> str:
@@ -300,11 +308,14 @@ class JobDirCallback:
     def on_multirun_start(self, config, **kwargs) -> None:
         _dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
         set_aside_sweep(str(config.hydra.sweep.dir))
+        install_filter(str(config.hydra.sweep.dir))  # no "Best value: 0.0" from a search without a completed trial
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        """search.mode=simulate: every job was predicted; now run the best top_k."""
+        """search.mode=simulate: every job was predicted; now run the best top_k. A layout
+        search none of whose trials completed has no best (framework/launch/search_result.py)."""
         if _select(config, "search.mode") == "simulate":
             finish_simulated_search(str(config.hydra.sweep.dir), run_job)
+        rewrite_results(str(config.hydra.sweep.dir))  # an Optuna search without a completed trial: no best
 
     def __getattr__(self, name):  # Hydra calls every other hook too; they do nothing here
         if name.startswith("on_"):

@@ -108,8 +108,9 @@ def line(summary_: dict) -> list[str]:
 def warnings(done: list[dict]) -> list[str]:
     """The sweep report's lines: each completed job whose measurement was flagged."""
     return [f"WARNING: job {r['job']} ({r.get('overrides') or 'defaults'}) measured with noise ({r['noisy']}): "
-            "its speed does not compare with the others'. Fix: rerun it on a quiet machine, or run the sweep "
-            "with repeats" for r in done if r.get("noisy")]
+            "its speed does not compare with the others'. Fix: rerun it on a quiet machine"
+            + ("" if "sweep.repeats=" in (r.get("overrides") or "") else ", or run the sweep with sweep.repeats=3")
+            for r in done if r.get("noisy")]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

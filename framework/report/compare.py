@@ -18,7 +18,10 @@ trainer.global_batch_size, and each layout derives its micro-batches), in any ke
 `model` group of their config.yaml, or in their parameter count (`model_params` in
 summary.json; a tied embedding counts once), and names each job whose measurement was
 noisy (summary.json's `noisy`: its step-time spread or the machine's load; metrics/noise.py). When the jobs share an objective, the best
-completed job is named (max for tokens_per_s and mfu, min for the others). report.html is the
+completed job is named (max for tokens_per_s and mfu, min for the others), unless the
+objective is a speed and a job was measured with noise: then the jobs are ranked and the line
+says why no winner is named. A sweep with repeats names a configuration instead
+(framework/report/repeats.py `verdict`). report.html is the
 comparison dashboard (framework.report.dashboard): plots of every job, one self-contained page.
 """
 
@@ -35,12 +38,11 @@ import yaml
 from framework.launch.commands import Directory, Parser, command, reject
 from framework.report import repeats, simulated
 from framework.report.fairness import LOSS_RTOL, fairness_warnings, same_loss  # noqa: F401 (tests import them here)
+from framework.report.winner import baseline, best, best_line  # noqa: F401 (tests import them here)
 
 METRICS = ("loss", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
            "other_cpu_share", "mfu", "memory_peak_bytes", "bubble_fraction", "bubble_fraction_analytic", "world_size",
            "global_batch", "tokens_per_step")
-# Objectives a larger value of which is better (RunConfig.objective's choices in framework/config.py has them all).
-MAXIMISED = ("tokens_per_s", "mfu")
 COLUMNS = ("job", "overrides", "status") + METRICS + ("noisy", "reason")
 MARKERS = ("config.yaml", "summary.json", ".hydra/overrides.yaml")
 
@@ -96,7 +98,7 @@ def _overrides(job: Path) -> str:
 STATUSES = ("completed", "failed", "rejected", "interrupted")  # what a job writes (framework.launch.jobdir)
 UNREADABLE = "unreadable"  # a summary.json that is not JSON, or whose fields have other types: not in the table
 # summary.json's fields the report and its dashboard read, by type (None: not measured)
-NUMBERS = (*METRICS, "model_params", "val_loss", "measured_steps", "timeline_step", "predicted_step_time_s",
+NUMBERS = (*METRICS, "model_params", "cpu_threads_per_rank", "val_loss", "measured_steps", "timeline_step", "predicted_step_time_s",
            "predicted_bubble_fraction", "predicted_step_time_error")
 TEXTS = ("reason", "bubble_analytic_source", "layout", "schedule", "noisy")
 
@@ -141,6 +143,7 @@ def _row(sweep: Path, job: Path) -> dict:
                 f"({e.strerror if isinstance(e, OSError) else e})"}
     row.update(status=s.get("status", "completed"), reason=s.get("reason"), **{k: s.get(k) for k in METRICS}, noisy=s.get("noisy"),
                model_params=s.get("model_params"), model_config=_group(job, "model"),
+               cpu_threads_per_rank=s.get("cpu_threads_per_rank"),
                micro_batch_size=(_group(job, "trainer") or {}).get("micro_batch_size"))
     return row
 
@@ -163,29 +166,6 @@ def collect(sweep: Path) -> list[dict]:
                          "reason": "no job directory: the sweep stopped before this job"})
     rows = simulated.merge(sweep, rows)  # search.mode=simulate: "predicted only" and the predicted columns
     return sorted(rows, key=lambda r: (int(r["job"]) if r["job"].isdigit() else -1, r["job"]))
-
-
-def objective_of(sweep: Path, job: str) -> Optional[str]:
-    try:
-        return (yaml.safe_load((sweep / job / "config.yaml").read_text()) or {}).get("objective")
-    except (OSError, yaml.YAMLError):
-        return None
-
-
-def best(sweep: Path, rows: list[dict]) -> Optional[tuple[dict, str]]:
-    """The best completed job by the sweep's objective (all jobs share it), and the objective."""
-    done = [r for r in rows if r.get("status") == "completed"]
-    objectives = {objective_of(sweep, r["job"]) for r in done}
-    if len(objectives) != 1 or None in objectives:
-        return None
-    key = objectives.pop()
-    if key == "loss" and same_loss(done):  # every layout trains the same model: what differs is speed
-        key = "tokens_per_s"
-    scored = [r for r in done if isinstance(r.get(key), (int, float))]
-    if not scored:
-        return None
-    pick = max if key in MAXIMISED else min
-    return pick(scored, key=lambda r: r[key]), key
 
 
 def _fmt(v) -> str:
@@ -220,15 +200,16 @@ def write(rows: list[dict], sweep: Path, notes: list[str] = ()) -> None:
 def headline(sweep: Path, rows: list[dict]) -> list[str]:
     """Lines above the table: fairness warnings, then the best job."""
     lines = simulated.lines(sweep) + fairness_warnings(rows)
-    lines += repeats.lines(sweep, [r for r in rows if r.get("status") == "completed"])  # sweep.repeats
-    agree = same_loss([r for r in rows if r.get("status") == "completed"])
+    done = [r for r in rows if r.get("status") == "completed"]
+    agree = same_loss(done)
     if agree:
         lines.append(f"every job reaches the same loss ({agree[0]:.6g}, within {agree[1]:.1e} relative; the "
                      f"layouts' tolerance {LOSS_RTOL:g}): what differs is speed, ranked by tokens_per_s")
-    found = best(sweep, rows)
+    with_repeats = repeats.lines(sweep, done)  # sweep.repeats: its verdict names a configuration, not a job
+    lines += with_repeats
+    found = None if with_repeats else best(sweep, rows)
     if found:
-        row, key = found
-        lines.append(f"best by {key}: job {row['job']} ({row['overrides'] or 'defaults'}): {key} = {_fmt(row[key])}")
+        lines.append(best_line(done, *found))
     return lines
 
 
@@ -241,23 +222,6 @@ def parser() -> Parser:
     p.add_argument("--baseline", metavar="JOB", help="report.baseline=<job> works too: every job's speed-up "
                    "against this one (its tokens/s over the baseline's)")
     return p
-
-
-def baseline(rows: list[dict], job: str, key: str = "report.baseline") -> list[str]:
-    """report.baseline=<job>: each completed job's tokens/s over the baseline's (the rows get
-    a `speedup` column); the line above the table."""
-    base = next((r for r in rows if r["job"] == job), None)
-    if base is None or not isinstance(base.get("tokens_per_s"), (int, float)) or base["status"] != "completed":
-        have = ", ".join(r["job"] for r in rows if r.get("status") == "completed")
-        reject(key, job, f"is no completed job of this sweep (completed: {have or 'none'})",
-               "give the number of a completed job")
-    parts = []
-    for r in rows:
-        if r.get("status") == "completed" and isinstance(r.get("tokens_per_s"), (int, float)):
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-            if r is not base:
-                parts.append(f"job {r['job']} {r['speedup']:.2f}x ({r['speedup'] - 1:+.1%})")
-    return [f"speed-up against job {job} ({base['overrides'] or 'defaults'}), tokens/s over its: " + ", ".join(parts)]
 
 
 @command

@@ -1,6 +1,7 @@
 """Whether a sweep's jobs can be compared, said above the report's table: the same work per
 step (global batch, tokens per step), the same model (every `model.*` key of config.yaml,
-the parameter count), micro-batches that keep a MoE aux loss the same, and no job measured
+the parameter count), micro-batches that keep a MoE aux loss the same, the same CPU threads
+per rank, and no job measured
 with noise (framework/metrics/noise.py); when every job reaches the same loss, the layouts
 differ in speed alone (`same_loss`)."""
 
@@ -25,7 +26,20 @@ def fairness_warnings(rows: list[dict]) -> list[str]:
             jobs = ", ".join(f"job {r['job']}: {r.get(key)}" for r in ranked if r.get(key) is not None)
             out.append(f"WARNING: the jobs differ in {key} ({jobs}): their throughput and loss are not comparable. "
                        "Fix: set trainer.global_batch_size, so each layout derives schedule.microbatches")
-    return out + model_warnings(done) + micro_batch_warnings(done) + noise_warnings(done)
+    return out + model_warnings(done) + micro_batch_warnings(done) + thread_warnings(done) + noise_warnings(done)
+
+
+def thread_warnings(done: list[dict]) -> list[str]:
+    """CPU jobs compare only at the same intra-op threads per rank (a sweep gives each job
+    one, framework/device.py share_cores_in_a_sweep): a 1-rank job with two threads against
+    a 2-rank job with one each differs in threading as well as in layout."""
+    cpu = [r for r in done if r.get("cpu_threads_per_rank") is not None]
+    if len({r["cpu_threads_per_rank"] for r in cpu}) <= 1:
+        return []
+    jobs = ", ".join(f"job {r['job']}: {r['cpu_threads_per_rank']} x {r.get('world_size')} ranks" for r in cpu)
+    return [f"WARNING: the jobs ran different CPU threads per rank ({jobs}): their speeds differ in threading as "
+            "well as in layout. Fix: set trainer.cpu_threads_per_rank once for the sweep (a -m sweep gives every "
+            "job 1 unless it is set)"]
 
 
 def micro_batch_warnings(done: list[dict]) -> list[str]:

@@ -24,6 +24,7 @@ import statistics
 import sys
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from framework.config import RunConfig
@@ -298,6 +299,7 @@ class RunLogger:
             "mfu_above_one": any(r["mfu"] is not None and r["mfu"] > 1 for r in self.records),
             "val_loss": next((r["val_loss"] for r in reversed(self.records) if "val_loss" in r), None),
             "device": self.ctx.device.type, "resumed_from": info.resume_from,
+            "cpu_threads_per_rank": torch.get_num_threads() if self.ctx.device.type == "cpu" else None,
             "first_step": self.records[0]["step"], "ranks": ranks,  # 1, or k + 1 after resuming step_<k>
         }
 

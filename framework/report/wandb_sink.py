@@ -158,10 +158,25 @@ def layout_keys(run: RunConfig) -> dict:
         "model_name": run.model.name, "data_name": run.data.name, "lr": run.optimizer.get("lr"),
         "zero_impl": p.zero_impl, "zero_states": zero_states(run),
         "repeat": run.sweep.repeat, "repeats": run.sweep.repeats,  # sweep.repeats: which repeat, of how many
-        "layout": f"dp{p.dp}-tp{p.tp}-pp{p.pp}-{zero_label(run)}-{s.name}-m{s.microbatches}"
-                  + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else "")
-                  + (f"-cp{p.cp}-{p.cp_balance}" if p.cp > 1 else ""),
+        "cp_comm": p.cp_comm, "cp_balance": p.cp_balance, **{k: getattr(p, k) for k in OVERLAPS},
+        "layout": layout_name(run),
     }
+
+
+OVERLAPS = {"overlap_grad_reduce": "grad", "overlap_param_gather": "gather", "overlap_cp_ring": "ring",
+            "overlap_dualpipe": "dualpipe"}  # parallelism's overlap keys, as the layout name spells them
+
+
+def layout_name(run: RunConfig) -> str:
+    """One name per layout: W&B's group-by-layout must not merge runs that differ in a cp key,
+    an overlap or sequence parallelism (each named only when it is on, or cp > 1)."""
+    p, s = run.parallelism, run.schedule
+    on = [short for k, short in OVERLAPS.items() if getattr(p, k)]
+    return (f"dp{p.dp}-tp{p.tp}-pp{p.pp}-{zero_label(run)}-{s.name}-m{s.microbatches}"
+            + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else "")
+            + (f"-cp{p.cp}-{p.cp_comm}-{p.cp_balance}" if p.cp > 1 else "")
+            + ("-sp" if p.sequence_parallel and p.tp > 1 else "") + ("-offload" if p.offload_optimizer else "")
+            + (f"-overlap_{'+'.join(on)}" if on else ""))
 
 
 JOB_TYPE_CHARS = 64  # W&B's limit on job_type

@@ -93,7 +93,7 @@ def init_rank(run: RunConfig, recorder) -> ParallelContext:
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(threads_per_rank(local_world))
+        torch.set_num_threads(threads_per_rank(local_world, run.trainer.cpu_threads_per_rank))
     recorder.note("init_process_group", wait=True)
     dist.init_process_group(backend_for(device.type), rank=rank, world_size=world,
                             timeout=pg_timeout(run),

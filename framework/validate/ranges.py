@@ -83,7 +83,7 @@ def _number(run: RunConfig, path: str, value: float, rule: Rule, t: Any, f: Fiel
         if not ok(value, bound):
             where = f" ({ref}={bound})" if ref else ""
             raise ConfigError(path, value, f"must be {text} {ref or _shown(bound)}{where}",
-                              _example(path, f, run, rule))
+                              _example(path, f, run, rule, value))
 
 
 def _bounds(run: RunConfig, rule: Rule) -> list[tuple[str, float, str]]:
@@ -115,22 +115,36 @@ def _default(f: Field) -> Any:
     return f.default_factory() if callable(f.default_factory) else f.default
 
 
-def _example(path: str, f: Field, run: RunConfig, rule: Rule) -> str:
+def _example(path: str, f: Field, run: RunConfig, rule: Rule, value: Any = None) -> str:
+    """The fix: the range, with an example inside it (the default when it is inside, else the
+    bound nearest the value given: data.seq_len's default 64 is no example of `<= 16`)."""
     text = range_text(run, rule)
     default = _default(f)
-    return f"set {path} {text}" + (f", e.g. its default {path}={default}" if default is not None else "") \
-        if text else f"set {path} to a finite number, e.g. its default {default}"
+    if not text:
+        return f"set {path} to a finite number, e.g. its default {default}"
+    if default is not None and _inside(run, rule, default):
+        return f"set {path} {text}, e.g. its default {path}={default}"
+    inside = [b for _, b, _ in _bounds(run, rule) if _inside(run, rule, b)]
+    near = value if isinstance(value, (int, float)) and math.isfinite(value) else 0
+    example = min(inside, key=lambda b: abs(b - near)) if inside else None
+    return f"set {path} {text}" + (f", e.g. {path}={_shown(example)}" if example is not None else "")
+
+
+def _inside(run: RunConfig, rule: Rule, value: Any) -> bool:
+    return isinstance(value, (int, float)) and all(_OPS[op][1](value, b) for op, b, _ in _bounds(run, rule))
 
 
 def check_effect(run: RunConfig, overrides: list[str]) -> None:
     """A key given on the command line that has no effect in this run (a loss-scaling key
     without fp16-mixed, a zb-auto key under another schedule, an expert key on a dense
     model) is refused: silently ignored, it would make a sweep or a comparison lie."""
-    rules = {path: (attr, rule_of(f)) for path, attr, f, _ in leaves()}
+    rules = {path: (attr, rule_of(f), f) for path, attr, f, _ in leaves()}
     for o in overrides:
         name, _, value = o.lstrip("+~").partition("=")
-        attr, rule = rules.get(name, (None, None))
+        attr, rule, f = rules.get(name, (None, None, None))
         if o.startswith("~") or value == "null" or rule is None or rule.when is None or rule.when(run):
             continue
+        if lookup(run, attr) == _default(f):
+            continue  # spelled out at its default (a sweep's `overlap_cp_ring=false` beside cp_comm=a2a): changes nothing
         raise ConfigError(name, lookup(run, attr), f"has no effect in this run: it acts only with {rule.when_text}",
                           f"leave {name} out, or set {rule.when_text}")
