@@ -285,7 +285,7 @@ def test_llama3_presets_have_their_parameter_counts(preset, billions):
 
 def test_a_simulated_search_ranks_layouts_for_a_cluster(tmp_path):
     """search.mode=simulate hardware=...: every candidate priced by the cost model, none
-    launched, ranked by tokens/s per GPU with the out-of-memory ones last, and drawn. Four
+    launched, ranked by tokens/s per GPU with the out-of-memory ones last (no speed, a reason), and drawn. Four
     layouts of GPT-3 175B on 64-GiB GPUs, bf16 with fp32 master weights and AdamW: without
     ZeRO, tp 8 x pp 2 holds 175B / 16 parameters x 16 bytes, about 163 GiB per GPU, and
     cannot fit; ZeRO 1 over dp 8 brings that to 2 + 2 + 12 / 8 bytes each, about 56 GiB. On
@@ -309,9 +309,30 @@ def test_a_simulated_search_ranks_layouts_for_a_cluster(tmp_path):
     assert fits == {(2, 0): False, (2, 1): False, (8, 0): False, (8, 1): True}
     acts = sorted(row["activation_peak_bytes_max"] for row in rows)  # + the embedding's ids: p of them
     assert acts[-1] == pytest.approx(acts[0], rel=1e-5) and 30 * 2 ** 30 < acts[0] < 33 * 2 ** 30
-    ranked = [row["ranked_by"] for row in rows]
-    assert ranked == sorted(ranked, reverse=True) and rows[-1]["fits"] is False
+    assert [row["fits"] for row in rows] == [True, False, False, False]  # the one that fits ranks first
+    # the others: no predicted speed (null, not 0.0) and why, closest to fitting first
+    need = [row["memory_per_gpu_bytes"] for row in rows[1:]]
+    assert need == sorted(need)
+    for row in rows[1:]:
+        assert row["predicted_tokens_per_s"] is None and row["predicted_tokens_per_s_per_gpu"] is None
+        assert row["predicted_tokens_per_s_cluster"] is None and row["ranked_by"] is None
+        assert row["reason"] == f"out of memory: {row['memory_per_gpu_bytes'] / 2 ** 30:.1f} GiB > 64.0 GiB per GPU"
+        assert row["line"].split(": ", 1)[1].startswith(row["reason"] + "; priced as if it fit")
+    best = rows[0]  # per GPU and the total of the layout's 512 GPUs, under names that say which
+    assert best["reason"] is None and best["gpus"] == 512
+    assert best["predicted_tokens_per_s_per_gpu"] == best["ranked_by"] == best["tokens_per_s_per_gpu"] > 0
+    assert best["predicted_tokens_per_s_cluster"] == best["predicted_tokens_per_s"] == best["tokens_per_s_cluster"] \
+        == pytest.approx(512 * best["tokens_per_s_per_gpu"])
     assert (tmp_path / "simulated_search.png").stat().st_size > 10_000
+    # the sweep's report: its first line says what ranked the candidates; the columns say per GPU or in all
+    from framework.report.compare import collect, headline, markdown
+
+    report = collect(tmp_path)
+    assert headline(tmp_path, report)[0] == ("search.mode=simulate: 4 candidates priced by the cost model on a100-dgx "
+                                             "(1 fit in memory, 3 do not; none run: the cluster is not here)")
+    assert "| predicted_rank | predicted_tokens_per_s_cluster | predicted_tokens_per_s_per_gpu |" in markdown(report)
+    oom = [r for r in report if r["predicted_rank"] > 1]
+    assert all(r["reason"].startswith("out of memory: ") and r["predicted_tokens_per_s_cluster"] is None for r in oom)
 
 
 

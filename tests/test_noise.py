@@ -72,4 +72,6 @@ def test_a_run_beside_busy_loops_is_flagged_in_the_summary_the_console_and_the_r
     assert main([str(tmp_path / "sweep")]) == 0
     out = capsys.readouterr().out
     assert f"measured with noise ({summary['noisy']})" in out and "WARNING: job 1 (" in out
+    # the two jobs are one configuration run twice: its repeats line, and no winner named
+    assert "  1. defaults: " in out and "(2 repeats: " in out and "best by" not in out, out
     assert "| noisy | reason |" in (tmp_path / "sweep" / "report.md").read_text()

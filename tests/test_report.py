@@ -164,3 +164,31 @@ def test_a_baseline_job_gives_every_jobs_speed_up(tmp_path, capsys):
     assert main([str(sweep), "report.baseline=3"]) == 2
     assert "config error: report.baseline='3': is no completed job of this sweep (completed: 0)" in \
         capsys.readouterr().err
+
+
+def test_jobs_that_ran_different_threads_per_rank_are_warned_about():
+    """A 1-rank job with 2 CPU threads against a 2-rank job with 1 each: not a fair comparison."""
+    from framework.report.fairness import thread_warnings
+
+    rows = [{"job": "0", "status": "completed", "cpu_threads_per_rank": 2, "world_size": 1},
+            {"job": "1", "status": "completed", "cpu_threads_per_rank": 1, "world_size": 2}]
+    assert thread_warnings(rows) == [
+        "WARNING: the jobs ran different CPU threads per rank (job 0: 2 x 1 ranks, job 1: 1 x 2 ranks): their speeds "
+        "differ in threading as well as in layout. Fix: set trainer.cpu_threads_per_rank once for the sweep (a -m "
+        "sweep gives every job 1 unless it is set)"]
+    rows[0]["cpu_threads_per_rank"] = 1
+    assert thread_warnings(rows) == []
+    assert thread_warnings([{**rows[0], "cpu_threads_per_rank": None}, rows[1]]) == []  # CUDA: not counted
+
+
+def test_a_noisy_job_keeps_the_report_from_naming_a_winner_by_speed(tmp_path):
+    from framework.report.winner import best_line
+
+    done = [{"job": "0", "overrides": "a=1", "tokens_per_s": 100.0, "loss": 2.5, "noisy": ""},
+            {"job": "1", "overrides": "a=2", "tokens_per_s": 2300.0, "noisy": "load: other processes used 40%"}]
+    assert best_line(done, done[1], "tokens_per_s") == (
+        "no winner named by tokens_per_s: 1 of 2 jobs were measured with noise (the warnings above), so their speeds "
+        "do not compare; ranked: job 1 2300, job 0 100. Fix: rerun on a quiet machine, with sweep.repeats=3")
+    assert best_line(done, done[0], "loss").startswith("best by loss: job 0")  # noise does not change a loss
+    done[1]["noisy"] = ""
+    assert best_line(done, done[1], "tokens_per_s") == "best by tokens_per_s: job 1 (a=2): tokens_per_s = 2300"

@@ -199,7 +199,9 @@ def test_search_mode_simulate_runs_only_the_best_candidate(delayed_flush, tmp_pa
     ran = next(r for r in report if r["status"] == "completed")
     assert ran["step_time_error"] == pytest.approx(rows[0]["step_time_error"]) and ran["predicted_rank"] == 1
     md = markdown(report)
-    assert "| predicted_rank | predicted_tokens_per_s | predicted_step_time_s | step_time_error |" in md
+    assert ("| predicted_rank | predicted_tokens_per_s_cluster | predicted_tokens_per_s_per_gpu | predicted_step_time_s "
+            "| step_time_error |") in md
+    assert ran["predicted_tokens_per_s_cluster"] == pytest.approx(2 * ran["predicted_tokens_per_s_per_gpu"])  # 2 ranks
     assert "incomplete" not in md
     assert headline(tmp_path, report)[0].startswith(f"search.mode=simulate: 3 candidates predicted from {job}, "
                                                     "whose own replay was ")

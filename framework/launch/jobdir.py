@@ -30,15 +30,17 @@ SWEEP_OUTPUTS = ("multirun.yaml", "report.csv", "report.md", "report.html", "opt
                  "simulated_search.json")
 
 
-def set_aside_previous(job_dir: str) -> Optional[str]:
+def set_aside_previous(job_dir: str, keep: tuple[str, ...] = ()) -> Optional[str]:
     """A job directory that holds an earlier run's files (hydra.run.dir reused) gets them
     moved to `.previous/<time>/`, so old and new results never mix (a stale summary.json
-    beside a new error.txt would read as a completed run). Returns where they went."""
+    beside a new error.txt would read as a completed run). Returns where they went.
+    `keep`: files that are this job's own, not an earlier run's (search.mode=simulate's
+    prediction, framework/sim/sweep.py, beside which the predicted job then runs)."""
     if not os.path.isdir(job_dir):
         return None
-    names = [n for n in JOB_OUTPUTS if os.path.lexists(os.path.join(job_dir, n))]
+    names = [n for n in JOB_OUTPUTS if n not in keep and os.path.lexists(os.path.join(job_dir, n))]
     log = os.path.join(job_dir, RUN_LOG)
-    if os.path.isfile(log) and os.path.getsize(log) > 0:  # empty: Hydra's handler of this run just made it
+    if RUN_LOG not in keep and os.path.isfile(log) and os.path.getsize(log) > 0:  # empty: this run's, just made
         names.append(RUN_LOG)
     return _move_aside(job_dir, names, "an earlier run's files")
 

@@ -109,9 +109,10 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
         memory.append({"pp_rank": rank, "psi": n, "expert_psi": e, **est, "model_state_bytes": sum(est.values()),
                        "model_state_formula_bf16_bytes": int(bf16), "model_state_formula_paper_bytes": int(paper)})
     sched = resolve(s)
-    activations, why = _activations(run, hf_model, ranges, sched)
+    activations, transient, why = _activations(run, hf_model, ranges, sched)
     for mem, act in zip(memory, activations or [None] * p.pp):
-        mem["activation_bytes"] = act  # saved activations' peak (framework/sim/cost/activations.py)
+        mem["activation_bytes"] = act  # saved activations' peak (framework/sim/cost/activations.py) + transient
+        mem["recompute_transient_bytes"] = transient if act is not None else None  # named: the line's parts add up
     lists = sched.generate(p.pp, s.microbatches, s.virtual_stages, 2)
     smap = sched.stage_map(p.pp, s.virtual_stages)
     schedule_grid = grid(lists, smap) if p.pp > 1 else ""  # async: its first two steps
@@ -134,10 +135,11 @@ def make_plan(run: RunConfig, hf_model: nn.Module, ranges: list[range]) -> dict:
     }
 
 
-def _activations(run: RunConfig, hf_model: nn.Module, ranges: list[range], sched) -> tuple[Optional[list], str]:
+def _activations(run: RunConfig, hf_model: nn.Module, ranges: list[range], sched) -> tuple[Optional[list], float, str]:
     """Each pipeline rank's saved-activation peak by the cost model's activation model (the
-    tensors autograd keeps in this framework's models, over the schedule's action list), and
-    what it assumes, or None and why it has no estimate."""
+    tensors autograd keeps in this framework's models, over the schedule's action list) plus
+    under recomputation one block's recomputed set (also returned alone), and what it
+    assumes, or None and why it has no estimate."""
     from framework.sim.cost.activations import peak_bytes, recompute_transient
     from framework.sim.cost.price import job_of
 
@@ -146,10 +148,18 @@ def _activations(run: RunConfig, hf_model: nn.Module, ranges: list[range], sched
         job = job_of(run, hf_model.config.vocab_size)
         peaks = peak_bytes(job.shape, job.lay, p.pp, s.microbatches, sched, s.virtual_stages, [len(r) for r in ranges])
     except (ValueError, TypeError) as e:
-        return None, f"not estimated: {e}"
+        return None, 0.0, f"not estimated: {e}"
     extra = recompute_transient(job.shape, job.lay)
-    return [a + extra for a in peaks], ("saved tensors at their peak over the schedule" + (
+    return [a + extra for a in peaks], extra, ("saved tensors at their peak over the schedule" + (
         ", plus one block's recomputed set" if extra else "") + "; no p2p buffers, workspaces or fragmentation")
+
+
+def _activation_text(mem: dict) -> str:
+    """A rank's activations, the recomputed block's set named apart so the parts add up."""
+    extra = mem.get("recompute_transient_bytes") or 0
+    return f"activations {mem['activation_bytes'] / 2**20:.1f} MiB" + (
+        f" (saved {(mem['activation_bytes'] - extra) / 2**20:.1f} + one block's recomputed set {extra / 2**20:.1f})"
+        if extra else "")
 
 
 def render_plan(plan: dict) -> str:
@@ -171,7 +181,7 @@ def render_plan(plan: dict) -> str:
                      f"the paper's {paper_form(plan['precision'])} form "
                      f"{mem.get('model_state_formula_paper_bytes', mem['model_state_formula_bf16_bytes']) / 2**20:.1f}"
                      " MiB in all), "
-                     + (f"activations {mem['activation_bytes'] / 2**20:.1f} MiB" if mem.get("activation_bytes") is not None
+                     + (_activation_text(mem) if mem.get("activation_bytes") is not None
                         else "activations not estimated"))
     if plan.get("activation_estimate"):  # absent from a plan.json written before the estimate existed
         lines.append(f"  activations: {plan['activation_estimate']}")

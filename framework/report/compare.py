@@ -178,7 +178,7 @@ def _fmt(v) -> str:
 
 def columns(rows: list[dict]) -> tuple:
     """The table's columns: a simulate sweep's add the predicted ones (report/simulated.py)."""
-    return COLUMNS + (simulated.COLUMNS if any(r.get("predicted_tokens_per_s") is not None for r in rows) else ()) \
+    return COLUMNS + (simulated.COLUMNS if any(r.get("predicted_rank") is not None for r in rows) else ()) \
         + (("speedup",) if any("speedup" in r for r in rows) else ())
 
 

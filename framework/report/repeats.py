@@ -186,4 +186,4 @@ def lines(sweep: Path, done: list[dict]) -> list[str]:
         else:
             out.append(f"  {p.faster} and {p.slower} are not distinguishable ({p.gain:+.1%}, interval {p.low:+.1%} "
                        f"to {p.high:+.1%})")
-    return out + [verdict(configs, pairs)]
+    return out + ([verdict(configs, pairs)] if len(configs) > 1 else [])  # one configuration: nothing to rank

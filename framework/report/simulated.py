@@ -4,12 +4,16 @@
 Every candidate was predicted from `sim.from`; only the best `search.top_k` ran. A candidate
 that did not run has its config.yaml and prediction.json but no summary.json: the report
 lists it as `predicted only` (not `incomplete`, which means a job still running or killed).
-Every candidate row gets the predicted columns (`predicted_tokens_per_s`,
-`predicted_step_time_s`, `predicted_rank`) and its `tokens_per_step`, so the fairness
-warnings cover predicted candidates too; a run candidate also has its measured columns and
-`step_time_error` (predicted / measured - 1). Above the table: how far the source run's
-own replay was from its measurement (its summary.json's `predicted_step_time_error`), since
-every prediction inherits that error, with a warning past `SOURCE_ERROR`.
+Every candidate row gets the predicted columns (`predicted_rank`, tokens/s as the total of
+the layout's ranks, `predicted_tokens_per_s_cluster`, and per rank,
+`predicted_tokens_per_s_per_gpu`, `predicted_step_time_s`) and its `tokens_per_step`, so
+the fairness warnings cover predicted candidates too; a run candidate also has its measured
+columns and `step_time_error` (predicted / measured - 1). Above the table: how far the
+source run's own replay was from its measurement (its summary.json's
+`predicted_step_time_error`), since every prediction inherits that error, with a warning
+past `SOURCE_ERROR`. A cluster's sweep (`hardware=...`: the cost model, no source run) says
+so instead, with how many candidates fit; a candidate that does not fit has no predicted
+speed (empty) and its `reason` ("out of memory: ...").
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Optional
 
 RESULT = "simulated_search.json"  # framework/sim/sweep.py's RESULT (not imported: the report stays light)
 PREDICTED_ONLY = "predicted only"
-COLUMNS = ("predicted_rank", "predicted_tokens_per_s", "predicted_step_time_s", "step_time_error")
+COLUMNS = ("predicted_rank", "predicted_tokens_per_s_cluster", "predicted_tokens_per_s_per_gpu",
+           "predicted_step_time_s", "step_time_error")
 SOURCE_ERROR = 0.10  # the source's replay off its own measurement by more than this: warned
 
 
@@ -49,10 +54,12 @@ def merge(sweep: Path, rows: list[dict]) -> list[dict]:
         if entry is None:
             continue
         row.update({k: entry.get(k) for k in COLUMNS})
+        # the older name of the cluster's total, which the report also reads to know a simulate sweep
+        row["predicted_tokens_per_s"] = entry.get("predicted_tokens_per_s")
         if row.get("tokens_per_step") is None:
             row["tokens_per_step"] = entry.get("tokens_per_step")
         if row["status"] == "incomplete" and not entry.get("launched"):
-            row.update(status=PREDICTED_ONLY, reason=None)
+            row.update(status=PREDICTED_ONLY, reason=entry.get("reason"))  # out of memory: why it has no speed
     return rows
 
 
@@ -61,6 +68,10 @@ def lines(sweep: Path) -> list[str]:
     table = _table(sweep)
     if not table:
         return []
+    if "hardware" in table[0]:  # a cluster's: priced by the cost model, not replayed from a run
+        fit = sum(1 for r in table if r.get("fits"))
+        return [f"search.mode=simulate: {len(table)} candidates priced by the cost model on {table[0]['hardware']} "
+                f"({fit} fit in memory, {len(table) - fit} do not; none run: the cluster is not here)"]
     source = table[0].get("source")
     try:
         error = json.loads((Path(source) / "summary.json").read_text()).get("predicted_step_time_error")

@@ -201,7 +201,9 @@ def _result(job_dir: str, dst: RunConfig, pred: Predicted, rescaled: bool, a2a: 
     return {"source": job_dir, "replay": replay, "schedule": dst.schedule.name, "pp": p.pp, "ep": p.ep,
             "microbatches": dst.schedule.microbatches, "virtual_stages": dst.schedule.virtual_stages,
             "tokens_per_step": dst.tokens_per_step, **pred.keys(),
-            "predicted_tokens_per_s": dst.tokens_per_step / pred.step_time_s,
+            "predicted_tokens_per_s": dst.tokens_per_step / pred.step_time_s,  # the job's total, all its ranks:
+            "predicted_tokens_per_s_cluster": dst.tokens_per_step / pred.step_time_s,  # ... by its explicit name
+            "predicted_tokens_per_s_per_gpu": dst.tokens_per_step / pred.step_time_s / dst.world_size,
             "predicted_rank_bubble_fraction": pred.rank_bubble_fraction,
             "predicted_activation_peak_bytes": pred.activation_peak_bytes,
             **{k: v for k, v in a2a.items() if k.startswith("a2a")}, "rescaled": rescaled, "_predicted": pred}
@@ -282,7 +284,9 @@ def describe(result: dict) -> str:
              f"({'replay of' if result.get('replay') else 'predicted from'} {result['source']}"
              f"{', rescaled' if result['rescaled'] else ''}): "
              f"step {result['predicted_step_time_s'] * 1e3:.1f} ms | {result['predicted_tokens_per_s']:,.0f} tokens/s "
-             f"| bubble {result['predicted_bubble_fraction']:.3f}"]
+             + (f"in all, {result['predicted_tokens_per_s_per_gpu']:,.0f} per rank "
+                if "predicted_tokens_per_s_per_gpu" in result else "")
+             + f"| bubble {result['predicted_bubble_fraction']:.3f}"]
     if "a2a_model" in result:
         lines.append(f"  all-to-all: {result['a2a_bytes_per_step'] / 2**20:.2f} MiB and "
                      f"{result['a2a_s_per_step'] * 1e3:.1f} ms per step and rank, {result['a2a_cost']}")

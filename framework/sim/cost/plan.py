@@ -58,17 +58,32 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
     from framework.sim.cost.hardware import Profile
     from framework.sim.cost.price import job_of, price, report
 
+    check_shapes(run, vocab)  # before pricing: a layout run.py refuses is refused here too
     prof, job = Profile.of(run.hardware), job_of(run, vocab)
     p = run.parallelism
     out = report(prof, job, price(prof, job), model_states(run, job, per_rank=True))
-    out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "zero": p.zero,
+    out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
                                              "sequence_parallel": p.sequence_parallel, "schedule": run.schedule.name,
                                              "microbatches": run.schedule.microbatches,
                                              "virtual_stages": run.schedule.virtual_stages,
                                              "micro_batch_size": run.trainer.micro_batch_size,
                                              "seq_len": run.data.seq_len, "recompute":
-                                             run.trainer.activation_checkpointing})
+                                             run.trainer.activation_checkpointing,
+                                             "recompute_mode": run.trainer.recompute})
     return out
+
+
+def check_shapes(run: RunConfig, vocab: int) -> None:
+    """validate_model's check that the ranges and the composed config's checks do not make
+    (framework/validate/: seq_len against the positions and the partition are checked
+    there), on the model's transformers config instead of its meta build: the sizes tp
+    splits, by models/checks.py's check_tp_sizes, the dry run's own error."""
+    from framework.models import ARCHS
+    from framework.models.checks import check_tp_sizes
+
+    if run.parallelism.tp > 1:
+        arch = ARCHS[run.model.arch]
+        check_tp_sizes(arch.tp_sizes(arch.hf_config(run.model, vocab)), run.parallelism.tp)
 
 
 def model_states(run: RunConfig, job, per_rank: bool = False):

@@ -273,14 +273,19 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
     acts = peak_bytes(s, lay, job.pp, job.microbatches, job.schedule, job.virtual_stages)
     states = list(state_bytes) if isinstance(state_bytes, (list, tuple)) else [state_bytes] * job.pp
     transient = recompute_transient(s, lay)
-    need = max(st + a + transient for st, a in zip(states, acts))
+    # the fullest rank's own parts (the largest states and the largest activations may be on two ranks)
+    need, fullest = max((st + a + transient, r) for r, (st, a) in enumerate(zip(states, acts)))
     capacity = prof.memory_gib * 2 ** 30
     return {"hardware": prof.name, "source": prof.source, "gpus": job.world, "step_s": r.step_s,
             "pipeline_s": r.pipeline_s, "bubble": r.bubble, "comm_s": r.comm_s, "optimizer_s": r.optimizer_s,
-            "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
+            "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "tokens_per_s_cluster": r.tokens_per_s_per_gpu * job.world,
+            "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
             "hfu": r.hfu, "model_state_bytes_max": max(states), "activation_peak_bytes_max": max(acts),
             "recompute_transient_bytes": transient, "memory_per_gpu_bytes": need, "memory_bytes": capacity,
-            "fits": need <= capacity, "dtype": job.lay.dtype,
+            "memory_fullest_pp_rank": fullest, "memory_parts_bytes": {
+                "model_states": states[fullest], "activations": acts[fullest], "recompute_transient": transient},
+            "fits": need <= capacity, "oom_reason": None if need <= capacity else oom_reason(need, capacity),
+            "dtype": job.lay.dtype,
             "comm_hidden_s": r.comm_hidden_s,
             "assumptions": "no overlap of communication with compute (but cp's ring passes"
                            f"{' and the dp reduction under backward' if r.comm_hidden_s.get('dp') else ''}"
@@ -293,14 +298,36 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
                            "fragmentation, workspaces, p2p buffers or framework runtime)"}
 
 
+def oom_reason(need: float, capacity: float) -> str:
+    return f"out of memory: {need / 2 ** 30:.1f} GiB > {capacity / 2 ** 30:.1f} GiB per GPU"
+
+
+def memory_line(rep: dict) -> str:
+    """The fullest rank's memory and every part of it, so the parts add up to the total (a
+    report written before the parts were kept: the maxima, as then)."""
+    parts = rep.get("memory_parts_bytes") or {"model_states": rep["model_state_bytes_max"],
+                                              "activations": rep["activation_peak_bytes_max"],
+                                              "recompute_transient": rep.get("recompute_transient_bytes", 0)}
+    names = {"model_states": "model states", "activations": "saved activations",
+             "recompute_transient": "recomputation transient"}
+    terms = " + ".join(f"{names[k]} {v / 2 ** 30:.1f}" for k, v in parts.items() if v or k != "recompute_transient")
+    rank = f" on pp rank {rep['memory_fullest_pp_rank']}" if "memory_fullest_pp_rank" in rep else ""
+    return (f"memory {rep['memory_per_gpu_bytes'] / 2 ** 30:.1f} of {rep['memory_bytes'] / 2 ** 30:.1f} GiB per GPU"
+            f"{rank} = {terms} GiB ({'fits' if rep['fits'] else 'OUT OF MEMORY'})")
+
+
 def describe(rep: dict) -> str:
+    """The dry run's line. Tokens/s per GPU (`tokens_per_s_per_gpu`) and the layout's total
+    (`tokens_per_s_cluster`, all its GPUs); a layout that does not fit is priced as if it did,
+    and says so first."""
     hidden = rep.get("comm_hidden_s") or {}
     comm = ", ".join(f"{k} {v * 1e3:.1f} ms" + (f" (+{hidden[k] * 1e3:.1f} ms hidden by overlap)" if hidden.get(k)
                                                  else "") for k, v in rep["comm_s"].items() if v)
-    return (f"cost model on {rep['hardware']} ({rep['source']}): step {rep['step_s'] * 1e3:.1f} ms | "
-            f"{rep['tokens_per_s_per_gpu']:.0f} tokens/s, {rep['tflops_per_gpu']:.1f} TFLOP/s per GPU | MFU "
+    cluster = rep.get("tokens_per_s_cluster", rep["tokens_per_s_per_gpu"] * rep["gpus"])
+    oom = "" if rep["fits"] else f"{rep.get('oom_reason') or 'OUT OF MEMORY'}; priced as if it fit: "
+    return (f"cost model on {rep['hardware']} ({rep['source']}): {oom}step {rep['step_s'] * 1e3:.1f} ms | "
+            f"{rep['tokens_per_s_per_gpu']:.0f} tokens/s and {rep['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
+            f"{cluster:,.0f} tokens/s on the {rep['gpus']} GPUs | MFU "
             f"{rep['mfu']:.1%} (HFU {rep['hfu']:.1%}, {rep['dtype']} peak) | bubble {rep['bubble']:.3f} | "
-            f"communication {comm or 'none'} | optimizer {rep['optimizer_s'] * 1e3:.1f} ms | memory "
-            f"{rep['memory_per_gpu_bytes'] / 2 ** 30:.1f} of {rep['memory_bytes'] / 2 ** 30:.1f} GiB per GPU "
-            f"({'fits' if rep['fits'] else 'OUT OF MEMORY'}; model states {rep['model_state_bytes_max'] / 2 ** 30:.1f}"
-            f", activations {rep['activation_peak_bytes_max'] / 2 ** 30:.1f} GiB)\n  assumed: {rep['assumptions']}")
+            f"communication {comm or 'none'} | optimizer {rep['optimizer_s'] * 1e3:.1f} ms | {memory_line(rep)}"
+            f"\n  assumed: {rep['assumptions']}")
