@@ -57,7 +57,7 @@ def test_the_memory_lines_parts_add_up_to_its_total(layout):
     rep = plan(layout)
     total, parts = memory_parts(describe(rep).splitlines()[0])
     assert total == pytest.approx(rep["memory_per_gpu_bytes"] / 2 ** 30, abs=0.051)
-    assert sum(parts) == pytest.approx(total, abs=0.051 * (len(parts) + 1)), (total, parts)
+    assert sum(parts) == pytest.approx(total, abs=1e-9), (total, parts)  # as printed: the tenths add up
     assert sum(rep["memory_parts_bytes"].values()) == pytest.approx(rep["memory_per_gpu_bytes"], rel=1e-12)
     if "trainer.recompute=full" in layout:
         assert rep["recompute_transient_bytes"] > 0.5 * 2 ** 30 and len(parts) == 3

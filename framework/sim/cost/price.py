@@ -310,10 +310,23 @@ def memory_line(rep: dict) -> str:
                                               "recompute_transient": rep.get("recompute_transient_bytes", 0)}
     names = {"model_states": "model states", "activations": "saved activations",
              "recompute_transient": "recomputation transient"}
-    terms = " + ".join(f"{names[k]} {v / 2 ** 30:.1f}" for k, v in parts.items() if v or k != "recompute_transient")
+    shown = {k: v for k, v in parts.items() if v or k != "recompute_transient"}
+    tenths = _tenths(list(shown.values()), rep["memory_per_gpu_bytes"])
+    terms = " + ".join(f"{names[k]} {t / 10:.1f}" for k, t in zip(shown, tenths))
     rank = f" on pp rank {rep['memory_fullest_pp_rank']}" if "memory_fullest_pp_rank" in rep else ""
     return (f"memory {rep['memory_per_gpu_bytes'] / 2 ** 30:.1f} of {rep['memory_bytes'] / 2 ** 30:.1f} GiB per GPU"
             f"{rank} = {terms} GiB ({'fits' if rep['fits'] else 'OUT OF MEMORY'})")
+
+
+def _tenths(parts: list[float], total: float) -> list[int]:
+    """Each part in tenths of a GiB, rounded so they add to the rounded total (largest
+    remainders get the leftover tenths) where the parts add to the total."""
+    exact = [v / 2 ** 30 * 10 for v in parts]
+    out = [int(x) for x in exact]
+    left = round(total / 2 ** 30 * 10) - sum(out)
+    for i in sorted(range(len(exact)), key=lambda i: out[i] - exact[i])[:max(0, left)]:
+        out[i] += 1
+    return out
 
 
 def describe(rep: dict) -> str:
