@@ -3,6 +3,8 @@ it places (shapes only) against the dry-run planner's count of the real tensors,
 bench's hardware profile of this machine (GEMM, memory-bound ops, host path, the gloo link)
 loaded and priced with."""
 
+import re
+
 import pytest
 
 from .conftest import compose
@@ -59,6 +61,19 @@ def test_the_bench_writes_a_profile_the_cost_model_prices_with(tmp_path):
     link = raw["links"]["intra"]
     assert link == raw["links"]["inter"] and link["alpha_us"] > 0 and link["GBps"] > 0
     assert "1 threads" in raw["source"] and link["all_reduce_s"]["ranks"] == 2 and len(link["all_reduce_s"]["rows"]) == 7
+    # the closing line reads the file's own numbers (it printed "fp32 0.0" for a file's 0.0336)
+    said = re.fullmatch(r"wrote \S+: GEMM best fp32 (\S+), fp64 (\S+) TFLOP/s, copy (\S+) GB/s, kernel (\S+) us",
+                        r.stdout.strip().splitlines()[-1])
+    assert said, r.stdout
+    assert [float(x) for x in said.groups()] == [raw["peak_tflops"]["fp32"], raw["peak_tflops"]["fp64"],
+                                                 raw["memory_GBps"], raw["kernel_us"]]
+    # every measured number is a real one: no difference of noisy times clamped or rounded to 0
+    numbers = [float(x) for rows in raw["gemm_tflops"].values() for x in rows.split()]
+    numbers += list(_leaves({k: raw[k] for k in ("memory_GBps", "kernel_us", "memory_bound_GBps", "host_us",
+                                                 "attention_tflops", "links")}))
+    assert len(numbers) > 100 and min(numbers) > 0, raw
+    host = raw["host_us"]  # a block's backward is no cheaper than a tenth of its forward (it was 5 us of 917)
+    assert all(host[a]["B"] > host[a]["F"] / 10 for a in ("gpt2", "llama")), host
     prof = Profile.of(HardwareConfig(**{k: v for k, v in raw.items() if k in HardwareConfig.__dataclass_fields__}))
     shape = ModelShape("gpt2", 2, 64, 2, 2, 256, 256, True, positions=64)
     one, two = (price(prof, Job(shape, Layout(2, 32, dtype="fp32"), dp=dp, microbatches=2)) for dp in (1, 2))
@@ -66,6 +81,16 @@ def test_the_bench_writes_a_profile_the_cost_model_prices_with(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "framework.sim.bench", "--links", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--links" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, list):
+        for v in x:
+            yield from _leaves(v)
+    else:
+        yield float(x)
 
 
 def test_a_single_device_profile_without_links_prices_a_one_gpu_job():

@@ -3,8 +3,9 @@
     python -m framework.sim.bench --out conf/hardware/NAME.yaml [--name NAME] [--device auto|cpu|cuda]
                                   [--quick] [--peak-tflops bf16=989.5,fp32=66.9] [--threads T] [--links N]
 
-What it measures, each the median of repeated back-to-back calls (CUDA events on a GPU, the
-host clock on a CPU, after warm-up):
+What it measures, each the median of repeated back-to-back calls (CUDA events on a GPU; on a
+CPU the thread's CPU clock with one thread, else the host clock; after warm-up), a difference
+of two timings from each side's fastest of alternated calls (`_fastest`), never zero:
 - `gemm_tflops`: a @ b over an (m, n, k) grid per dtype (bf16, fp16, fp32 on CUDA; fp32 and
   fp64 on CPU), as "m n k TFLOP/s" lines with 2 m n k FLOPs: the table the cost model
   interpolates (framework/sim/cost/hardware.py).
@@ -49,24 +50,34 @@ TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 # tiny (n_embd 32-768, a few thousand tokens per micro-batch).
 DIMS = {"cuda": (128, 512, 1024, 2048, 4096, 8192, 16384), "cpu": (16, 64, 256, 1024, 4096)}
 MOST_MNK = {"cuda": 16384 * 8192 * 8192, "cpu": 2 ** 31}
+QUICK_MNK = {"cuda": 8192 ** 3, "cpu": 2 ** 26}  # --quick: a CPU's 4096 x 4096 output alone takes 0.1 s a call
 SECONDS_PER_POINT = {"cuda": 2e-2, "cpu": 5e-2}  # inner repeats aim at this much work
 
 
 class Timer:
-    """Median seconds per call of `fn`, on the device's own clock."""
+    """Median seconds per call of `fn`, on the device's own clock (CUDA events; on a CPU the
+    thread's CPU clock with one thread, else the wall clock)."""
 
-    def __init__(self, device: torch.device, cold: bool = False):
+    def __init__(self, device: torch.device, cold: bool = False, quick: bool = False):
         self.device = device
+        self.quick = quick  # --quick: at most 3 timed calls and 1 warm-up per point
         # CPU: each timed call starts with its operands out of the caches, as an op of a model
         # finds them after the ops between (a GEMM of (256, 512, 128) runs at 0.73x its
         # back-to-back rate here); a GPU's ops stream from HBM at these sizes anyway.
         self.junk = torch.empty(16 << 20) if cold and device.type == "cpu" else None
+        # CPU, one intra-op thread (a rank's share, --threads 1): the op runs on this thread, and
+        # its CPU clock leaves out the time other processes take from it on a shared machine
+        # (wall-clock timings of gpt2's B read 5 us in one run, 3,481 us in another); with more threads
+        # the op's work is spread over them, and only the wall clock times it.
+        self.clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __call__(self, fn, reps: int = 7, inner: int = 1, warmup: int = 2) -> float:
+        if self.quick:
+            reps, warmup = min(reps, 3), min(warmup, 1)
         for _ in range(warmup):
             fn()
         self.sync()
@@ -82,14 +93,14 @@ class Timer:
                 times.append(a.elapsed_time(b) / 1e3 / inner)
             elif self.junk is not None:
                 self.junk.fill_(1.0)
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 fn()
-                times.append(time.perf_counter() - t0)
+                times.append(self.clock() - t0)
             else:
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 for _ in range(inner):
                     fn()
-                times.append((time.perf_counter() - t0) / inner)
+                times.append((self.clock() - t0) / inner)
         times.sort()
         return times[len(times) // 2]
 
@@ -106,11 +117,13 @@ def gemm(timer: Timer, kind: str, quick: bool) -> dict:
         for m in dims:
             for n in dims:
                 for k in dims:
-                    if m * n * k > MOST_MNK[kind] or (name == "fp32" and kind == "cuda" and m * n * k > 8192 ** 3):
+                    most = (QUICK_MNK if quick else MOST_MNK)[kind]
+                    if m * n * k > most or (name == "fp32" and kind == "cuda" and m * n * k > 8192 ** 3):
                         continue
                     a = torch.randn(m, k, device=timer.device, dtype=dtype)
                     b = torch.randn(k, n, device=timer.device, dtype=dtype)
-                    first = timer(lambda: a @ b, reps=1, warmup=1)
+                    # a cold timer times one call per rep: no first call to size `inner` for
+                    first = timer(lambda: a @ b, reps=1, warmup=1) if timer.junk is None else 1.0
                     t = timer(lambda: a @ b, reps=5, inner=_inner(first, SECONDS_PER_POINT[kind]))
                     rows.append(f"{m} {n} {k} {2 * m * n * k / t / 1e12:.6g}")
         out[name] = "\n".join(rows) + "\n"  # one row per line: one YAML string (hardware.py `gemm_rows`)
@@ -170,13 +183,19 @@ def memory_bound(timer: Timer, kind: str) -> dict:
                                   ("silu_mul", lambda: F.silu(x) * x, 3 * nb, True),
                                   ("softmax", lambda: torch.softmax(x, -1), 2 * nb, False),
                                   ("add", lambda: x + x, 3 * nb, False)]:
-        with torch.no_grad():
-            fwd = timer(fn, reps=7, inner=5)
-        out[name] = round(moved / fwd / 1e9, 3)
-        if grad:
+        def bare(fn=fn):
+            with torch.no_grad():
+                fn()
+
+        out[name] = round(moved / timer(bare, reps=7, inner=5) / 1e9, 3)
+        if grad:  # the gradient's time is a difference: both timed alternately (`_fastest`)
             g = torch.ones(tokens, hidden, device=timer.device, dtype=dtype)
-            both = timer(lambda: fn().backward(g), reps=7, inner=3)
-            out[f"{name}_backward"] = round(2 * moved / max(both - fwd, 1e-9) / 1e9, 3)
+
+            def rate(bare=bare, both=lambda fn=fn, g=g: fn().backward(g), moved=moved):
+                fwd, fb = _fastest(timer, (bare, both), 3 if timer.quick else 7)
+                return round(2 * moved / (fb - fwd) / 1e9, 3) if fb > fwd else 0.0
+
+            out[f"{name}_backward"] = _positive(rate, f"memory_bound_GBps {name}_backward")
     # the update as ops.py counts it (optimizer_ops: 32 bytes per fp32 parameter, no master):
     # torch's AdamW as the optimizer config builds it, after the gradient norm's read
     params = [torch.zeros(tokens * hidden // 4, device=timer.device, requires_grad=True) for _ in range(4)]
@@ -192,51 +211,96 @@ def memory_bound(timer: Timer, kind: str) -> dict:
     return out
 
 
+ROUNDS = 25  # host_us: turns of the alternated calls, each variant keeping its fastest
+
+
+def _fastest(timer: Timer, fns, rounds: int = ROUNDS) -> list:
+    """Each of `fns`' fastest call in seconds, the fns called in turn `rounds` times. host_us
+    is a difference of two such times, a few hundred microseconds out of milliseconds: the
+    medians of each, taken seconds apart on a shared machine, differed by more than that
+    (gpt2 B 5 us beside F 917 us; llama B and optimizer_tensor clamped to 0). Contention only
+    adds time, and alternation exposes both variants to the same load, so the fastest call
+    of each is its own cost."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], timer(fn, reps=1, warmup=0))
+    return best
+
+
+def _positive(measure, what: str, tries: int = 3):
+    """`measure()` ({key: us} or us) retried until every value is above zero: a difference
+    that timed non-positive is noise, never a cost, and is not written."""
+    for _ in range(tries):
+        got = measure()
+        if all(v > 0 for v in (got.values() if isinstance(got, dict) else [got])):
+            return got
+    raise RuntimeError(f"{what}: {got} after {tries} tries: the larger variant timed no slower than "
+                       "the smaller (the machine too busy to time); rerun the bench on a quieter machine")
+
+
+def _blocks(device: torch.device, dtype, arch: str, layers: int) -> tuple:
+    """(forward, forward + backward) of `layers` of the framework's blocks at hidden 64."""
+    from framework.config import ModelConfig
+    from framework.models import ARCHS
+
+    m = ModelConfig(arch=arch, n_layer=layers, n_embd=64, n_head=4, n_kv_head=2 if arch == "llama" else None,
+                    max_positions=64, tie_embeddings=arch == "gpt2")
+    with torch.device(device):
+        model = ARCHS[arch].MODEL_CLASS(ARCHS[arch].hf_config(m, 256)).to(dtype)
+    x = torch.randint(0, 256, (1, 16), device=device)
+
+    def fwd():
+        with torch.no_grad():
+            model(x)
+
+    def both():
+        model(x).logits.float().sum().backward()
+
+    return fwd, both
+
+
 def overheads(timer: Timer, kind: str) -> dict:
     """Host time per block and pass, and per optimizer tensor, where compute is negligible:
     the framework's own blocks (transformers' code, as a run builds it) at hidden 64 over 16
     tokens, 5 blocks minus 1 over 4, forward and forward + backward; AdamW (foreach, as torch
-    picks it) over 64 tensors of 64 elements minus 32, over 32. On a GPU this is the launch
-    path a block's kernels cannot beat when they are small (the cost model takes the larger
-    of it and the kernels' time); on a CPU it adds to them."""
-    from framework.config import ModelConfig
-    from framework.models import ARCHS
-
+    picks it) over 64 tensors of 64 elements minus 32, over 32; each the fastest of
+    alternated calls (`_fastest`). On a GPU this is the launch path a block's kernels cannot
+    beat when they are small (the cost model takes the larger of it and the kernels' time);
+    on a CPU it adds to them."""
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     out = {}
     for arch in ("gpt2", "llama"):
-        per = {}
-        for layers in (1, 5):
-            m = ModelConfig(arch=arch, n_layer=layers, n_embd=64, n_head=4, n_kv_head=2 if arch == "llama" else None,
-                            max_positions=64, tie_embeddings=arch == "gpt2")
-            with torch.device(timer.device):
-                model = ARCHS[arch].MODEL_CLASS(ARCHS[arch].hf_config(m, 256)).to(dtype)
-            x = torch.randint(0, 256, (1, 16), device=timer.device)
+        (f1, b1), (f5, b5) = (_blocks(timer.device, dtype, arch, n) for n in (1, 5))
 
-            def fwd():
-                with torch.no_grad():
-                    model(x)
+        def per_block(fns=(f1, b1, f5, b5)):
+            t = _fastest(timer, fns)
+            f = (t[2] - t[0]) / 4
+            return {"F": round(f * 1e6, 2), "B": round(((t[3] - t[1]) / 4 - f) * 1e6, 2)}
 
-            def both():
-                model(x).logits.float().sum().backward()
-
-            per[layers] = (timer(fwd, reps=9, inner=5, warmup=3), timer(both, reps=9, inner=3, warmup=3))
-        f = (per[5][0] - per[1][0]) / 4
-        out[arch] = {"F": round(max(f, 0.0) * 1e6, 2), "B": round(max((per[5][1] - per[1][1]) / 4 - f, 0.0) * 1e6, 2)}
-    steps = {}
+        out[arch] = _positive(per_block, f"host_us {arch}")
+    steps = []
     for n in (32, 64):
         params = [torch.zeros(64, device=timer.device, requires_grad=True) for _ in range(n)]
         for q in params:
             q.grad = torch.ones_like(q)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        steps[n] = timer(opt.step, reps=7, inner=5)
-    out["optimizer_tensor"] = round(max(steps[64] - steps[32], 0.0) / 32 * 1e6, 3)
+        steps.append(torch.optim.AdamW(params, lr=1e-3).step)
+
+    def per_tensor():
+        t = _fastest(timer, steps)
+        return round((t[1] - t[0]) / 32 * 1e6, 3)
+
+    out["optimizer_tensor"] = _positive(per_tensor, "host_us optimizer_tensor")
     return out
 
 
 def measure(device_type: str, quick: bool = False) -> dict:
     device = torch.device(device_type)
-    timer, cold = Timer(device), Timer(device, cold=True)
+    # --quick: fewer timed calls per point (gemm, attention, memory-bound); the host path's
+    # differences keep their full count (overheads: cheap, and the noisiest)
+    timer, cold = Timer(device), Timer(device, cold=True, quick=quick)
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else (_cpu_name() or "cpu")
     memory = (torch.cuda.get_device_properties(device).total_memory if device_type == "cuda"
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -338,8 +402,9 @@ def main(argv: list[str]) -> int:
         if links is not None:
             f.write(f"# links: {args.links} local ranks' all-reduce measured (all_reduce_s); inter = intra\n")
         yaml.dump(out, f, Dumper=_dumper(), sort_keys=False, default_flow_style=None, width=120)
-    print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t:.1f}' for d, t in best.items())} TFLOP/s, "
-          f"copy {prof['memory_GBps']:.0f} GB/s, kernel {prof['kernel_us']:.1f} us")
+    # the numbers as the file holds them (a CPU's GEMM best is a few hundredths of a TFLOP/s)
+    print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t}' for d, t in best.items())} TFLOP/s, "
+          f"copy {prof['memory_GBps']} GB/s, kernel {prof['kernel_us']} us")
     return 0
 
 

@@ -66,7 +66,9 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out)
 
 def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
     """{alpha_us, GBps, samples: [[bytes, seconds], ...]} of `world` local ranks."""
-    ctx = mp.get_context("spawn")
+    # a CPU's ranks are forked: nothing has run on the intra-op threads yet (the bench measures
+    # the links first), and a spawned rank spent ~2 s of CPU re-importing torch; CUDA must spawn
+    ctx = mp.get_context("spawn" if device_type == "cuda" else "fork")
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, threads, out)) for r in range(world)]
