@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,32 +85,97 @@ def test_the_row_is_the_mean_over_ranks_and_keeps_every_rank():
     assert row([a, c], [{}, {}])["rank_time_s"][1]["F"] == 0.0 and row([a, c], [{}, {}])["time_U_s"] == 0.25
 
 
-def test_an_overlapped_call_counts_from_its_issue_to_its_completion():
-    """CommTimer: a synchronous span counts whole in the total; an overlapped call's total runs
-    from `issued` to its Work's completion (its future's callback), and its later wait is an
-    exposed span not counted twice."""
+class _NoFuture:
+    """A Work as gloo's reduce-scatter and send / receive give it: no future; wait() blocks
+    until the transfer is done (and, like a gloo send's, must not be waited for twice)."""
+
+    def __init__(self, error=None):
+        self.done, self.waits, self.error = threading.Event(), 0, error
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_call_without_a_future_is_timed_by_a_watcher_thread():
+    """CommTimer.watch: a Work with no future (gloo's reduce-scatter, p2p) is waited for by a
+    thread that stamps its completion; the caller waits on what watch returns, the Work's own
+    wait() runs once, and the total adds the call's time in flight before its wait, so the
+    part the compute hid reads as hidden (the old `issued` saw no completion: hidden 0). A
+    wait right after the issue hides nothing, in the caller's span or not."""
     import time
 
     import torch
 
     from framework.metrics.comm_timer import CommTimer
 
-    timer, fut = CommTimer(torch.device("cpu")), torch.futures.Future()
+    timer, work = CommTimer(torch.device("cpu")), _NoFuture()
     timer.begin_step()
-    with timer.span("tp"):
-        time.sleep(0.02)
-    timer.issued("dp", [SimpleNamespace(get_future=lambda: fut)])
-    time.sleep(0.05)  # compute the call runs under
-    fut.set_result(None)  # it completes ...
+    before = time.time()
+    waits = timer.watch("cp", [work])
+    assert waits[0] is not work
+    time.sleep(0.05)  # compute the transfer runs under
+    work.done.set()  # it completes before its wait
     time.sleep(0.02)
-    with timer.span("dp", overlapped=True):  # ... before its wait, which is then short
-        pass
-    spans = timer.take()
-    assert [d for d, *_ in spans] == ["tp", "dp"]
-    exposed = spans[1][3] - spans[1][2]
-    assert timer.totals["tp"] == pytest.approx(spans[0][3] - spans[0][2])
-    assert 0.05 <= timer.totals["dp"] < 0.065 and exposed < 0.005
-    assert timer.totals["cp"] == 0.0
+    with timer.span("cp"):  # the wait: exposed, short
+        for w in waits:
+            w.wait()
+    (_, _, s, e), = timer.take()
+    assert work.waits == 1 and e - s < 0.01
+    assert 0.05 <= timer.totals["cp"] - (e - s) <= e - before
+    r = row([dict.fromkeys(PARTS, 0.0) | {"comm_cp": e - s}], [timer.totals])
+    assert r["comm_hidden_cp"] > 0.5 and r["comm_hidden_unseen_calls"] == 0
+    # waited for at once, outside any span (a stray wait): the wait is timed all the same,
+    # as exposed cp time, and nothing reads as hidden
+    timer.begin_step()
+    work = _NoFuture()
+    waits = timer.watch("cp", [work])
+    threading.Timer(0.05, work.done.set).start()
+    waits[0].wait()
+    (dim, _, s, e), = timer.take()
+    assert dim == "cp" and e - s >= 0.045 and timer.totals["cp"] - (e - s) < 0.005
+    failed = _NoFuture(error=RuntimeError("peer gone"))  # the Work's error reaches the caller's wait
+    failed.done.set()
+    with pytest.raises(RuntimeError, match="peer gone"):
+        timer.watch("cp", [failed])[0].wait()
+
+
+def test_calls_in_flight_together_count_once_and_waits_are_not_hidden():
+    """The hidden part of a dimension's overlapped calls is wall time: the union of their
+    in-flight intervals (calls queued behind each other are in flight together), less the
+    rank's own waits in that dimension (exposed, counted already). Summing per call, as the
+    futures' accounting does, would count 0-4 and 1-5 as 8 s."""
+    from framework.metrics.comm_timer import hidden_s
+
+    assert hidden_s([(0.0, 4.0), (1.0, 5.0)], [(3.0, 4.0)]) == 4.0
+    assert hidden_s([(0.0, 1.0), (2.0, 2.0), (6.0, 7.0)], [(6.5, 9.0)]) == 1.5
+
+
+def test_an_overlap_whose_completion_is_unseen_says_so_on_the_console():
+    """Where the completion cannot be read (CUDA: timer.host False), the Works are waited on
+    as they are, the call counts in `comm_hidden_unseen_calls`, and the console's breakdown
+    line says the overlap went unmeasured instead of printing no hidden share at all."""
+    import torch
+
+    from framework.metrics.comm_timer import CommTimer
+    from framework.report.closing import breakdown_line
+
+    timer, work = CommTimer(torch.device("cpu")), _NoFuture()
+    timer.host = False
+    timer.begin_step()
+    assert timer.watch("dp", [work]) == [work]
+    timer.take()
+    r = row([dict.fromkeys(PARTS, 1.0)], [timer.totals])
+    assert r["comm_hidden_unseen_calls"] == 1.0 and r["comm_hidden_dp"] == 0.0
+    line = breakdown_line(r)
+    assert "hidden by overlap not measured for 1 overlapped calls a step" in line
+    assert "not measured" not in breakdown_line(row([dict.fromkeys(PARTS, 1.0)], [{}]))
 
 
 DELAY_MS = 15

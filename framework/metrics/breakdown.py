@@ -27,11 +27,14 @@ across nodes, clock skew moves time between bubble and comm_pp, never out of the
 
 The row's `time_*` are means over ranks (they sum to the mean of `rank_step_time_s`), and
 `rank_time_s` holds every rank's parts. Beside each exposed `time_comm_<dim>_s`, the
-dimension's whole communication time `comm_total_<dim>_s` (mean over ranks: synchronous
-calls, plus each overlapped call from its issue to its completion; comm_timer.py), so the
+dimension's whole communication time `comm_total_<dim>_s` (mean over ranks: the exposed
+spans, plus the overlapped calls' time in flight before their waits; comm_timer.py), so the
 part an overlap hid is `comm_total - time_comm` and `comm_hidden_<dim>` is that share of
-the total (0 without communication). `busy_s` (and so `bubble_fraction`) counts compute
-only: a tp collective or an all-to-all inside an action is not busy.
+the total (0 without communication). `comm_hidden_unseen_calls`: the overlapped calls a step
+(mean over ranks) whose completion could not be read (CUDA: comm_timer.py), so that
+`comm_hidden` reads low for them (their exposed wait only). `busy_s` (and so
+`bubble_fraction`) counts compute only: a tp collective or an all-to-all inside an action
+is not busy.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from framework.parallel.pipeline.schedules import Action
 
 OPS = ("F", "B", "I", "W", "U")
 PARTS = ("data", "compute", "optimizer", *(f"comm_{d}" for d in DIMS), "bubble", "host")
-TOTAL_KEYS = tuple(f"comm_total_{d}_s" for d in DIMS) + tuple(f"comm_hidden_{d}" for d in DIMS)
+TOTAL_KEYS = (tuple(f"comm_total_{d}_s" for d in DIMS) + tuple(f"comm_hidden_{d}" for d in DIMS)
+              + ("comm_hidden_unseen_calls",))
 KEYS = tuple(f"time_{p}_s" for p in PARTS) + TOTAL_KEYS
 
 
@@ -180,6 +184,7 @@ def row(parts: list[dict], totals: list[dict]) -> dict:
         # a total below the exposed time is a clock's rounding, never a negative hidden part
         mean[f"comm_total_{d}_s"] = total = max(total, mean[f"time_comm_{d}_s"])
         mean[f"comm_hidden_{d}"] = 1.0 - mean[f"time_comm_{d}_s"] / total if total > 0 else 0.0
+    mean["comm_hidden_unseen_calls"] = sum(t.get("unseen_calls", 0.0) for t in totals) / len(totals)
     ops = [op for op in OPS if any(r.get(op) for r in parts)]
     mean.update({f"time_{op}_s": sum(r.get(op, 0.0) for r in parts) / len(parts) for op in ops})
     # an op a rank did not run this step (an asynchronous schedule's segment) is 0 there

@@ -17,20 +17,35 @@ Nested spans count once, in the outermost (a gradient sync over tp inside the dp
 dp's). Not seen: torch DDP's bucketed all-reduce (its C++ reducer overlaps the last
 backward; what it exposes stays in that backward's compute) and FSDP2's own collectives.
 
-Total beside exposed (`totals`, the breakdown's `comm_total_<dim>_s`): a synchronous call's
-total is its span; an overlapped one (issued with `async_op`, waited for later: the
-overlaps of parallelism.overlap_*) is registered with `issued(dim, works)` and its total
-runs from the issue to its completion, read by a callback on the Work's future (on CPU,
-gloo's thread marks the moment); its later wait is a span with `overlapped=True`, exposed
-but not added to the total again. Where the completion cannot be seen (CUDA, whose
-collective futures complete at enqueue; gloo's reduce-scatter, whose Work has no future)
-the total counts the call's exposed wait only: a lower bound, so `comm_hidden` reads 0
-there, never more than was hidden.
+Total beside exposed (`totals`, the breakdown's `comm_total_<dim>_s`): every span counts
+whole (exposed), and a call issued without waiting (the overlaps of parallelism.overlap_*)
+adds the part of its time the host spent on other work: from its issue to the earlier of
+its completion and the moment the caller began to wait for it (per dimension the union
+of those intervals less its spans: calls queued together count once). `watch(dim, works)`
+registers such a call: a watcher thread waits for its Works and stamps the completion
+(gloo's reduce-scatter and send / receive Works have no future: "Work::getFuture not
+implemented"), and the caller waits on the `_Watched` it returns, which stamps when that
+wait begins and times the wait as a span of its own unless the caller's span holds it (so
+however it is waited for, a wait right after the issue hides nothing, and no wait goes
+uncounted) and never waits on a Work a second time (a gloo send's second wait() blocks for a
+completion that never comes). The issue is stamped once the call is handed to its
+watcher, so the hand-over counts as exposed, never as hidden (idle watchers are reused: a
+thread is started only when every one is busy). A completion stamp needs the GIL back;
+while the caller waits it holds none, so the stamp is late only for a call that completed
+before its wait, and then by at most the interpreter's switch interval.
+Every overlap registers its calls this one way: our ZeRO's reduce-scatters and prefetched
+gathers, the cp ring's passes and the pipeline's per-chunk dp all-reduce buckets.
+Where the completion cannot be seen (CUDA, whose collective futures complete at enqueue; a
+thread calling wait() there would only order streams) the total is the exposed wait alone,
+a lower bound, so `comm_hidden` reads 0 there, never more than was hidden; such calls are
+counted (`totals["unseen_calls"]`, the breakdown's `comm_hidden_unseen_calls`) so the
+console can say the overlap went unmeasured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from typing import Optional
@@ -52,14 +67,16 @@ class CommTimer:
         self.side: set[int] = set()  # indices of spans from a pair's F thread (side_thread.py)
         self.last_side: set[int] = set()  # the last take()'s: indices into what it returned
         self.host = device.type != "cuda"  # completion times of overlapped calls are readable
-        self.overlapped: set[int] = set()  # indices of spans that wait for an overlapped call
-        self.async_calls: list[tuple[str, float, list]] = []  # (dim, issue time, completion times)
         self.totals: dict[str, float] = {}  # the last step's, set by take()
+        self.unseen = 0  # this step's overlapped calls whose completion cannot be read (CUDA)
+        self.watched: list[tuple[str, "_Watched"]] = []  # this step's `watch`ed calls
+        self._idle: list[queue.SimpleQueue] = []  # watcher threads waiting for a call (`_watcher`)
 
     def begin_step(self) -> None:
         """Before the step's first span (CUDA: anchors event times to the host clock)."""
         self.clock.begin_step()
-        self.spans, self.overlapped, self.async_calls, self.side = [], set(), [], set()
+        self.spans, self.side = [], set()
+        self.unseen, self.watched = 0, []
 
     @property
     def open(self) -> Optional[str]:
@@ -67,7 +84,7 @@ class CommTimer:
         return getattr(self._open, "dim", None)
 
     @contextlib.contextmanager
-    def span(self, dim: str, what: str = "", overlapped: bool = False):
+    def span(self, dim: str, what: str = ""):
         if self.open is not None:  # nested: the outer span owns the time
             yield
             return
@@ -77,28 +94,45 @@ class CommTimer:
         finally:
             end = self.clock.mark()
             with self._lock:
-                if overlapped:
-                    self.overlapped.add(len(self.spans))
                 if on_side():
                     self.side.add(len(self.spans))
                 self.spans.append((dim, what or dim, start, end))
             self._open.dim = None
 
-    def issued(self, dim: str, works) -> bool:
-        """An overlapped call was just issued: its total runs until its last Work completes.
-        False when that cannot be seen (CUDA; a Work without a future, as gloo's
-        reduce-scatter): the caller's wait then counts in the total as a synchronous span."""
-        if not self.host or self.open is not None:
-            return False
-        try:
-            futures = [w.get_future() for w in works if w is not None]
-        except RuntimeError:  # "Work::getFuture not implemented"
-            return False
-        done: list[float] = []
-        for f in futures:
-            f.add_done_callback(lambda _f: done.append(time.time()))
-        self.async_calls.append((dim, time.time(), done))
-        return True
+    def watch(self, dim: str, works: list) -> list:
+        """An overlapped call was just issued: what the caller waits on instead of `works`
+        (module docstring). Its wait is an ordinary span. Works as they are where the
+        completion cannot be seen (CUDA) or inside another span (the outer span owns it)."""
+        if self.open is not None:
+            return works
+        if not self.host:
+            self.unseen += 1
+            return works
+        watched = _Watched(self, dim)
+        self._watcher().put((watched, works))
+        watched.issued = time.time()
+        with self._lock:
+            self.watched.append((dim, watched))
+        return [watched]
+
+    def _watcher(self) -> queue.SimpleQueue:
+        """An idle watcher thread's queue, or a new thread's: one thread per call in flight
+        (never a queue of calls behind one wait), reused once its call completes, so a call
+        costs a hand-over, not a thread start."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._watch_loop, args=(q,), name="comm-watch", daemon=True).start()
+        return q
+
+    def _watch_loop(self, q: queue.SimpleQueue) -> None:
+        while True:
+            watched, works = q.get()
+            watched.run(works)
+            del watched, works  # an idle watcher holds no Work (nor the buffers it keeps alive)
+            with self._lock:
+                self._idle.append(q)
 
     def take(self) -> list[tuple[str, str, float, float]]:
         """This step's spans as (dim, what, start, end) in unix seconds; call once the step's
@@ -106,26 +140,87 @@ class CommTimer:
         sec = self.clock.seconds
         out = [(d, w, sec(s), sec(e)) for d, w, s, e in self.spans]
         totals = dict.fromkeys(DIMS, 0.0)
-        for i, (d, _, s, e) in enumerate(out):
-            if i not in self.overlapped or not self.host:
-                totals[d] += e - s
-        for d, issued, done in self.async_calls:
-            totals[d] += max(done, default=issued) - issued
+        for d, _, s, e in out:
+            totals[d] += e - s
+        for d in {d for d, _ in self.watched}:
+            flight = [w.in_flight() for dim, w in self.watched if dim == d]
+            totals[d] += hidden_s(flight, [(s, e) for dim, _, s, e in out if dim == d])
+        totals["unseen_calls"] = float(self.unseen)  # not a dimension: breakdown.row reads it by name
         self.totals, self.last_side = totals, self.side
-        self.spans, self.overlapped, self.async_calls, self.side = [], set(), [], set()
+        self.spans, self.side = [], set()
+        self.unseen, self.watched = 0, []
         return out
 
 
+class _Watched:
+    """An overlapped call's Works, waited for by a thread that stamps their completion
+    (CommTimer.watch). wait() stamps when the caller begins to wait, then waits for that
+    thread inside a span of the call's dimension (a caller's own span holds it: nested), so
+    no wait for the call goes untimed, and raises what the Works' wait raised."""
+
+    def __init__(self, timer: CommTimer, dim: str):
+        self.issued = self.completed = self.waited = None
+        self.timer, self.dim = timer, dim
+        self._ready, self._error = threading.Event(), None
+
+    def run(self, works: list) -> None:
+        """On a watcher thread: wait for the Works, stamp the completion."""
+        try:
+            for w in works:
+                w.wait()
+            self.completed = time.time()
+        except BaseException as e:  # handed to the caller's wait
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def wait(self, timeout=None) -> bool:
+        if self.waited is None:
+            self.waited = time.time()
+        with self.timer.span(self.dim, "overlapped call's wait"):
+            self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def in_flight(self) -> tuple[float, float]:
+        """From the issue to the earlier of the completion and the caller's wait: the host's
+        own time under the call (empty while neither happened: nothing is known)."""
+        ends = [t for t in (self.completed, self.waited) if t is not None]
+        return (self.issued, min(ends)) if ends else (self.issued, self.issued)
+
+
+def hidden_s(flight: list, spans: list) -> float:
+    """Seconds some call of a dimension was in flight (`flight`: each call's (issue, end of
+    its in-flight time)) while the rank was not waiting in that dimension's `spans`: the
+    union of the intervals, never their sum (calls queued behind each other are in flight
+    together), less the exposed time already counted."""
+    covered, out = _union(spans), 0.0
+    for s, e in _union(flight):
+        out += e - s - sum(max(0.0, min(e, b) - max(s, a)) for a, b in covered)
+    return out
+
+
+def _union(intervals: list) -> list:
+    merged: list = []
+    for s, e in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
 @contextlib.contextmanager
-def timed(timer: Optional[CommTimer], dim: str, what: str = "", overlapped: bool = False):
+def timed(timer: Optional[CommTimer], dim: str, what: str = ""):
     """`timer.span` when there is a timer (runners built without one time nothing)."""
     if timer is None:
         yield
     else:
-        with timer.span(dim, what, overlapped):
+        with timer.span(dim, what):
             yield
 
 
-def issued(timer: Optional[CommTimer], dim: str, works) -> bool:
-    """`timer.issued` when there is a timer: whether the wait is an `overlapped` span."""
-    return timer is not None and timer.issued(dim, works)
+def watch(timer: Optional[CommTimer], dim: str, works: list) -> list:
+    """`timer.watch` when there is a timer; without one, the Works as they are."""
+    return works if timer is None else timer.watch(dim, works)

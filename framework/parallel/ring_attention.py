@@ -19,11 +19,14 @@ never the whole K / V at once).
 Overlap (`parallelism.overlap_cp_ring`): in forward, pass s + 1's batch is issued before
 block s is multiplied and waited for after it, so the transfer runs under the block's
 attention (Megatron's and torchtitan's ring do the same); the exposed time (the `cp` span)
-is the wait alone. In backward, pass s + 1's conjugate issues the gradient's transfer and
-hands autograd zeros; a `_Wait` node, created before block s's product (autograd runs a
-graph's ready nodes latest-created first), runs after that product's backward and adds the
-received gradient: the transfer runs under block s's backward. Off: every pass issued and
-waited for at once. The values are the same either way (the received gradient is added
+is the wait alone, and the pass's total adds its time in flight before that wait (on CPU a
+watcher thread stamps its completion, gloo's send / receive Works having no future; on
+CUDA it is not seen: comm_timer.py), so `comm_hidden_cp` reads the share the products hid.
+In backward, pass s + 1's conjugate issues the gradient's transfer and hands autograd
+zeros; a `_Wait` node, created before block s's product (autograd runs a graph's ready
+nodes latest-created first), runs after that product's backward and adds the received
+gradient: the transfer runs under block s's backward. Off: every pass issued and waited
+for at once. The values are the same either way (the received gradient is added
 where the synchronous pass would have added it): only when a transfer is waited for moves.
 """
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from framework.metrics.comm_timer import issued
+from framework.metrics.comm_timer import watch
 
 
 class _Pass(torch.autograd.Function):
@@ -78,13 +81,14 @@ def start(cp, x: torch.Tensor, step: int, overlapped: bool = True) -> tuple:
     ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n]), dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n])]
     cp.comm.bytes_sent += x.numel() * x.element_size()
     works = dist.batch_isend_irecv(ops)
-    return works, x, out, overlapped and issued(cp.comm.timer, cp.comm.dim, works)
+    # overlapped: a watcher stamps the completion (gloo's p2p Works have no future: comm_timer.py)
+    return (watch(cp.comm.timer, cp.comm.dim, works) if overlapped else works), x, out
 
 
 def finish(cp, started: tuple) -> torch.Tensor:
     """Wait for a started pass (the `cp` span: the exposed time); the received tensor."""
-    works, _sent, out, overlapped = started  # the sent tensor is held until here
-    with cp.comm.timed(overlapped):
+    works, _sent, out = started  # the sent tensor is held until here
+    with cp.comm.timed():
         for work in works:
             work.wait()
     return out

@@ -50,11 +50,11 @@ class TPComm:
         self.clock, self.seconds = clock, 0.0
 
     @contextlib.contextmanager
-    def timed(self, overlapped: bool = False):
-        """`overlapped`: the wait for a call issued earlier (its total is counted from the issue)."""
+    def timed(self):
+        """A collective's span (an overlapped call's is its watched wait: comm_timer.watch)."""
         if self.delay_s and self.rank == 0:
             time.sleep(self.delay_s)  # before the span: a slow rank's compute; its peers wait inside theirs
-        with timed(self.timer, self.dim, overlapped=overlapped):
+        with timed(self.timer, self.dim):
             if self.clock is None:
                 yield
                 return

@@ -21,7 +21,8 @@ Collectives over the dp group, per stage:
   head is used last in forward and first in backward).
 
 Overlaps (each off by default; the values are the same either way, only when a collective
-is waited for moves; the unit's collectives themselves are zero_unit.py's):
+is waited for moves; the unit's collectives themselves are zero_unit.py's, and what each
+overlap hid reads as `comm_hidden_dp`, framework/metrics/comm_timer.py):
 - `parallelism.overlap_grad_reduce`: each unit's reduce-scatter is issued without waiting
   as soon as its gradients are complete (stage 1: in the step's last micro-batch, from the
   same post-accumulate-grad hooks), and all are waited for when the micro-batch's backward

@@ -7,7 +7,10 @@ step) and a reduce-scatter of the flat gradient to the slices' owners (the dp me
 can be issued without waiting (`start_gather`, `start_reduce`), the overlaps of
 `parallelism.overlap_param_gather` and `parallelism.overlap_grad_reduce`: the buffers a
 collective reads or writes are held, untouched, until its wait, and the span the step-time
-breakdown counts as dp (framework/metrics/comm_timer.py) is then the wait alone.
+breakdown counts as dp (framework/metrics/comm_timer.py) is then the wait alone; its whole
+time adds the part before that wait (`watch`: a watcher thread stamps the completion; gloo's
+reduce-scatter Work has no future), so `comm_hidden_dp` reads the share the backward (or the
+previous unit) hid.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from framework.metrics.comm_timer import issued, timed
+from framework.metrics.comm_timer import timed, watch
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
 from framework.parallel.tp_comm import all_gather_single as _all_gather_single
@@ -53,7 +56,6 @@ class FlatUnit:
         self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
         self.gathered = stage < 3
         self.gathering = None  # a prefetched all-gather's Work, in flight
-        self.gathering_seen = False  # its completion time is seen (comm_timer.py's totals)
         if stage == 3:
             self.free_params()
 
@@ -64,14 +66,14 @@ class FlatUnit:
         if self.gathered or self.gathering is not None:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self.gathering = _all_gather_single(self.full, self.shard.detach(), group=self.group, async_op=True)
-        self.gathering_seen = issued(self.timer, "dp", [self.gathering])
+        work = _all_gather_single(self.full, self.shard.detach(), group=self.group, async_op=True)
+        (self.gathering,) = watch(self.timer, "dp", [work])  # its completion stamped (comm_timer.py)
 
     def gather_params(self) -> None:
         if self.gathered:
             return
         if self.gathering is not None:  # prefetched: what is left is the wait (the exposed time)
-            with timed(self.timer, "dp", "zero gather (prefetched)", overlapped=self.gathering_seen):
+            with timed(self.timer, "dp", "zero gather (prefetched)"):
                 self.gathering.wait()
             self.gathering = None
         else:
@@ -129,10 +131,9 @@ class FlatUnit:
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
             flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
         out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
-        work, seen = None, False
-        if async_op:
-            work = _reduce_scatter_single(out, flat, group=self.group, async_op=True)
-            seen = issued(self.timer, "dp", [work])
+        work = None
+        if async_op:  # its completion stamped by a watcher (gloo's reduce-scatter Work has no future)
+            (work,) = watch(self.timer, "dp", [_reduce_scatter_single(out, flat, group=self.group, async_op=True)])
         else:
             with timed(self.timer, "dp", "zero reduce-scatter"):
                 _reduce_scatter_single(out, flat, group=self.group)
@@ -141,12 +142,12 @@ class FlatUnit:
         if self.stage >= 2:
             for p in self.params:
                 p.grad = None
-        return work, flat, out, accumulate, transient, seen
+        return work, flat, out, accumulate, transient
 
     def finish_reduce(self, pending: tuple) -> int:
-        work, _flat, out, accumulate, transient, seen = pending  # the input is held until the wait
+        work, _flat, out, accumulate, transient = pending  # the input is held until the wait
         if work is not None:
-            with timed(self.timer, "dp", "zero reduce-scatter (overlapped)", overlapped=seen):
+            with timed(self.timer, "dp", "zero reduce-scatter (overlapped)"):
                 work.wait()
         out /= self.size
         if out.dtype != self.full.dtype:

@@ -57,8 +57,12 @@ def breakdown_line(summary: dict) -> str:
     shown = [f"{k} {v / total:.0%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
              if total and v / total >= 0.005]
     hidden = [f"{d} {summary[f'comm_hidden_{d}']:.0%}" for d in DIMS if summary.get(f"comm_hidden_{d}", 0) >= 0.005]
+    # an overlap whose calls' completion this device does not show (CUDA) hid an unmeasured part
+    unseen = summary.get("comm_hidden_unseen_calls") or 0
     return (f"where the step goes (mean over ranks, medians): {' | '.join(shown) or 'n/a'}"
-            + (f"; communication hidden by overlap: {', '.join(hidden)}" if hidden else ""))
+            + (f"; communication hidden by overlap: {', '.join(hidden)}" if hidden else "")
+            + (f"; hidden by overlap not measured for {unseen:g} overlapped calls a step (their completion "
+               f"is not visible on this device: comm_hidden counts their wait as exposed)" if unseen else ""))
 
 
 # (label, the replay's part, the measured parts it compares with): framework/sim/replay.py

@@ -33,7 +33,7 @@ from framework.train.master import build as build_master
 from framework.train.update import Update
 from framework.report.records import StateBytes, StepResult
 from framework.topology import ParallelContext
-from framework.metrics.comm_timer import issued, timed
+from framework.metrics.comm_timer import timed, watch
 from framework.metrics.timestamps import clock_for
 from framework.parallel.pipeline.executor import ActionRecord, PipelineExecutor, PipelinePeers
 from framework.parallel.pipeline.p2p import RankPlan, comm_plan
@@ -113,7 +113,6 @@ class PipelineRunner:
         # parallelism.overlap_grad_reduce: backwards done per chunk this step, buckets in flight
         self.overlap = [0] * len(self.chunks) if run.parallelism.overlap_grad_reduce and ctx.dims.dp > 1 else None
         self.reducing: list = []
-        self.seen = True  # every bucket in flight has a completion the timer sees (comm_timer.py)
         self.own = self._owned()
 
     def _owned(self) -> list[list]:
@@ -161,8 +160,9 @@ class PipelineRunner:
             elif self.overlap[chunk] == self.m:  # the chunk's last backward: its gradients are final
                 started = start_all_reduce(self.own[chunk], self.ctx.dp_group, self.ctx.dims.dp,
                                            self.policy.reduce_dtype)
-                self.seen = issued(self.ctx.timer, "dp", [work for work, _, _ in started]) and self.seen
-                self.reducing += started
+                # each bucket's Work watched: its completion stamped off the step's path (comm_timer.py)
+                self.reducing += [(None if w is None else watch(self.ctx.timer, "dp", [w])[0], b, f)
+                                  for w, b, f in started]
 
     def step(self, step: int, batch_of: Callable) -> StepResult:
         self.clock.begin_step()
@@ -233,12 +233,12 @@ class PipelineRunner:
         ctx.recorder.note("gradient sync (dp / embedding / ZeRO / tp collectives), clip, optimizer step", wait=True)
         if not self.zero:
             if self.overlap is not None:  # issued in the cooldown: what is left is the wait
-                with timed(ctx.timer, "dp", "gradient all-reduce (overlapped)", overlapped=self.seen):
+                with timed(ctx.timer, "dp", "gradient all-reduce (overlapped)"):
                     finish_all_reduce(self.reducing, ctx.dims.dp)
             with timed(ctx.timer if ctx.dims.dp > 1 else None, "dp", "gradient all-reduce"):
                 if self.overlap is not None:
                     all_reduce_grads(self.own[-1], ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
-                    self.reducing, self.overlap, self.seen = [], [0] * len(self.chunks), True
+                    self.reducing, self.overlap = [], [0] * len(self.chunks)
                 else:
                     all_reduce_grads([q for q in self.params if not is_expert(q)], ctx.dp_group, ctx.dims.dp,
                                      self.policy.reduce_dtype)
