@@ -52,7 +52,7 @@ def test_the_memory_lines_parts_add_up_to_its_total(layout):
     block's transient, each named; their sum is the printed total (each to 0.1 GiB). Before:
     the largest states and the largest activations, of two ranks, and no transient."""
     from framework.sim.cost.plan import plan
-    from framework.sim.cost.price import describe
+    from framework.sim.cost.describe import describe
 
     rep = plan(layout)
     total, parts = memory_parts(describe(rep).splitlines()[0])

@@ -184,7 +184,7 @@ def dry_run(run: RunConfig, job_dir: str) -> dict:
     if "simulated" in plan:
         print(describe(plan["simulated"]))
     if "cost_model" in plan:
-        from framework.sim.cost.price import describe as describe_cost
+        from framework.sim.cost.describe import describe as describe_cost
 
         print(describe_cost(plan["cost_model"]))
     if note:

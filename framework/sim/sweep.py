@@ -75,7 +75,7 @@ def cluster_prediction(run: RunConfig, vocab: int) -> dict:
     under the keys the ranking reads. A layout whose memory (model states + activations) does not fit is kept and
     marked (`fits` false): the ranking and the plot show it, never launch anything."""
     from framework.sim.cost.plan import predict_run
-    from framework.sim.cost.price import describe
+    from framework.sim.cost.describe import describe
 
     rep = predict_run(run, vocab)
     lay, fits = rep["layout"], rep["fits"]

@@ -116,7 +116,7 @@ def command_line(overrides: list[str], as_json: bool, png) -> int:
     """`python -m framework.simulate hardware=... [overrides]` (sim/cli.py hands it over)."""
     import json
 
-    from framework.sim.cost.price import describe
+    from framework.sim.cost.describe import describe
 
     if png:
         raise ConfigError("--png", png, "is not drawn for a planned cluster", "leave --png out")
