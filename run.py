@@ -63,9 +63,16 @@ def job(cfg: DictConfig, hc, job_dir: str) -> float:
     except Exception as e:  # the launching process itself (an I/O error preparing data, ...)
         write_outcome(job_dir, "failed", f"launcher: {type(e).__name__}: {e}")
         raise
+    return score(run, result, cfg)
+
+
+def score(run: RunConfig, result, cfg: DictConfig) -> float:
+    """The job's objective for the sweeper: measured, or predicted under search.mode=simulate."""
     key = run.objective
     if run.search.mode == "simulate":  # predicted, not run: the prediction of the objective
         key = SIMULATED_OBJECTIVES.get(key, "")
+        if result and result.get(key) is None and result.get("reason"):
+            return failed_value(cfg)  # predicted out of memory: scored as a rejected layout, so Optuna avoids it
     if not result or run.dry_run or result.get(key) is None:
         return math.nan  # e.g. objective=mfu under precision=fp64, which reports no MFU
     return float(result[key])

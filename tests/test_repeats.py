@@ -125,6 +125,8 @@ def test_warm_up_steps_are_never_samples(tmp_path):
     assert samples(job) == []  # which rows are warm-up cannot be told
     (job / "config.yaml").write_text("metrics:\n  skip_first: 2\n")
     assert samples(job) == [11.0, 12.0]
+    (job / "summary.json").write_text(json.dumps({**summary, "measured_steps": 7}))  # a truncated metrics.jsonl
+    assert samples(job) == [11.0, 12.0]  # not a wrapped-around slice: the rows after the config's warm-up
 
 
 def test_a_noisy_repeat_names_no_winner(tmp_path):

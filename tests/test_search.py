@@ -175,3 +175,47 @@ def test_a_trial_whose_ep_does_not_divide_its_dp_is_rejected_before_launch(tmp_p
     assert str(e.value).startswith("parallelism.ep=4: is carved out of dp and must divide parallelism.dp=2")
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert summary["status"] == "rejected" and not (tmp_path / "job" / "config.yaml").exists()
+
+
+def test_a_predicted_out_of_memory_layout_scores_the_failed_value():
+    """search.mode=simulate: a candidate that does not fit predicts no speed (null, with its
+    reason); the sweeper must get search.failed_value for it (0.0 in the layout preset, so
+    Optuna learns to avoid it), not NaN (a failed trial; all of them: no best trial at all)."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    from run import score
+
+    run = compose("search.mode=simulate", "objective=tokens_per_s")
+    cfg = OmegaConf.create({"search": {"failed_value": 0.0}})
+    oom = {"predicted_tokens_per_s": None, "reason": "out of memory: 95.0 GiB > 80.0 GiB per GPU"}
+    assert score(run, oom, cfg) == 0.0
+    assert score(run, {"predicted_tokens_per_s": 1234.5, "reason": None}, cfg) == 1234.5
+    assert math.isnan(score(run, oom, OmegaConf.create({"search": {"failed_value": None}})))  # the default: NaN
+
+
+def test_no_best_is_written_only_for_this_sweeps_own_trials(tmp_path):
+    """optimization_results.yaml is rewritten when this sweep's numbered jobs all failed; not
+    when one completed, not for a sweep without numbered job directories, and never for a
+    study kept in a storage (Optuna resumes it: its best may be an earlier sweep's trial)."""
+    from omegaconf import OmegaConf
+
+    from framework.launch.search_result import applies, rewrite_results
+
+    results = tmp_path / "optimization_results.yaml"
+    original = "name: optuna\nbest_params:\n  parallelism.pp: 2\nbest_value: 0.0\n"
+    results.write_text(original)
+    rewrite_results(str(tmp_path))  # no numbered job directory: nothing known, nothing changed
+    assert results.read_text() == original
+    for job, status in (("0", "rejected"), ("1", "failed")):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text(json.dumps({"status": status}))
+    rewrite_results(str(tmp_path))
+    assert yaml.safe_load(results.read_text())["best_value"] is None
+    results.write_text(original)
+    (tmp_path / "1" / "summary.json").write_text(json.dumps({"status": "completed"}))
+    rewrite_results(str(tmp_path))
+    assert results.read_text() == original
+    assert applies(OmegaConf.create({"hydra": {"sweeper": {"storage": None}}}))
+    assert not applies(OmegaConf.create({"hydra": {"sweeper": {"storage": "sqlite:///study.db"}}}))

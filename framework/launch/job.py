@@ -34,7 +34,7 @@ from framework.precision import policy_of
 from framework.report.closing import summary_lines
 from framework.launch.jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, set_aside_sweep, write_outcome
 from framework.launch.signals import Stopped
-from framework.launch.search_result import install_filter, rewrite_results
+from framework.launch.search_result import applies, install_filter, rewrite_results
 from framework.sim.sweep import finish as finish_simulated_search
 from framework.sim.sweep import predict_job
 from framework.sim.calibrate import read_calibration
@@ -308,14 +308,16 @@ class JobDirCallback:
     def on_multirun_start(self, config, **kwargs) -> None:
         _dir_or_exit(str(config.hydra.sweep.dir), "hydra.sweep.dir")
         set_aside_sweep(str(config.hydra.sweep.dir))
-        install_filter(str(config.hydra.sweep.dir))  # no "Best value: 0.0" from a search without a completed trial
+        if applies(config):  # no "Best value: 0.0" from a search without a completed trial
+            install_filter(str(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs) -> None:
         """search.mode=simulate: every job was predicted; now run the best top_k. A layout
         search none of whose trials completed has no best (framework/launch/search_result.py)."""
         if _select(config, "search.mode") == "simulate":
             finish_simulated_search(str(config.hydra.sweep.dir), run_job)
-        rewrite_results(str(config.hydra.sweep.dir))  # an Optuna search without a completed trial: no best
+        if applies(config):
+            rewrite_results(str(config.hydra.sweep.dir))  # an Optuna search without a completed trial: no best
 
     def __getattr__(self, name):  # Hydra calls every other hook too; they do nothing here
         if name.startswith("on_"):

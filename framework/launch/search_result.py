@@ -39,7 +39,7 @@ def _has_result(job: Path) -> bool:
 def no_best_reason(sweep_dir: str) -> Optional[str]:
     """Why the search has no best trial; None when one has a result."""
     n, done = trials(sweep_dir)
-    if done:
+    if done or not n:  # no numbered job directory (another hydra.sweep.subdir): nothing to tell
         return None
     return (f"no trial completed: every one of the {n} trials was rejected or failed, and each scored "
             "search.failed_value, which is no measurement (python -m framework.report "
@@ -70,6 +70,14 @@ class _NoFalseBest(logging.Filter):
         if not record.getMessage().startswith(("Best parameters:", "Best value:")):
             return True
         return no_best_reason(self.sweep_dir) is None
+
+
+def applies(config) -> bool:
+    """Only a study that lives in this sweep alone: with `hydra.sweeper.storage` set, Optuna
+    resumes the study, and its best may be a trial of an earlier sweep."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, "hydra.sweeper.storage", default=None) is None
 
 
 def install_filter(sweep_dir: str) -> None:

@@ -61,13 +61,12 @@ def samples(job: Path) -> list[float]:
         rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
-    rows = [r for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
-    if isinstance(measured, int) and not isinstance(measured, bool):
+    if isinstance(measured, int) and not isinstance(measured, bool) and measured <= len(rows):
         kept = rows[len(rows) - measured:] if measured > 0 else []  # rows[-0:] would keep them all
-    else:  # an older summary without measured_steps: the config's warm-up count
+    else:  # no measured_steps (an older summary), or more than the rows (a cut file): the config's warm-up
         skip = _skip_first(job)
         kept = [] if skip is None else [r for r in rows if isinstance(r.get("step"), int) and r["step"] > skip]
-    return [r["tokens_per_s"] for r in kept]
+    return [r["tokens_per_s"] for r in kept if isinstance(r.get("tokens_per_s"), (int, float))]
 
 
 def _skip_first(job: Path):
