@@ -140,7 +140,9 @@ def test_a_sweep_over_layouts_keeps_tokens_per_step_and_the_report_compares_it(l
     assert not any("differ in" in x for x in md)  # no fairness warning
     # the layouts train the same model to the same loss (the order of sums aside): ranked by speed
     assert any(x.startswith("every job reaches the same loss (") for x in md)
-    assert any(x.startswith("best by tokens_per_s: job ") for x in md)
+    # a winner by speed only when no job was flagged noisy (a short run on a busy machine often is)
+    verdict = "no winner named by tokens_per_s: " if any(s["noisy"] for s in summaries) else "best by tokens_per_s: job "
+    assert any(x.startswith(verdict) for x in md), md
     table = md[md.index(next(x for x in md if x.startswith("| job"))):]
     assert len(table) == 2 + 3 and "| global_batch | tokens_per_step |" in table[0]
     rows = (tmp_path / "report.csv").read_text().splitlines()

@@ -44,9 +44,13 @@ def test_a_three_trial_layout_search_reports_the_best_layout(tmp_path):
     assert result["best_value"] == pytest.approx(done[winner]["tokens_per_s"])
     # (also said: a job measured on a busy machine, tests/test_noise.py; that every layout
     # reached the same loss, tests/test_report.py)
-    lines = [x for x in headline(tmp_path, collect(tmp_path)) if x.startswith("best by ")]
-    assert lines == [f"best by tokens_per_s: job {winner} ({_overrides(tmp_path, winner)}): "
-                     f"tokens_per_s = {done[winner]['tokens_per_s']:.4g}"]
+    lines = [x for x in headline(tmp_path, collect(tmp_path)) if x.startswith(("best by ", "no winner named by "))]
+    if any(s["noisy"] for s in done.values()):  # a short run on a busy machine: the ranking, no winner
+        assert len(lines) == 1 and lines[0].startswith("no winner named by tokens_per_s: ") and \
+            f"ranked: job {winner} " in lines[0], lines
+    else:
+        assert lines == [f"best by tokens_per_s: job {winner} ({_overrides(tmp_path, winner)}): "
+                         f"tokens_per_s = {done[winner]['tokens_per_s']:.4g}"]
 
 
 def test_a_trial_that_picks_1f1b_on_a_tied_model_is_rejected_before_launch(tmp_path):
