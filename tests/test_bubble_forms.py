@@ -67,6 +67,9 @@ def test_each_schedule_says_where_its_bubble_comes_from_and_a_closed_form_equals
             for steps in ((1, 3) if not s.flushes else (1,)):
                 model = simulated_bubble(s.generate(p, m, v, steps), s.stage_map(p, v), t)
                 assert s.bubble(p, m, v, t, steps) == pytest.approx(model), (p, m, v, t, steps)
+                if source == SCHEDULE_MODEL and t in TIMES[:3]:  # the model met itself above: an outside clock
+                    clock = _pair_clock(s.generate(p, m, v, steps), s.stage_map(p, v), t, None)
+                    assert model == pytest.approx(_idle_share(clock)), (p, m, v, t, steps)
         calls = []
         monkeypatch.setattr("framework.sim.clock.simulated_bubble", lambda *a, **k: calls.append(a) or 0.5)
         s.bubble(p, m, v, OpTimes(), 1)
@@ -101,15 +104,16 @@ def test_zero_bubble_papers_idle_time_equals_the_schedule_model_where_it_holds(n
     assert inside > 60 and outside > 10
 
 
-def _pair_clock(lists: dict, smap: StageMap, t: OpTimes, f_and_b: float) -> dict:
+def _pair_clock(lists: dict, smap: StageMap, t: OpTimes, f_and_b: float | None) -> dict:
     """DualPipe's execution of the same lists: a forward followed by a full backward of the
     other chunk is one overlapped unit of f_and_b seconds, started once both its inputs have
-    arrived and sending both results at its end; otherwise the rules of clock.simulate."""
+    arrived and sending both results at its end; otherwise the rules of clock.simulate.
+    f_and_b None: no pairs, each op alone (the schedule model, written apart from clock.py)."""
     units = {}
     for r, acts in lists.items():
         units[r], i = [], 0
         while i < len(acts):
-            pair = (acts[i].op is Op.F and i + 1 < len(acts) and acts[i + 1].op is Op.B
+            pair = (f_and_b is not None and acts[i].op is Op.F and i + 1 < len(acts) and acts[i + 1].op is Op.B
                     and acts[i + 1].chunk != acts[i].chunk)
             units[r].append(tuple(acts[i:i + 1 + pair]))
             i += 1 + pair
@@ -125,7 +129,8 @@ def _pair_clock(lists: dict, smap: StageMap, t: OpTimes, f_and_b: float) -> dict
                 if any(n not in arrived for n in wait):
                     break
                 start = max([clock[r]] + [arrived[n] for n in wait])
-                clock[r] = start + (f_and_b if len(unit) == 2 else getattr(t, unit[0].op.value))
+                op = unit[0].op
+                clock[r] = start + (f_and_b if len(unit) == 2 else 0.0 if op is Op.U else getattr(t, op.value))
                 timeline[r].append((start, clock[r], unit))
                 for a in unit:
                     if (out := produces(a, r, smap)) is not None:
@@ -133,6 +138,25 @@ def _pair_clock(lists: dict, smap: StageMap, t: OpTimes, f_and_b: float) -> dict
                 pos[r], left, moved = pos[r] + 1, left - 1, True
         assert moved, "deadlock"
     return timeline
+
+
+def _idle_share(timeline: dict) -> float:
+    """The bubble: each rank's idle share of the step (0 to the last end), averaged."""
+    end = max(e for r in timeline for _, e, _ in timeline[r])
+    return sum(1 - sum(e - s for s, e, _ in timeline[r]) / end for r in timeline) / len(timeline)
+
+
+def test_the_schedule_model_gives_hand_derived_bubbles():
+    """Two schedule-model bubbles worked by hand at T_F = T_I = T_W = 1, p 2, m 2.
+    zb-auto (v 1): rank 0 F0 0-1, F1 1-2; rank 1 F0 1-2, I0 2-3, F1 3-4, I1 4-5, W0 5-6,
+    W1 6-7; rank 0 I0 3-4 (rank 1's I0 ends at 3), W0 4-5, I1 5-6, W1 6-7: step 7, each
+    rank busy 6, bubble 1/7. zbv (v 2, stages 0 and 3 on rank 0, 1 and 2 on rank 1): rank 0
+    F0 0-1, F1 1-2, 1F0 3-4, 1I0 4-5, 1W0 5-6, 1F1 6-7 (stage 2's F1 ends at 5 on rank 1),
+    1I1 7-8, 1W1 8-9, I0 9-10 (rank 1's I0 ends at 8), W0 10-11, I1 12-13, W1 13-14;
+    rank 1 F0 1-2, 1F0 2-3, F1 3-4, 1F1 4-5, 1I0 5-6, 1W0 6-7, I0 7-8, W0 8-9, 1I1 9-10,
+    1W1 10-11, I1 11-12, W1 12-13: step 14, busy 12 each, bubble 2/14."""
+    assert get("zb-auto").bubble(2, 2, 1, OpTimes(), 1) == pytest.approx(1 / 7)
+    assert get("zbv").bubble(2, 2, 2, OpTimes(), 1) == pytest.approx(2 / 14)
 
 
 def test_dualpipes_formula_is_its_paired_execution_and_the_schedule_model_idles_less():

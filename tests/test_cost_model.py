@@ -395,6 +395,30 @@ def test_zero_overlap_hides_reduce_scatters_under_the_backward_of_earlier_units(
     assert not job_of(compose("parallelism=zero3", "parallelism.cp=2", "parallelism.cp_comm=ring"), 256).cp_ring_overlap
 
 
+def test_zero_overlap_on_a_hand_computed_case():
+    """The test above checks price.py's sums against each other; here its numbers, worked by
+    hand. Llama, h = 1024, 8 blocks, vocabulary 512, untied: a block holds 4h^2 (attention)
+    + 3 h 4h (MLP) + 2h (norms) = 16 779 264 parameters, the embedding with the head and the
+    final norm 2 x 512h + h = 1 049 600: 9 ZeRO units, P = 135 283 712. dp 2 across nodes
+    (5 us, 1000 GB/s): a ring reduce-scatter of n = 2 moves half its bytes in one step, so a
+    unit's fp32 gradients take 2u ps + 5 us: 270.567424 + 45 = 315.567424 us for all nine;
+    the bf16 gather of the updated parameters u ps + 5 us each, 180.283712 us. A 35 us unit
+    beside a 0.25 s backward: all units but the last hide, 8/9 of the reduce-scatters.
+    ZeRO 1 reduces once per step; ZeRO 2 in each of the m = 4 micro-batches."""
+    shape = ModelShape.of(ModelConfig(arch="llama", n_layer=8, n_embd=1024, n_head=8, tie_embeddings=False), 512)
+    prof = table_profile(gpus_per_node=1, host_overlaps=True,
+                         links={"intra": {"alpha_us": 1, "GBps": 300}, "inter": {"alpha_us": 5, "GBps": 1000.0}})
+    assert shape.total_params() == 8 * 16_779_264 + 1_049_600
+    reduce, gather = 315.567424e-6, 180.283712e-6
+    for zero, times in ((1, 1), (2, 4)):
+        off, on = (price(prof, Job(shape, Layout(2, 1024), dp=2, microbatches=4, zero=zero, overlap_grad_reduce=o))
+                   for o in (False, True))
+        assert on.stage_s[(0, 0, "B")] > 9 * reduce  # the regime above: the backward outlasts the units
+        assert off.comm_s["dp"] == pytest.approx(times * reduce + gather, rel=1e-9)
+        assert on.comm_hidden_s["dp"] == pytest.approx(8 / 9 * times * reduce, rel=1e-9)
+        assert on.comm_s["dp"] == pytest.approx(times * reduce / 9 + gather, rel=1e-9)
+
+
 def test_the_rings_passes_hide_only_where_the_run_overlaps_them():
     """cp ring at a slow link: each pass hides its block's attention where overlapped
     (overlap_cp_ring; Megatron's always), so the step without the overlap is longer by what

@@ -101,8 +101,9 @@ class _Stage(nn.Module):
         return h.pow(2).mean() if self.last else h
 
 
-def _run_executor(rank, world, name, m, v, coalesced):
-    """One rank of a real executor over gloo; returns every batch_isend_irecv it made."""
+def _run_executor(rank, world, name, m, v):
+    """One rank of a real executor over gloo, run twice (tags per message, then
+    debug.coalesced_p2p); returns, per mode, every batch_isend_irecv it made and its actions."""
     import torch.distributed as dist
 
     import framework.parallel.pipeline.executor as ex
@@ -116,31 +117,43 @@ def _run_executor(rank, world, name, m, v, coalesced):
         return real(ops)
 
     ex.dist.batch_isend_irecv = recording
-    torch.manual_seed(0)
     plan = comm_plan(build_schedule(name, world, m, v), StageMap(world, v))[rank]
-    chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
-    executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v)),
-                                   torch.device("cpu"),
-                                   (2, 3, 4), lambda j, c: contextlib.nullcontext(), lambda j, c: None,
-                                   torch.float32, plan, HostClock(), coalesced_p2p=coalesced)
-    batch = (torch.randn(2, 3, 4), None)
-    marks = executor.run(0, len(plan.actions), lambda j: batch, 1.0 / m)
-    executor.wait_sends()
-    return calls, [mk[0] for mk in marks]
+    out = {}
+    for coalesced in (False, True):
+        torch.manual_seed(0)
+        chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
+        executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v)),
+                                       torch.device("cpu"),
+                                       (2, 3, 4), lambda j, c: contextlib.nullcontext(), lambda j, c: None,
+                                       torch.float32, plan, HostClock(), coalesced_p2p=coalesced)
+        batch = (torch.randn(2, 3, 4), None)
+        marks = executor.run(0, len(plan.actions), lambda j: batch, 1.0 / m)
+        executor.wait_sends()
+        dist.barrier()  # no tag-0 message of the second run meets a receive of the first
+        out[coalesced], calls = (list(calls), [mk[0] for mk in marks]), []
+    return out
 
 
-@pytest.mark.parametrize("coalesced", [False, True])
-def test_the_executor_issues_exactly_the_checked_batches(coalesced):
-    name, p, m, v = "interleaved", 2, 4, 2
-    results = run_ranks(_run_executor, p, name, m, v, coalesced)
-    plans = comm_plan(build_schedule(name, p, m, v), StageMap(p, v))
-    for rank, (calls, actions) in enumerate(results):
-        want = [[(op.op, op.peer) for op in b] for b in plans[rank].batches if b]
-        assert [[(o, peer) for o, peer, _ in c] for c in calls] == want
-        assert actions == [str(a) for a in plans[rank].actions]
-        # coalesced mode: tags all 0, so gloo too matches a pair's messages in issue order
-        tags = {t for c in calls for _, _, t in c}
-        assert tags == {0} if coalesced else len(tags) > 1
+def test_the_executor_issues_exactly_the_checked_groups():
+    """One `batch_isend_irecv` per group of each batch (p2p.py's gating rule), in group
+    order, each op with its message's tag. Interleaved at p 3, m 6, v 2: nine batches hold
+    several groups, so an executor issuing a whole batch as one call fails here."""
+    from framework.parallel.pipeline.executor import _tag
+
+    name, p, m, v = "interleaved", 3, 6, 2
+    results = run_ranks(_run_executor, p, name, m, v)
+    smap = StageMap(p, v)
+    plans = comm_plan(build_schedule(name, p, m, v), smap)
+    split = [b for plan in plans.values() for b in plan.batches if len({op.group for op in b}) > 1]
+    assert len(split) == 9  # the layout is decisive: batches of several groups
+    for rank, modes in enumerate(results):
+        for coalesced, (calls, actions) in modes.items():
+            # coalesced mode: tags all 0, so gloo too matches a pair's messages in issue order
+            want = [[(op.op, op.peer, 0 if coalesced else _tag(op.msg, smap.num_stages))
+                     for op in b if op.group == g]
+                    for b in plans[rank].batches for g in sorted({op.group for op in b})]
+            assert calls == want, (rank, coalesced)
+            assert actions == [str(a) for a in plans[rank].actions]
 
 
 DELAY_MS = 100

@@ -122,6 +122,7 @@ class RunLogger:
             "step": r0.step, "loss": sum(losses) / len(losses), "lr": r0.lr,
             # null on a step skipped for overflow (its norm is inf or nan: no JSON number)
             "grad_norm": None if r0.overflow else max(r.grad_norm for r in per_rank),
+            "rank_grad_norm": [None if r0.overflow else r.grad_norm for r in per_rank],  # the max hides a low rank
             # fp16-mixed's loss scaler: the same on every rank (the overflow flag is all-reduced
             # over every rank, framework/train/update.py); absent in the modes without one
             **({"loss_scale": r0.loss_scale, "overflow": r0.overflow, "skipped_steps": r0.skipped_steps}
