@@ -4,7 +4,10 @@ in training (framework/models/moe_layer.py), docs/moe.md.
 Every layout reproduces the single process in fp64 at rtol 1e-9 (losses, gradient norms,
 every final parameter: routers and experts included) with the auxiliary losses (aux, seq_aux,
 z) and DeepSeek-V3's bias update switched on, so both are invariant to ep, dp, tp (with and
-without sequence parallelism), pp (flush and zbh1), ZeRO-1 / 3 and accumulation. A capacity
+without sequence parallelism), pp (flush and zbh1), ZeRO-1 / 3 and accumulation. Without ZeRO,
+ep 2 of dp 4 (pp 1 and pp 2) holds each expert on two expert-dp replicas: made a no-op,
+grads.py's reduce_expert_grads fails both. Every rank's measured activation peak is the cost
+model's priced with the rows its experts received (ep 4). A capacity
 factor of infinity is the dropless run bit for bit; a finite one drops the same tokens under ep
 (on random tokens: pycode's runs of equal tokens tie up to round-off, tests/test_moe_capacity.py;
 every compared run's routing margin is asserted). A
@@ -16,7 +19,7 @@ import json
 import pytest
 import torch
 
-from .conftest import assert_same_training, final_params, read_metrics, run_local
+from .conftest import assert_same_training, final_params, modelled_activation_peak, read_metrics, run_local
 from .distributed import run_ranks
 from .test_checkpoint import _fail
 from .test_moe import MOE
@@ -30,7 +33,10 @@ LAYOUTS = {
     "ep2": ["parallelism=dp2", "parallelism.ep=2", "schedule.microbatches=2"],
     "ep4_zero1": ["parallelism=zero1", "parallelism.dp=4", "parallelism.ep=4", "schedule.microbatches=1"],
     "ep2_dp4_zero3": ["parallelism=zero3", "parallelism.dp=4", "parallelism.ep=2", "schedule.microbatches=1"],
-    "ep2_pp2_flush": ["parallelism=dp2_pp2", "parallelism.ep=2", "schedule.microbatches=2"],
+    # ZeRO 0 with edp = dp / ep = 2 replicas of each expert: reduce_expert_grads averages their
+    # gradients (accumulation.py at pp 1, pipeline_runner.py at pp 2); with ep = dp it does nothing
+    "ep2_dp4": ["parallelism=dp4", "parallelism.ep=2", "schedule.microbatches=1"],
+    "ep2_dp4_pp2_flush": ["parallelism=dp2_pp2", "parallelism.dp=4", "parallelism.ep=2", "schedule.microbatches=1"],
     "ep2_pp2_zbh1": ["parallelism=dp2_pp2", "parallelism.ep=2", "schedule=zbh1", "schedule.microbatches=2"],
     "ep2_tp2": ["parallelism=dp2", "parallelism.tp=2", "parallelism.ep=2", "schedule.microbatches=2"],
     "ep2_tp2_sp": ["parallelism=dp2", "parallelism.tp=2", "parallelism.sequence_parallel=true", "parallelism.ep=2",
@@ -44,7 +50,7 @@ LAYOUTS = {
     "ep2_cap": ["parallelism=dp2", "parallelism.ep=2", "schedule.microbatches=2", "model.moe.capacity_factor=1.0",
                 "data=synthetic"],
 }
-EQUIVALENT = ["ep2", "ep4_zero1", "ep2_dp4_zero3", "ep2_pp2_flush", "ep2_pp2_zbh1", "ep2_tp2", "ep2_tp2_sp"]
+EQUIVALENT = ["ep2_dp4", "ep4_zero1", "ep2_dp4_zero3", "ep2_dp4_pp2_flush", "ep2_pp2_zbh1", "ep2_tp2", "ep2_tp2_sp"]
 
 
 class _Runs(dict):
@@ -109,25 +115,60 @@ def test_infinite_capacity_is_dropless_and_a_finite_one_drops_the_same_under_ep(
 
 
 def test_moe_metrics_are_in_every_row(runs):
-    metrics = runs["ep2"][0]
+    metrics = runs["ep2_dp4"][0]  # ep 2 of dp 4: each ep rank's experts on 2 expert-dp replicas
     for m in metrics:
         assert set(m["moe_layers"]) == {"0", "1"}
         for row in m["moe_layers"].values():
-            assert sum(row["tokens_per_expert"]) == 8 * 32 * 2  # global batch tokens x top-2
-            assert sum(row["tokens_received_per_ep_rank"]) == 8 * 32 * 2
-            assert row["load_max_over_mean"] >= 1 and row["ep_straggler"] >= 1
+            load, received = row["tokens_per_expert"], row["tokens_received_per_ep_rank"]
+            assert sum(load) == 8 * 32 * 2  # global batch tokens x top-2
+            # dropless: ep rank r's experts 2r, 2r + 1 process every assignment made to them
+            assert received == [load[0] + load[1], load[2] + load[3]]
+            assert row["load_max_over_mean"] == pytest.approx(max(load) / (sum(load) / 4), rel=1e-12)
+            assert row["ep_straggler"] == pytest.approx(max(received) / (sum(received) / 2), rel=1e-12)
+            assert row["dead_experts"] == load.count(0) and row["dropped_fraction"] == 0
         assert m["a2a_bytes"] > 0 and m["a2a_s"] > 0
     assert "a2a_bytes" not in runs["single"][0][0]  # no all-to-all without ep
     # trace.json: every all-to-all call as its own slice: per layer and micro-batch the count
     # exchange, dispatch and combine, and the two backward ones; per rank they add up to a2a_s
-    events = json.loads((runs["ep2"][2] / "trace.json").read_text())["traceEvents"]
+    events = json.loads((runs["ep2_dp4"][2] / "trace.json").read_text())["traceEvents"]
     calls = [e for e in events if e.get("cat") == "a2a"]
     for m in metrics:
-        per_rank = [[e for e in calls if e["args"]["step"] == m["step"] and e["tid"] == r] for r in (0, 1)]
-        assert all(len(c) == 2 * 2 * 5 for c in per_rank)  # 2 layers x 2 micro-batches x 5 calls
+        per_rank = [[e for e in calls if e["args"]["step"] == m["step"] and e["tid"] == r] for r in range(4)]
+        assert all(len(c) == 2 * 1 * 5 for c in per_rank)  # 2 layers x 1 micro-batch x 5 calls
         assert {e["name"] for e in per_rank[0]} == {"a2a counts", "a2a dispatch", "a2a combine",
                                                     "a2a dispatch (backward)", "a2a combine (backward)"}
         assert max(sum(e["dur"] for e in c) for c in per_rank) == pytest.approx(m["a2a_s"] * 1e6, rel=1e-6)
+
+
+def test_the_activation_model_priced_with_each_rank_s_own_routing_is_exact(runs):
+    """framework/sim/cost/activations.py under ep, given the rows each rank's experts received
+    (ep 4 = dp 4, one micro-batch a step: each `tokens_received_per_ep_rank` number is one
+    rank's in one forward), equals every rank's tracker peak (the max over steps) byte for
+    byte. The model leaves out the aux losses' and the bias's saved tensors, bytes that depend
+    on the micro-batch's shape only: the single process's measured excess, which is 0 without them."""
+    from framework.config import read_config
+    from framework.sim.cost.activations import chunk_bytes
+    from framework.sim.cost.price import job_of
+
+    def summary(job_dir):
+        return json.loads((job_dir / "summary.json").read_text())
+
+    no_aux, single, (metrics, _, job_dir) = runs["single_no_aux"][2], runs["single"][2], runs["ep4_zero1"]
+    assert modelled_activation_peak(no_aux) == summary(no_aux)["activation_peak_bytes_max"]
+    left_out = summary(single)["activation_peak_bytes_max"] - modelled_activation_peak(single)
+    assert left_out > 0
+    vocab = json.loads((job_dir / "run_info.json").read_text())["vocab_size"]
+    job = job_of(read_config(str(job_dir / "config.yaml")), vocab)
+    ranks = summary(job_dir)["ranks"]
+    assert job.lay.ep == len(ranks) == 4 and job.pp == 1
+    peaks = {}
+    for r in ranks:  # tp = pp = 1, edp = 1: rank r is ep rank r
+        received = [[row["tokens_received_per_ep_rank"][r["rank"]] for row in m["moe_layers"].values()]
+                    for m in metrics]  # per step, per layer
+        priced = [chunk_bytes(job.shape, job.lay, 2, True, True, step) for step in received]
+        peaks[r["rank"]] = (max(priced) + left_out, r["activation_peak_bytes"])
+    assert all(model == measured for model, measured in peaks.values()), peaks
+    assert len({measured for _, measured in peaks.values()}) > 1  # the ranks' routing differed
 
 
 def test_a_checkpoint_saved_under_ep2_resumes_under_ep4_with_zero1(tmp_path, runs, data_cache):

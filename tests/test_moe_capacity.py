@@ -167,6 +167,11 @@ def test_capacity_layouts_reproduce_the_single_process_in_fp64(runs, layout):
         assert m["moe_route_margin"] > MARGIN, m["moe_route_margin"]
     assert all(m["moe_dropped_fraction"] > 0 for m in ref)  # the capacity drops tokens every step
     assert_same_training(metrics, params, ref, ref_params)
+    for m in (*metrics, *ref):  # the router's drop count is the assignments no expert processed
+        for row in m["moe_layers"].values():  # 8 sequences x 32 tokens x top-2 per layer and step
+            assert row["dropped_fraction"] == (512 - sum(row["tokens_received_per_ep_rank"])) / 512
+        kept = sum(sum(row["tokens_received_per_ep_rank"]) for row in m["moe_layers"].values())
+        assert m["moe_dropped_fraction"] == pytest.approx(1 - kept / (512 * len(m["moe_layers"])), rel=1e-12)
     for mine, theirs in zip(metrics, ref, strict=True):  # the very same assignments dropped, per layer
         assert mine["moe_dropped_fraction"] == theirs["moe_dropped_fraction"]
         # the scores are not the same bits (the margin, a score difference, moves by ~1e-17):

@@ -16,10 +16,13 @@ the tokens of norms and residuals (t / tp under sequence parallelism), `a` the a
   and sin (s x head_dim each, per block); SDPA q, k, v (grouped: kv / tp), output and
   log-sum-exp; SwiGLU gate, silu(gate), up and their product, 4 ffn / tp.
 - Qwen3-MoE: llama's attention plus q_norm / k_norm (input, rstd, normalised); per layer the
-  router's probabilities (E), top-k indices (int64), weights, the permuted tokens (t k h), each
-  expert's gate-up / silu / product (4 expert_ffn per assignment), the combine's expert outputs
-  and weighted outputs (t k h each) and three index tensors (int64). Under ep, t k assignments
-  per rank is the expectation: a rank's real share depends on the routing.
+  router's probabilities (E), top-k indices (int64), weights; per row an expert processes (R)
+  the permuted token (h) and its gate-up / silu / product (4 expert_ffn); per assignment the
+  rank's router made (t k) the combined expert output and the weighted one (h each), its
+  weight and three index tensors (int64). Without ep R = t k. Under ep R is what the rank
+  received (`received`; the default t k is the expectation: the real share depends on the
+  routing), and each received row adds the expert's output that index_copy keeps for
+  backward (h) and the regrouping permutation (int64).
 - Embedding (first stage): the ids (int64; GPT-2's positions too; under tp the local ids and a
   bool mask). Head (last stage): the final norm as above, the LM head's input, the logits'
   log-softmax (at least fp32: the loss upcasts), the labels and the loss's weight; under tp the
@@ -106,8 +109,10 @@ def _ring(s: ModelShape, lay: Layout) -> float:
     return lay.cp * block + (lay.cp - 1) * rows * st + rows * (s.head_dim + 1) * st - t * (s.hidden + 2 * s.kv_dim) // tp * a
 
 
-def block_bytes(s: ModelShape, lay: Layout) -> float:
-    """One block's saved bytes for one micro-batch on one rank (no full recomputation)."""
+def block_bytes(s: ModelShape, lay: Layout, received: Optional[float] = None) -> float:
+    """One block's saved bytes for one micro-batch on one rank (no full recomputation).
+    `received`: MoE only, the rows this rank's experts process in this micro-batch (the run's
+    `tokens_received_per_ep_rank`); default t k, exact without ep, the expectation under it."""
     tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay)
     tn = t // tp if lay.sp else t
     h, kv, heads = s.hidden, s.kv_dim, s.heads
@@ -125,10 +130,12 @@ def block_bytes(s: ModelShape, lay: Layout) -> float:
     # rank): its norm's output is not gathered, and every term counts the shard's tokens
     attn -= (t - tn) * h * a
     t = tn
-    routed = t * k  # assignments this rank computes (the expectation under ep)
+    routed = t * k  # assignments this rank's router made (dropless)
+    rows = routed if received is None else received  # rows its experts process
+    ep_rows = rows * (h * a + INDEX) if lay.ep > 1 else 0  # index_copy's expert outputs; the permutation
     return (attn + t * (e + 1 + k) * a + t * k * INDEX  # router: probabilities, sum, weights; top-k
-            + routed * (3 * h + 4 * s.expert_ffn + 1) * a  # permuted, expert outputs, weighted; SwiGLU; weights
-            + 3 * routed * INDEX)
+            + routed * (2 * h + 1) * a + 3 * routed * INDEX  # combined and weighted outputs, weights; indices
+            + rows * (h + 4 * s.expert_ffn) * a + ep_rows)  # permuted rows; SwiGLU
 
 
 def embedding_bytes(s: ModelShape, lay: Layout) -> float:
@@ -151,12 +158,17 @@ def head_bytes(s: ModelShape, lay: Layout) -> float:
     return norm + t * s.vocab * logit + t * INDEX + logit  # log-softmax, labels, the loss's weight
 
 
-def chunk_bytes(s: ModelShape, lay: Layout, blocks: int, first: bool, last: bool) -> float:
+def chunk_bytes(s: ModelShape, lay: Layout, blocks: int, first: bool, last: bool,
+                received: Optional[list[float]] = None) -> float:
     """One (micro-batch, chunk)'s saved bytes: its blocks (their inputs only under
-    recomputation), the embedding on the first stage, the head on the last."""
+    recomputation), the embedding on the first stage, the head on the last. `received`: MoE,
+    per block the rows this rank's experts process (block_bytes; default the expectation)."""
     tn = _tokens(lay) // lay.tp if lay.sp else _tokens(lay)
-    per_block = s.hidden * tn * lay.act_bytes if lay.recompute else block_bytes(s, lay)
-    return (blocks * per_block + (embedding_bytes(s, lay) if first else 0.0)
+    if lay.recompute:
+        body = blocks * s.hidden * tn * lay.act_bytes
+    else:
+        body = sum(block_bytes(s, lay, r) for r in (received or [None] * blocks))
+    return (body + (embedding_bytes(s, lay) if first else 0.0)
             + (head_bytes(s, lay) if last else 0.0))
 
 
