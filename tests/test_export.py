@@ -84,3 +84,30 @@ def test_a_transformers_tokenizer_is_exported_beside_the_model(exported, tmp_pat
     ids = [AutoTokenizer.from_pretrained(d)(texts[0])["input_ids"] for d in (out, tok_dir)]
     assert ids[0] == ids[1] and len(ids[0]) > 10
     assert AutoModelForCausalLM.from_pretrained(out).config.n_embd == 32
+
+
+def test_each_pipeline_end_exports_its_own_copy_of_the_tied_embedding():
+    """final_model.pt's merge (save_final_model): the stage that embeds exports its copy of
+    GPT-2's tied weight under the embedding's name, the last stage its copy under the head's,
+    so both copies reach the file and the pipeline tests compare each with the single process;
+    a rank holding both uses (here one process) exports its one copy under both names."""
+    from types import SimpleNamespace
+
+    from framework.config import ModelConfig
+    from framework.models import build_model
+    from framework.parallel.pipeline.schedules import StageMap
+    from framework.parallel.pipeline.stage import build_chunks, stage_ranges, stage_state_dict, tied_weight
+    from framework.report.export import _own_tied_copy
+
+    def part(pp_rank: int, pp: int) -> dict:  # each rank builds the model (the same seed) and keeps its stages
+        full = build_model(ModelConfig(arch="gpt2", n_layer=2, n_embd=16, n_head=2, max_positions=8), 50, 0)
+        chunks = build_chunks(full, stage_ranges("uniform", full, pp), StageMap(pp, 1), pp_rank)
+        runner = SimpleNamespace(chunks=chunks, tied=tied_weight(full, chunks))
+        return _own_tied_copy(stage_state_dict(full, chunks), runner, full)
+
+    first, last, whole = part(0, 2), part(1, 2), part(0, 1)
+    tied = {"transformer.wte.weight", "lm_head.weight"}
+    assert tied & set(first) == {"transformer.wte.weight"} and tied & set(last) == {"lm_head.weight"}
+    assert tied <= set(whole) and set(first) | set(last) == set(whole)
+    for name, tensor in whole.items():
+        assert torch.equal({**first, **last}[name], tensor), name

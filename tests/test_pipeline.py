@@ -59,7 +59,9 @@ def test_sync_pipeline_reproduces_the_single_process(runs, layout):
         assert_same_losses_fp32(metrics, ref_metrics)
     else:
         assert_same_training(metrics, params, ref_metrics, ref_params)
-    # the tied embedding is still one weight: both stages' copies ended equal
+    # the tied embedding is still one weight: final_model.pt holds the first stage's copy under
+    # the embedding's name and the last stage's under the head's (framework/report/export.py),
+    # each compared with the single process's one tensor above, and the two equal
     assert torch.equal(params["transformer.wte.weight"], params["lm_head.weight"])
 
 

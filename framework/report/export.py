@@ -66,7 +66,7 @@ def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] =
     c = ctx.coords
     part = (stage_state_dict(full, runner.chunks, runner.tp_comm, getattr(full, "ep_comm", None))
             if ctx.dims.edp_rank(c) == 0 else {})
-    part = part if c.tp == 0 and c.dp == 0 else {}
+    part = _own_tied_copy(part, runner, full) if c.tp == 0 and c.dp == 0 else {}
     parts = [None] * ctx.dims.world_size if ctx.rank == 0 else None
     dist.gather_object(part, parts, dst=0, group=ctx.log_group)  # CPU objects: gloo under NCCL too
     if ctx.rank == 0:
@@ -80,6 +80,22 @@ def save_final_model(runner, full, ctx, job_dir: str, tokenizer: Optional[str] =
         note = routing_not_exported(getattr(full, "moe", None))
         if note:
             print(f"WARNING: final_model/ {note}", file=sys.stderr, flush=True)
+
+
+def _own_tied_copy(part: dict, runner, full) -> dict:
+    """A pipeline's two copies of a tied embedding, each under its own name: the stage that
+    embeds keeps the input embedding's name, the last stage the head's (each exports both
+    names from its one copy, and the merge kept the last stage's for both, so the first
+    stage's copy was never seen). final_model.pt then holds both copies, which tests compare
+    with the single process; they are equal unless the tied-gradient sum is wrong. A rank
+    holding both uses (one process, a V's pp rank 0: `runner.tied` is None) has one copy."""
+    if getattr(runner, "tied", None) is None:
+        return part
+    hf = full.hf_model
+    where = {id(m): n for n, m in hf.named_modules(remove_duplicate=False)}
+    embeds = any(ch.embedding is not None for ch in runner.chunks)
+    other = hf.get_output_embeddings() if embeds else hf.get_input_embeddings()
+    return {k: v for k, v in part.items() if k != f"{where[id(other)]}.weight"}
 
 
 def routing_not_exported(moe) -> Optional[str]:
