@@ -295,6 +295,14 @@ class DebugConfig:
     # tp rank 0 sleeps this long before each tp collective (the others wait inside it: tests
     # that the step-time breakdown counts that wait as comm_tp, not compute)
     tp_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.tp > 1, when_text="parallelism.tp > 1")
+    # the same for dp rank 0 before each dp span and ep rank 0 before each ep span (the
+    # timer's: framework/metrics/comm_timer.py), one key per dimension so one run can slow both
+    dp_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.replicas > 1,
+                             when_text="parallelism.dp x parallelism.cp > 1", base=("parallelism=dp2_pp2",))
+    ep_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.ep > 1,
+                             when_text="parallelism.ep > 1", base=("model=moe-tiny", "parallelism=dp2_pp2", "parallelism.ep=2"))
+    # every rank sleeps this long while it loads each step's micro-batches (tests the breakdown's data)
+    data_delay_ms: float = key(0.0, ge=0, le=600_000)
     # emulate NCCL: batch_isend_irecv returns ONE Work per batch
     coalesced_p2p: bool = key(False, when=lambda r: r.parallelism.pp > 1, when_text="parallelism.pp > 1")
     # Every rank first builds the whole model, then keeps its part: the start-up before

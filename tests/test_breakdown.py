@@ -1,7 +1,8 @@
 """The step-time breakdown (framework/metrics/breakdown.py): parts that sum to each rank's
 step time, communication spans taken out of the compute that holds them, receive waits
-split at the sender's send; and in a run, with one tp rank slowed on purpose
-(`debug.tp_delay_ms`), the waiting rank's wait is comm_tp, not compute or busy time."""
+split at the sender's send; and in runs with known costs injected (`debug.tp_delay_ms`,
+`dp_delay_ms`, `ep_delay_ms`, `data_delay_ms`), each cost lands in its own part: the
+slowed rank's sleep where it slept, its peer's wait in that dimension's comm part."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import json
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
+from statistics import median
 from types import SimpleNamespace
 
 import pytest
@@ -178,23 +181,58 @@ def test_an_overlap_whose_completion_is_unseen_says_so_on_the_console():
     assert "not measured" not in breakdown_line(row([dict.fromkeys(PARTS, 1.0)], [{}]))
 
 
-DELAY_MS = 15
+DELAY_MS = 15  # debug.tp_delay_ms
+DATA_MS = 30  # debug.data_delay_ms
+DP_MS, EP_MS = 40, 20  # debug.dp_delay_ms, debug.ep_delay_ms
+# An injected total (n sleeps of the delay) lands in [LOW, HIGH] x itself over a run's median
+# step: the two ranks' natural difference in the part moves it either way, and a sleep never
+# ends early but on a loaded host wakes late. Measured per step on a 2-core host shared with
+# other runs: tp 0.99-1.05, ep 0.91-1.6, dp 0.98-1.06 where the sleeps are (the peer's
+# comm_dp 0.68-0.93: one dp span has no peer, see slowed_ep). A cost in the wrong part reads
+# 0 there (or the sign flips). Micro-batches of 2 sequences: less compute, less noise.
+LOW, HIGH = 0.6, 1.6
+TOL = 1 - LOW  # of the smallest injected total: the most any other part may differ by
+
+
+def _launch(job: Path, *overrides: str):
+    """A run's rows, summary, console and, from trace.json, its communication calls a
+    step per (rank, dim): how many sleeps a delayed rank took (one before each)."""
+    r = subprocess.run([sys.executable, str(ROOT / "run.py"), "trainer.steps=4", "metrics.skip_first=1",
+                        "trainer.micro_batch_size=2", "logger=none", *overrides, f"hydra.run.dir={job}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    spans = [e for e in json.loads((job / "trace.json").read_text())["traceEvents"]
+             if e.get("pid") == 1 and e.get("ph") == "X"]  # pid 1: the communication spans
+    per_step = len({e["args"]["step"] for e in spans})
+    calls = {k: n / per_step for k, n in Counter((e["tid"], e["args"]["dim"]) for e in spans).items()}
+    return rows, json.loads((job / "summary.json").read_text()), r.stdout, calls
 
 
 @pytest.fixture(scope="module")
 def delayed(tmp_path_factory):
-    """pp 2 x tp 2, tp rank 0 of each stage sleeping before every tp collective."""
-    job = tmp_path_factory.mktemp("breakdown")
-    r = subprocess.run([sys.executable, str(ROOT / "run.py"), "parallelism=tp2_pp2", "trainer.steps=4",
-                        "metrics.skip_first=1", "logger=none", f"debug.tp_delay_ms={DELAY_MS}", f"hydra.run.dir={job}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return rows, json.loads((job / "summary.json").read_text()), r.stdout
+    """pp 2 x tp 2, tp rank 0 of each stage sleeping before every tp collective, every rank
+    sleeping in each step's data loading."""
+    return _launch(tmp_path_factory.mktemp("breakdown"), "parallelism=tp2_pp2", f"debug.tp_delay_ms={DELAY_MS}",
+                   f"debug.data_delay_ms={DATA_MS}")
+
+
+def _lands(rows: list, slow: int, waits: int, moved: dict) -> None:
+    """Over the measured steps, the median of `waits`' parts minus `slow`'s: each part in
+    `moved` differs by its injected seconds (+ where the peer waits, - where the slow rank
+    slept) times LOW to HIGH, and every other part by less than TOL of the smallest."""
+    floor = TOL * min(abs(v) for v in moved.values())
+    for p in PARTS:
+        diff = median(r["rank_time_s"][waits][p] - r["rank_time_s"][slow][p] for r in rows[1:])
+        want = moved.get(p, 0.0)
+        if want:
+            assert LOW <= diff / want <= HIGH, (p, diff, moved)
+        else:
+            assert abs(diff) <= floor, (p, diff, moved)
 
 
 def test_each_ranks_parts_sum_to_its_step_time(delayed):
-    rows, summary, _ = delayed
+    rows, summary = delayed[:2]
     for r in rows:
         for i, parts in enumerate(r["rank_time_s"]):
             assert sum(parts[k] for k in PARTS) == pytest.approx(r["rank_step_time_s"][i], abs=1e-9)
@@ -206,7 +244,7 @@ def test_each_ranks_parts_sum_to_its_step_time(delayed):
 
 
 def test_the_console_says_where_the_step_goes(delayed):
-    _, summary, stdout = delayed
+    summary, stdout = delayed[1:3]
     line = next(x for x in stdout.splitlines() if x.startswith("where the step goes"))
     assert "compute" in line and "comm tp" in line and "bubble" in line, line
 
@@ -223,6 +261,46 @@ def test_a_delayed_tp_collective_is_the_waiting_ranks_comm_not_its_compute(delay
             assert t[waits]["comm_tp"] > t[slow]["comm_tp"] + 5 * DELAY_MS / 1e3
             assert r["rank_busy_s"][waits] < r["rank_busy_s"][slow] - 5 * DELAY_MS / 1e3
             assert r["rank_busy_s"][waits] == pytest.approx(t[waits]["compute"], abs=1e-9)
+
+
+def test_injected_costs_land_each_in_its_own_part(delayed):
+    """tp: rank 0 of each stage sleeps DELAY_MS before each of its n tp calls a step (n from
+    trace.json): n x DELAY_MS is that rank's compute (it computes late) and its tp peer's
+    comm_tp, and no other part tells the two apart. data: every rank sleeps DATA_MS while it
+    loads its micro-batches: its data part is at least that, and at most HIGH x."""
+    rows, calls = delayed[0], delayed[3]
+    for slow, waits in ((0, 1), (2, 3)):
+        injected = calls.get((slow, "tp"), 0) * DELAY_MS / 1e3
+        assert injected > 0 and calls[(waits, "tp")] == calls[(slow, "tp")], calls  # the calls are timed
+        _lands(rows, slow, waits, {"comm_tp": injected, "compute": -injected})
+    for i in range(4):
+        data = [r["rank_time_s"][i]["data"] for r in rows[1:]]
+        assert min(data) >= DATA_MS / 1e3 - 1e-9 and median(data) <= HIGH * DATA_MS / 1e3, data
+
+
+@pytest.fixture(scope="module")
+def slowed_ep(tmp_path_factory):
+    """MoE at dp 2 = ep 2 with ZeRO-1 (its reduce-scatter and gathers are dp spans; DDP's
+    all-reduce inside backward is none): rank 0, dp rank 0 and ep rank 0 both, sleeps before
+    each of its dp and ep calls. top_k = experts: every expert takes every token, so neither
+    ep rank computes more than the other (at top_k 2 the routing alone made 0.25 s of it).
+    Two of the 6 dp spans, the experts' gathers over edp (1 rank), have no peer: rank 1 waits
+    out the sleep before the first in the next dp span, the one before the last in its host
+    part (the MoE statistics' collective after the update), inside TOL."""
+    return _launch(tmp_path_factory.mktemp("breakdown_ep"), "model=moe-tiny", "model.n_layer=2", "model.moe.top_k=4",
+                   "schedule.microbatches=2", "parallelism=dp2", "parallelism.ep=2", "parallelism.zero=1",
+                   f"debug.dp_delay_ms={DP_MS}", f"debug.ep_delay_ms={EP_MS}")
+
+
+def test_delayed_dp_and_ep_calls_are_the_peers_comm_dp_and_comm_ep(slowed_ep):
+    """Rank 0's sleeps before its dp calls (after backward) are its optimizer part, those
+    before its all-to-alls (inside forward and backward) its compute; rank 1 waits them out
+    inside the calls: its comm_dp and comm_ep, each by its own injected total."""
+    rows, calls = slowed_ep[0], slowed_ep[3]
+    n = {k: calls.get(k, 0) for k in ((0, "dp"), (1, "dp"), (0, "ep"), (1, "ep"))}
+    assert n[(1, "dp")] == n[(0, "dp")] > 0 and n[(1, "ep")] == n[(0, "ep")] > 0, calls  # the calls are timed
+    dp, ep = n[(0, "dp")] * DP_MS / 1e3, n[(0, "ep")] * EP_MS / 1e3
+    _lands(rows, 0, 1, {"comm_dp": dp, "optimizer": -dp, "comm_ep": ep, "compute": -ep})
 
 
 def test_the_replay_cuts_its_step_as_the_measurement_does_and_what_ifs_keep_comm_inside():

@@ -21,7 +21,9 @@ How exactly they sum: every part is made of intervals between the step's own mar
 start and end, the data mark, each action's three marks, the flush, the update's end), and
 those intervals tile the step; a communication span is taken out of the interval holding it
 and given to its dimension. So a rank's parts sum to its `step_time_s` up to float rounding
-(tested). The receive waits are split on the logging rank, which has every rank's actions:
+(tested; as that holds by construction, each part is also tested by a known cost injected
+into it: the `debug.*_delay_ms` keys, docs/metrics.md). The receive waits are split on
+the logging rank, which has every rank's actions:
 the message's send time is the end of the producing action on its sender (one host clock;
 across nodes, clock skew moves time between bubble and comm_pp, never out of the sum).
 

@@ -71,6 +71,7 @@ class CommTimer:
         self.unseen = 0  # this step's overlapped calls whose completion cannot be read (CUDA)
         self.watched: list[tuple[str, "_Watched"]] = []  # this step's `watch`ed calls
         self._idle: list[queue.SimpleQueue] = []  # watcher threads waiting for a call (`_watcher`)
+        self.delay: dict[str, float] = {}  # debug.dp_delay_ms / ep_delay_ms: dim -> seconds slept before its spans
 
     def begin_step(self) -> None:
         """Before the step's first span (CUDA: anchors event times to the host clock)."""
@@ -88,6 +89,8 @@ class CommTimer:
         if self.open is not None:  # nested: the outer span owns the time
             yield
             return
+        if self.delay and dim in self.delay:  # before the span: a slow rank's own part; its peers wait inside theirs
+            time.sleep(self.delay[dim])
         self._open.dim, start = dim, self.clock.mark()
         try:
             yield

@@ -60,6 +60,9 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
     tp_comm = TPComm(ctx.tp_group, ctx.dims.tp, ctx.coords.tp, timer=ctx.timer)
     tp_comm.delay_s = run.debug.tp_delay_ms / 1e3
     d = ctx.dims
+    ctx.timer.delay = {dim: ms / 1e3 for dim, ms, at in (("dp", run.debug.dp_delay_ms, ctx.coords.dp),
+                                                         ("ep", run.debug.ep_delay_ms, d.ep_rank(ctx.coords)))
+                       if ms and at == 0}  # debug: rank 0 of the dimension is the slow one
     ep_comm = (EPComm(ctx.ep_group, d.ep, d.ep_rank(ctx.coords), ctx.device, ctx.timer, ctx.groups.get("ep_side"))
                if d.ep > 1 else None)
     # On the meta device: the runner materialises what this rank keeps (its stages, its tp
@@ -125,6 +128,8 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
         ctx.timer.begin_step()
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
+    if run.debug.data_delay_ms:  # a known cost inside the step's data part (tests the breakdown)
+        time.sleep(run.debug.data_delay_ms / 1e3)
     t1 = now(ctx.device)
     lr = lr_at(runner.update.lr_index(step), run)  # before the step: an overflow there moves the index
     out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
