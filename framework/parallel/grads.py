@@ -95,8 +95,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, t
     device = counted[0].grad.device if counted else (params[0].device if params else None)
 
     def squares(ps):
-        out = [_local(p.grad).detach().to(dtype).pow(2).sum() for p in ps]
-        return torch.stack(out).sum() if out else torch.zeros((), dtype=dtype, device=device)
+        # One multi-tensor norm (torch's clip_grad_norm_ kernel), accumulated in `dtype`, not
+        # a pow and a sum per tensor: the dispatched ops do not grow with the tensor count.
+        grads = [_local(p.grad) for p in ps]
+        grads = [g for g in grads if g.numel() > 0]
+        if not grads:
+            return torch.zeros((), dtype=dtype, device=device)
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=dtype)).pow(2).sum()
 
     if ep_group is not None:
         local = squares([p for p in counted if not is_expert(p)])
@@ -113,10 +118,15 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group=None, t
     norm = local.sqrt()
     coef = clip_coefficient(norm, max_norm)
     if coef is not None:
-        for p in params:
-            if p.grad is not None:
-                _local(p.grad).mul_(coef)
+        scale_grads(params, coef)
     return norm
+
+
+def scale_grads(params: list[nn.Parameter], factor: torch.Tensor) -> None:
+    """Every gradient multiplied by `factor` (a tensor: no host read) in one multi-tensor op."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> Optional[torch.Tensor]:

@@ -50,13 +50,18 @@ class MasterOptimizer:
     def step(self, grad_factor: Optional[torch.Tensor] = None) -> None:
         if grad_factor is not None:  # once, not per tensor (offload: one device-to-host copy)
             grad_factor = grad_factor.to(self.master[0].device)
-        for p, m in zip(self.params, self.master, strict=True):
-            if p.grad is None:
-                m.grad = None
-                continue
-            m.grad = p.grad.detach().to(device=m.device, dtype=m.dtype, copy=True)
+        held = [(p, m) for p, m in zip(self.params, self.master, strict=True) if p.grad is not None]
+        for m in self.master:
+            m.grad = None
+        grads = [torch.empty_like(m) for _, m in held]  # fp32, transient: held for the step only
+        if grads:
+            # the copies and the scaling are multi-tensor ops; only the transient gradients'
+            # allocation (and offload's device-to-host copies) is one op per tensor
+            _copy(grads, [p.grad for p, _ in held])
             if grad_factor is not None:
-                m.grad.mul_(grad_factor)
+                torch._foreach_mul_(grads, grad_factor)
+        for (_, m), g in zip(held, grads, strict=True):
+            m.grad = g
         self.inner.step()
         for m in self.master:
             m.grad = None  # held for the step only: the master's gradients are transient
@@ -64,13 +69,23 @@ class MasterOptimizer:
 
     def copy_to_params(self) -> None:
         with torch.no_grad():
-            for p, m in zip(self.params, self.master, strict=True):
-                p.data.copy_(m.data, non_blocking=True)
+            _copy(self.params, self.master, non_blocking=True)  # no .data: a detach per tensor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
         for p in self.params:
             p.grad = None
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """dst[i] <- src[i] (casting): one multi-tensor copy on one device; across devices
+    (ZeRO-Offload) a copy per tensor, non-blocking only host-to-device (a device-to-host copy
+    the host optimizer reads next must have landed)."""
+    if dst and dst[0].device == src[0].device:
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s, non_blocking=non_blocking)
 
 
 def build(spec: dict, params: list[nn.Parameter], policy: Policy, offload: bool = False):

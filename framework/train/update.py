@@ -33,7 +33,7 @@ import torch.distributed as dist
 from framework.train.loss_scale import LossScaler
 from framework.train.master import MasterOptimizer
 from framework.train.optim import lr_at, set_lr
-from framework.parallel.grads import clip_coefficient, inject_inf, nonfinite
+from framework.parallel.grads import clip_coefficient, inject_inf, nonfinite, scale_grads
 from framework.precision import policy_of
 
 
@@ -86,9 +86,7 @@ class Update:
             self.optimizer.step(None if factor is None else torch.as_tensor(factor))
         else:
             if coef is not None:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                scale_grads(params, coef)
             self.optimizer.step()
         return norm
 
