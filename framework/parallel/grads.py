@@ -45,8 +45,7 @@ def finish_all_reduce(pending: list, world: int) -> None:
         if work is not None:
             work.wait()
         flat /= world
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            g.copy_(synced)
+        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))  # one copy op (casting back)
 
 
 def _buckets(params: list[nn.Parameter], world: int, dtype: Optional[torch.dtype]) -> list[list[torch.Tensor]]:
