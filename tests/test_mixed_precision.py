@@ -187,7 +187,12 @@ def _reference(job: Path, run_args: list, skip: int):
             total += loss.item()
         losses.append(total)
         grads = [p.grad.float() / scale for p in params]
-        norm = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
+        # The global norm as torch's clip_grad_norm_ takes it (one multi-tensor norm of the
+        # scaled fp16 gradients accumulated in fp32, their squares summed, over the scale): the
+        # same reduction order as the framework's, so bit for bit can hold; a per-tensor
+        # pow().sum() rounds differently in the last bit, and clipping carries that into the weights.
+        norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
+        norm = torch.stack(norms).pow(2).sum().sqrt() / scale
         coef = torch.clamp(run.trainer.grad_clip / (norm + 1e-6), max=1.0)
         for mp, g in zip(masters, grads, strict=True):
             mp.grad = g * coef
