@@ -45,3 +45,33 @@ def rank_device(requested: str, local_rank: int) -> torch.device:
     if resolve_device(requested) == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+# ---- the one place a rank waits for its device ----
+# Every host-device synchronisation of a training step goes through `wait` (the host waits
+# for the compute stream) or `to_host` (a tensor's values read on the host), each naming why.
+# Both count their calls on every device (on CPU they are the points where a CUDA rank would
+# wait), so a test can hold the count per step constant in layers and micro-batches
+# (tests/test_syncs.py) and metrics.jsonl reports it (`host_syncs`, docs/metrics.md).
+_SYNCS: dict[str, int] = {}
+
+
+def wait(device: Optional[torch.device], why: str) -> None:
+    """The host waits for `device`'s current stream (the compute stream only: a device-wide
+    sync would also wait for sends pending on NCCL's stream, i.e. for a peer)."""
+    _SYNCS[why] = _SYNCS.get(why, 0) + 1
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def to_host(t: torch.Tensor, why: str) -> torch.Tensor:
+    """`t`'s values in host memory (a CPU tensor: read it there freely)."""
+    _SYNCS[why] = _SYNCS.get(why, 0) + 1
+    return t.detach().cpu()
+
+
+def take_syncs() -> dict[str, int]:
+    """The sync points since the last call, by reason (a step's when called once per step)."""
+    out = dict(_SYNCS)
+    _SYNCS.clear()
+    return out

@@ -3,7 +3,7 @@
 Every other module asks the policy (`policy_of(run)`), never compares the mode's string:
 model materialisation (`param_dtype`), autocast (`autocast_context`), the pipeline's p2p
 buffers (`comm_dtype`), gradient collectives (`reduce_dtype`), the optimizer's master
-copy (`master_dtype`, framework/train/master.py), the loss scaler (`loss_scaling`),
+copy (`master_dtype`, framework/optim/master.py), the loss scaler (`loss_scaling`),
 the memory formulas (`bytes_of`), the MFU peak's datasheet column (`peak_column`) and the
 checkpoint's compatibility check.
 

@@ -153,7 +153,7 @@ MUTATIONS: list[Mutation] = [
              "        for g in grads:\n            g.mul_(factor)",
              ("tests/test_update_ops.py",)),
     Mutation("master-copy-back-per-tensor", "the masters copied back to the parameters one op per tensor",
-             "framework/train/master.py",
+             "framework/optim/master.py",
              "_copy(self.params, self.master, non_blocking=True)",
              "[p.data.copy_(m.data) for p, m in zip(self.params, self.master)]",
              ("tests/test_update_ops.py",)),

@@ -192,6 +192,11 @@ BAD = [
     (["optimizer=sgd", "optimizer.momentum=-1"], "optimizer.momentum=-1", "Invalid momentum value: -1"),
     (["optimizer=sgd", "optimizer.weight_decay=nan"], "optimizer.weight_decay=nan", "leaves a parameter non-finite"),
     (["optimizer=sgd", "optimizer.weight_decay=inf"], "optimizer.weight_decay=inf", "leaves a parameter non-finite"),
+    (["optimizer.implementation=fast"], "optimizer.implementation='fast'", "is not an implementation"),
+    (["optimizer.implementation=fused", "+optimizer.foreach=true"], "optimizer.foreach=True",
+     "is set beside optimizer.implementation=fused"),
+    (["optimizer._target_=torch.optim.LBFGS", "optimizer.implementation=fused", "~optimizer.betas",
+      "~optimizer.eps", "~optimizer.weight_decay"], "optimizer.implementation='fused'", "has no fused kernel"),
     # one node: 4 CPU ranks per core (at least 8); one CUDA rank per GPU
     (["device=cpu", "parallelism.dp=5000"], "launcher='local'", "10000 CPU ranks (dp 5000 x tp 1 x pp 2)"),
     (["device=cuda", f"parallelism.dp={torch.cuda.device_count() + 1}"], "launcher='local'",

@@ -1,4 +1,4 @@
-"""bf16-mixed and fp16-mixed (framework/train/master.py, framework/train/update.py, framework/train/loss_scale.py):
+"""bf16-mixed and fp16-mixed (framework/optim/master.py, framework/train/update.py, framework/train/loss_scale.py):
 layouts match the single process at a tolerance derived from bf16's precision, and their fp32
 masters at a fraction of the update (test_bf16_mixed_masters_follow_the_single_process); fp16-mixed's
 skipped step equals a hand-written single-process run whose batch was skipped; every rank
@@ -155,14 +155,14 @@ def _stored(path: Path, prefixes) -> dict[str, torch.Tensor]:
 
 def _reference(job: Path, run_args: list, skip: int):
     """A single-process fp16-mixed run written here, not through framework/train/update.py or
-    framework/train/master.py: scaled loss, fp16 gradients unscaled into fp32 masters, clip by the
+    framework/optim/master.py: scaled loss, fp16 gradients unscaled into fp32 masters, clip by the
     unscaled global norm, AdamW on the masters, parameters rounded from them; the step
     `skip` (1-based) is left out entirely (no update, no lr step). Returns the losses of the
     steps run and the final fp16 parameters by name."""
     from framework.config import read_config
     from framework.data import ShardedSampler, TokenData
     from framework.models import build_model
-    from framework.train.optim import build_optimizer, lr_at
+    from framework.optim.build import build_optimizer, lr_at
 
     run = read_config(str(job / "config.yaml"))
     info = json.loads((job / "run_info.json").read_text())

@@ -35,8 +35,9 @@ def test_no_dtype_is_chosen_by_the_mode_outside_the_policy():
     optimizer, the update, the checkpoints and the memory formulas ask the policy."""
     fw = ROOT / "framework"
     files = [*sorted((fw / "parallel").rglob("*.py")), *sorted((fw / "checkpoint").rglob("*.py")),
-             *(fw / "train" / f for f in ("trainer.py", "pipeline_runner.py", "accumulation.py", "master.py", "update.py",
-                                         "loss_scale.py")), fw / "metrics" / "model_states.py"]
+             *(fw / "train" / f for f in ("trainer.py", "pipeline_runner.py", "accumulation.py", "update.py",
+                                         "loss_scale.py")), *sorted((fw / "optim").rglob("*.py")),
+             fw / "metrics" / "model_states.py"]
     assert all(p.exists() for p in files)
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
              for i, line in enumerate(Path(p).read_text().splitlines(), 1) if MODE_CHOICE.search(line)]
@@ -61,7 +62,7 @@ def test_the_master_keeps_updates_16_bits_would_lose():
     of mantissa, spacing 2**-7 below 1) rounds each single step away, so a bf16 parameter
     stepped in place never moves. With an fp32 master the parameter is the rounding of
     0.98 (the nearest bf16 number, 0.98046875)."""
-    from framework.train.master import build
+    from framework.optim.master import build
 
     spec = {"_target_": "torch.optim.SGD", "lr": 1e-4}
     plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))

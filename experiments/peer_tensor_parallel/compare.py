@@ -69,7 +69,7 @@ def _peer_worker(rank: int, port: int, result_path: str) -> None:
 
     from framework.data import ShardedSampler, TokenData
     from framework.models import ARCHS, build_hf_model
-    from framework.train.optim import build_optimizer, lr_at, set_lr
+    from framework.optim.build import build_optimizer, lr_at, set_lr
     from tests.conftest import compose
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -11,7 +11,7 @@ unsharded, e.g. by a single process).
 
 Collectives: DCP's planning on the logging group; ZeRO stages 1-2 then all-gather each
 unit's slices over dp into the full parameters the modules read (as after a step). With a
-master copy (framework/train/master.py) the weights are read into it and the parameters are its
+master copy (framework/optim/master.py) the weights are read into it and the parameters are its
 rounding, as after a step.
 """
 
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from framework.config import RunConfig
 from framework.metrics.memory import RssSampler, current_rss_bytes
-from framework.train.master import MasterOptimizer
+from framework.optim.master import MasterOptimizer
 from framework.checkpoint.save import layout_of
 from framework.checkpoint.shards import LoadPlanner, rank_parts, slots
 from framework.checkpoint.resume import read_meta

@@ -22,7 +22,7 @@ whole tensor, written by every rank holding part of its parameter and deduplicat
 so is the update's state (`update/skipped_steps`, and fp16-mixed's `scaler/*`), the same on
 every rank.
 
-The weights stored are the optimizer's own copy where it has one (framework/train/master.py):
+The weights stored are the optimizer's own copy where it has one (framework/optim/master.py):
 fp32 master weights in bf16-mixed / fp16-mixed, so a checkpoint holds fp32 weights and
 states in every mode but fp64, and those modes resume each other's checkpoints.
 """
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from framework.train.master import MasterOptimizer, master_of
+from framework.optim.master import MasterOptimizer, master_of
 from framework.parallel.expert_parallel import is_expert, shard_spec
 from framework.parallel.fsdp2 import chunk_start, local
 from framework.parallel.zero_unit import FlatUnit
@@ -55,7 +55,7 @@ class Piece:
 class Slot:
     """One tensor the optimizer steps: a parameter, or a ZeRO unit's flat slice."""
 
-    key: torch.Tensor  # the optimizer's key: the parameter or slice, or its master copy (framework/train/master.py)
+    key: torch.Tensor  # the optimizer's key: the parameter or slice, or its master copy (framework/optim/master.py)
     pieces: list[Piece]
     unit: Optional[FlatUnit] = None
     first: Optional[int] = None  # FSDP2: where this rank's dim-0 chunk starts in the parameter (elements)

@@ -37,7 +37,7 @@ def optimizer_state_ratio(spec: dict) -> float:
 
 
 def _probe(spec: dict) -> tuple[float, int]:
-    from framework.train.optim import build_optimizer
+    from framework.optim.build import build_optimizer
 
     p = nn.Parameter(torch.zeros(256))
     p.grad = torch.ones(256)

@@ -239,7 +239,7 @@ class FSDP2:
     def build_optimizer(self, spec: dict, offload: bool, policy=None):
         """The plain optimizer over the sharded parameters: in the mixed modes they are the
         fp32 masters already (compute gathers 16-bit copies), so no MasterOptimizer."""
-        from framework.train.optim import build_optimizer
+        from framework.optim.build import build_optimizer
 
         assert not offload, "fsdp2 with offload_optimizer is rejected before launch"
         return build_optimizer(spec, self.shards)

@@ -45,7 +45,7 @@ Mixed precision (framework/precision.py): the flat buffers (parameters, gradient
 the 16-bit parameter dtype; the reduce-scatter runs in the policy's reduce dtype (fp32 by
 default: a transient wide copy of the unit's gradient) and the reduced slice is held in 16
 bits; the optimizer's fp32 master copy and states exist for this rank's slice only
-(framework/train/master.py), and stage 3 gathers 16-bit parameters.
+(framework/optim/master.py), and stage 3 gathers 16-bit parameters.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from framework.train.master import build as build_master
+from framework.optim.master import build as build_master
 from framework.metrics.memory import tensor_bytes
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
@@ -278,12 +278,12 @@ class Zero:
 
     def build_optimizer(self, spec: dict, offload: bool, policy):
         """Over this rank's slices: plain, or with master copies of the slices (fp32 in the
-        mixed modes; in host memory with ZeRO-Offload), framework/train/master.py."""
+        mixed modes; in host memory with ZeRO-Offload), framework/optim/master.py."""
         return build_master(spec, self.shards, policy, offload)
 
     def state_bytes(self, optimizer) -> dict[str, int]:
         """Model states this rank holds between steps (storage-deduplicated exact bytes); the
-        master copies are counted by the runner (framework/train/master.py)."""
+        master copies are counted by the runner (framework/optim/master.py)."""
         params = [f.full for f in self.flat if f.gathered] + [f.shard for f in self.flat]
         grads = [f.grad_full for f in self.flat] if self.stage == 1 else [f.shard.grad for f in self.flat]
         opt = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from framework.train import master
+from framework.optim import master
 from framework.config import RunConfig
+from framework.device import to_host
 from framework.metrics.comm_timer import timed
 from framework.metrics.timestamps import now
 from framework.metrics.memory import master_bytes, model_state_bytes
@@ -71,7 +72,8 @@ class AccumulationRunner:
         weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed), else None
         if self.moe is not None:  # aux losses' gradients: scaled as the LM loss's
             self.moe.aux_scale.value = (1.0 if weight is None else weight) / m
-        t1 = now(dev)
+        clock = self.ctx.timer.clock  # the step's one clock (marks: CUDA events, read at the end)
+        m1 = clock.mark()
         loss_sum = torch.zeros((), device=dev)
         if self.zero:
             self.zero.start_step()
@@ -88,7 +90,7 @@ class AccumulationRunner:
                 self.zero.finish_backward()
             self.tracker.backward_done(j)
             loss_sum = loss_sum + loss.detach()  # not +=: in place would round fp64 losses to fp32
-        t2 = now(dev)
+        m2 = clock.mark()
         self.ctx.recorder.note("gradient sync (ZeRO / sequence parallel), clip (all_reduce), optimizer step", wait=True)
         with timed(self.ctx.timer if self.ctx.dims.dp > 1 else None, "dp", "gradient reduction"):
             if self.zero:
@@ -103,7 +105,8 @@ class AccumulationRunner:
         grad_norm = self.update.apply(self.params, grad_norm, step)
         if self.zero and not self.update.overflow:
             self.zero.after_step()
-        t3 = now(dev)
+        t3 = now(dev)  # the update's end: the host waits for the stream (the step's one wait)
+        t1, t2 = clock.seconds(m1), clock.seconds(m2)
         # untimed; gradients still held
         states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
                                else model_state_bytes(self.module, self.optimizer)))
@@ -111,5 +114,6 @@ class AccumulationRunner:
         self.optimizer.zero_grad(set_to_none=True)
         moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm, self.update.overflow)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.
-        return StepResult(loss=loss_sum.item(), grad_norm=grad_norm.item(), pipeline_s=t2 - t1, optimizer_s=t3 - t2,
+        loss, norm = to_host(torch.stack([loss_sum.to(grad_norm.dtype), grad_norm]), "step's loss and norm").tolist()
+        return StepResult(loss=loss, grad_norm=norm, pipeline_s=t2 - t1, optimizer_s=t3 - t2,
                           states=states, moe=moe, started=t1, **self.update.step_fields())

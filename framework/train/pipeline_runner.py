@@ -29,12 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.config import RunConfig
-from framework.train.master import build as build_master
+from framework.device import to_host
+from framework.optim.master import build as build_master
 from framework.train.update import Update
 from framework.report.records import StateBytes, StepResult
 from framework.topology import ParallelContext
 from framework.metrics.comm_timer import timed, watch
-from framework.metrics.timestamps import clock_for
 from framework.parallel.pipeline.executor import ActionRecord, PipelineExecutor, PipelinePeers
 from framework.parallel.pipeline.p2p import RankPlan, comm_plan
 from framework.parallel.pipeline.tiling import TiledPlan
@@ -102,7 +102,7 @@ class PipelineRunner:
         else:
             plan = comm_plan(self.schedule.generate(p, m, v, 1), self.smap,
                              run.parallelism.overlap_dualpipe)[ctx.coords.pp]
-        self.clock = clock_for(ctx.device)
+        self.clock = ctx.timer.clock  # the step's one clock: the trainer anchors it (begin_step)
         self.executor = PipelineExecutor(self.chunks, peers, ctx.device, act_shape, forward_context,
                                          self._backward_done, act_dtype, plan, self.clock, run.debug.coalesced_p2p,
                                          _delay_s(run, ctx.coords.pp), ctx.recorder, run.parallelism.overlap_dualpipe)
@@ -165,7 +165,6 @@ class PipelineRunner:
                                   for w, b, f in started]
 
     def step(self, step: int, batch_of: Callable) -> StepResult:
-        self.clock.begin_step()
         if self.is_async:
             k = step - self.first_step
             self.executor.plan = self._segment_plan(k)  # batch 0 of a later step's segment is empty
@@ -201,7 +200,7 @@ class PipelineRunner:
                        not self.is_async and self.update.overflow)
         busy = sum(r.compute_s for r in records)
         window = window_end - start
-        return StepResult(loss=self._local_loss(), grad_norm=float(norm), pipeline_s=pipe_end - start,
+        return StepResult(loss=self._local_loss(), grad_norm=to_host(torch.as_tensor(norm), "step's norm").item(), pipeline_s=pipe_end - start,
                           optimizer_s=done - pipe_end, states=self.states, bubble=1.0 - busy / window, busy_s=busy,
                           window_s=window, records=records,
                           weight_version_bytes=self.versions.peak_bytes if self.is_async else 0,
@@ -289,4 +288,4 @@ class PipelineRunner:
         the logging rank at its gather, not here: a collective per step would be a sync
         point that partially flushes the asynchronous schedules."""
         losses = self.executor.take_losses()
-        return torch.stack(list(losses.values())).double().mean().item() if losses else None
+        return to_host(torch.stack(list(losses.values())).double().mean(), "step's loss").item() if losses else None

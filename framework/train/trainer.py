@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from framework import checkpoint
+from framework.device import take_syncs
 from framework.train.accumulation import AccumulationRunner
 from framework.config import RunConfig
 from framework.data import ShardedSampler, TokenData
@@ -34,7 +35,7 @@ from framework.metrics.memory import ActivationTracker, current_rss_bytes, devic
 from framework.metrics.model_states import formula_report
 from framework.metrics.peak import resolve_rank_peak
 from framework.models import build_model
-from framework.train.optim import lr_at
+from framework.optim.build import lr_at
 from framework.parallel.expert_parallel import EPComm
 from framework.train.pipeline_runner import PipelineRunner
 from framework.parallel.pipeline.schedules import Op
@@ -118,23 +119,40 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
     return [(step, j) for j in range(m)], lambda j: (step, j)
 
 
+def tracks_activations(step: int, runner, run: RunConfig) -> bool:
+    """Whether step `step` (0-based) runs the saved-activation tracker (metrics.activations):
+    `sampled` records the first step and every log_interval-th, and every step of an
+    asynchronous pipeline (its micro-batches span steps: a forward untracked in one step
+    would be missing from the next step's live bytes). activation_peak_bytes is the peak over
+    the recorded steps."""
+    if run.metrics.activations == "every" or runner.is_async:
+        return True
+    return not runner.tracker.steps_recorded or (step + 1) % run.trainer.log_interval == 0
+
+
 def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> StepRecord:
     """`step`: steps done before this one (0-based, what the sampler and the lr read); the
     record carries the step's number, step + 1 (the one numbering users see)."""
     cpu = CpuClock(with_node=ctx.rank == 0)  # framework/metrics/noise.py: the machine's load
     cpu.start()
-    t0 = now(ctx.device)
-    if ctx.timer is not None:
-        ctx.timer.begin_step()
+    runner.tracker.enabled = tracks_activations(step, runner, run)
+    runner.tracker.steps_recorded += runner.tracker.enabled
+    take_syncs()  # the step's own sync points from here (not the last step's checkpoint or eval)
+    # One clock (the CommTimer's): begin_step anchors it (CUDA: waits for the idle stream),
+    # every mark inside the step is an event read after it, and the step ends with one wait.
+    clock = ctx.timer.clock
+    ctx.timer.begin_step()
+    t0 = time.time()
     keys, key_of = _keys(runner, step, run.schedule.microbatches)
     loaded = batches.load(keys)
     if run.debug.data_delay_ms:  # a known cost inside the step's data part (tests the breakdown)
         time.sleep(run.debug.data_delay_ms / 1e3)
-    t1 = now(ctx.device)
+    loaded_mark = clock.mark()
     lr = lr_at(runner.update.lr_index(step), run)  # before the step: an overflow there moves the index
     out: StepResult = runner.step(step, lambda j: loaded[key_of(j)])
-    t2 = now(ctx.device)
-    spans = ctx.timer.take() if ctx.timer is not None else []
+    t2 = now(ctx.device)  # the step's end: the host waits for the stream once
+    t1 = clock.seconds(loaded_mark)
+    spans = ctx.timer.take()
     actions = [(r.action, r.start, r.compute_start, r.end) for r in out.records]
     # parallelism.overlap_dualpipe: each pair's threads as two records in turn, its exposed spans
     actions, cut = serialise_pairs(actions, out.pairs, spans, ctx.timer.last_side if ctx.timer else set())
@@ -152,7 +170,8 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       # the sums are reduced over dp and tp already: one report per stage is enough
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
                       actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans,
-                      comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {}, **cpu.take())
+                      comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {}, **cpu.take(),
+                      host_syncs=take_syncs())
 
 
 def _announce(saver, logger) -> None:

@@ -19,7 +19,7 @@
   Otherwise the clip coefficient
   of the unscaled norm, and either the optimizer steps the gradients clipped in place (no
   master copy: fp32, bf16-autocast, fp64, exactly as before mixed precision existed) or the
-  master optimizer steps fp32 copies multiplied by clip / scale (framework/train/master.py).
+  master optimizer steps fp32 copies multiplied by clip / scale (framework/optim/master.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from framework.train.loss_scale import LossScaler
-from framework.train.master import MasterOptimizer
-from framework.train.optim import lr_at, set_lr
+from framework.optim.master import MasterOptimizer
+from framework.optim.build import lr_at, set_lr
 from framework.parallel.grads import clip_coefficient, inject_inf, nonfinite, scale_grads
+from framework.device import to_host
 from framework.precision import policy_of
 
 
@@ -101,7 +102,7 @@ class Update:
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = flag.to(torch.uint8)  # gloo reduces no bool
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: every rank
-        return bool(flag)
+        return bool(to_host(flag, "overflow flag"))  # the one read the skip needs
 
     def step_fields(self) -> dict:
         """The loss scaler's StepResult fields (framework/report/records.py)."""

@@ -28,21 +28,49 @@ def check_optimizer(run: RunConfig) -> None:
         raise ConfigError("optimizer._target_", target, "is not a torch.optim.Optimizer", "use torch.optim.AdamW")
     number("optimizer.lr", o.get("lr"), lambda x: x > 0, "must be a finite positive number",
             "e.g. optimizer.lr=3e-4")
+    _implementation(o, cls)
     _optimizer_arguments(o, cls)
     _optimizer_values(o, cls)
 
 
+def _implementation(spec: dict[str, Any], cls: type) -> None:
+    """optimizer.implementation (framework/optim/build.py): one of the names, a kernel the
+    class has, and not beside torch's own `fused` / `foreach` keys."""
+    from framework.optim.build import IMPL, IMPLEMENTATIONS
+
+    impl = spec.get(IMPL, "auto")
+    if impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"optimizer.{IMPL}", impl, "is not an implementation",
+                          f"use one of {', '.join(IMPLEMENTATIONS)}")
+    if impl == "auto":
+        return
+    both = [k for k in ("fused", "foreach") if k in spec]
+    if both:
+        raise ConfigError(f"optimizer.{both[0]}", spec[both[0]], f"is set beside optimizer.{IMPL}={impl}",
+                          f"set one of them (remove this one with ~optimizer.{both[0]})")
+    try:
+        accepted = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return
+    kernel = {"fused": "fused", "foreach": "foreach"}.get(impl)
+    if kernel and kernel not in accepted and not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        raise ConfigError(f"optimizer.{IMPL}", impl, f"{spec['_target_']} has no {kernel} kernel",
+                          f"use optimizer.{IMPL}=auto (or for-loop)")
+
+
 def _optimizer_arguments(spec: dict[str, Any], cls: type) -> None:
-    """Every key but _target_ is a constructor argument (framework.train.optim.build_optimizer)."""
+    """Every key but _target_ is a constructor argument (framework.optim.build.build_optimizer)."""
     try:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
         return
+    from framework.optim.build import IMPL
+
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return  # takes **kwargs: any name may be right
     accepted = [p.name for p in params if p.name != "params" and p.kind != p.VAR_POSITIONAL]
     for key, value in spec.items():
-        if key != "_target_" and key not in accepted:
+        if key not in ("_target_", IMPL) and key not in accepted:
             raise ConfigError(f"optimizer.{key}", value, f"not an argument of {spec['_target_']}",
                               f"use one of {', '.join(accepted)} (remove it with ~optimizer.{key})")
 
@@ -52,12 +80,15 @@ def _optimizer_values(spec: dict[str, Any], cls: type) -> None:
     torch's own argument checks run, and so do the values they let through (nan momentum,
     weight decay or eps=0 leave the parameter non-finite). The culprit is found by trying
     the arguments one at a time beside lr."""
+    from framework.optim.build import IMPL
+
     problem = _optimizer_trial(spec)
     if problem is None:
         return
     for key, value in spec.items():
         if key not in ("_target_", "lr"):
-            alone = _optimizer_trial({"_target_": spec["_target_"], "lr": spec["lr"], key: value})
+            alone = _optimizer_trial({"_target_": spec["_target_"], "lr": spec["lr"], key: value,
+                                      **({} if key == IMPL else {IMPL: spec.get(IMPL, "auto")})})
             if alone is not None:
                 raise ConfigError(f"optimizer.{key}", value, f"{spec['_target_']} rejects it ({alone})",
                                   f"use a value it accepts (its default: {_default(cls, key)})")
@@ -70,7 +101,7 @@ def _optimizer_trial(spec: dict[str, Any]) -> Optional[str]:
     """None when the optimizer builds and steps cleanly, else torch's message."""
     import torch
 
-    from framework.train.optim import build_optimizer
+    from framework.optim.build import build_optimizer
 
     param = torch.nn.Parameter(torch.ones(1))
     try:

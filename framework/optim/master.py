@@ -8,10 +8,20 @@ master is then 1/N of the model, as in Megatron's distributed optimizer):
 - ZeRO-Offload: the copies (in the master dtype, else the parameters') and the optimizer
   states live in host memory, pinned on CUDA; the update runs there (Ren et al., 2021).
 
-A step: each 16-bit gradient is copied into an fp32 gradient of its master, multiplied by
-`grad_factor` (the loss scaler's 1/scale times the clip coefficient, framework/train/update.py),
-the inner optimizer steps the masters, their gradients are freed (held for the step only)
-and the parameters are overwritten with the masters' values (rounded to 16 bits).
+The masters live in one flat buffer (`flat`, each master a view of it, in the parameters'
+order): one allocation, and the copy back is one op. Their gradients are views of a second
+flat buffer (`grad_flat`) whose storage exists for the step only (resized to 0 after it, as
+FSDP2 frees its unsharded parameters): the views keep their shapes, so a step allocates one
+buffer instead of a tensor per parameter.
+
+A step: the 16-bit gradients are copied into the fp32 gradient views (one multi-tensor copy,
+casting), multiplied by `grad_factor` (the loss scaler's 1/scale times the clip
+coefficient, framework/train/update.py; one multi-tensor op), the inner optimizer steps the
+masters (framework/optim/build.py: fused where the class has it), the gradient storage is
+released and the parameters are overwritten with the masters' values (one multi-tensor
+copy, rounded to 16 bits). The dispatched ops do not grow with the number of tensors
+(tests/test_update_ops.py); the Python bookkeeping (which parameters hold a gradient, each
+master's `.grad`) is a loop over the tensors, as torch's own optimizers' is.
 
 The checkpoint stores the masters (framework/checkpoint): they are the weights, the 16-bit
 parameters only their rounding.
@@ -24,7 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from framework.train.optim import build_optimizer
+from framework.optim.build import build_optimizer
 from framework.precision import Policy
 
 
@@ -32,9 +42,16 @@ class MasterOptimizer:
     def __init__(self, spec: dict, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
         self.params = params
         pin = device.type == "cpu" and params[0].device.type == "cuda"
-        self.master = [nn.Parameter(p.detach().to(device=device, dtype=dtype, copy=True)) for p in params]
-        if pin:
-            self.master = [nn.Parameter(m.data.pin_memory()) for m in self.master]
+        total = sum(p.numel() for p in params)
+        self.flat = torch.empty(total, dtype=dtype, device=device, pin_memory=pin)
+        self.master = [nn.Parameter(v) for v in _views(self.flat, params)]  # aliases of `flat`
+        with torch.no_grad():
+            _copy(self.master, [p.detach() for p in params])
+        # unpinned on the host (a pinned block per step would cost a cudaHostAlloc)
+        self.grad_flat = torch.empty(total, dtype=dtype, device=device)
+        self._grads = _views(self.grad_flat, params)
+        self._grad_bytes = self.grad_flat.untyped_storage().nbytes()
+        self.grad_flat.untyped_storage().resize_(0)  # held for the step only
         self.inner = build_optimizer(spec, self.master)
 
     # Read through, not copied: torch's load_state_dict replaces the inner optimizer's
@@ -50,21 +67,24 @@ class MasterOptimizer:
     def step(self, grad_factor: Optional[torch.Tensor] = None) -> None:
         if grad_factor is not None:  # once, not per tensor (offload: one device-to-host copy)
             grad_factor = grad_factor.to(self.master[0].device)
-        held = [(p, m) for p, m in zip(self.params, self.master, strict=True) if p.grad is not None]
-        for m in self.master:
-            m.grad = None
-        grads = [torch.empty_like(m) for _, m in held]  # fp32, transient: held for the step only
-        if grads:
-            # the copies and the scaling are multi-tensor ops; only the transient gradients'
-            # allocation (and offload's device-to-host copies) is one op per tensor
-            _copy(grads, [p.grad for p, _ in held])
-            if grad_factor is not None:
-                torch._foreach_mul_(grads, grad_factor)
-        for (_, m), g in zip(held, grads, strict=True):
-            m.grad = g
-        self.inner.step()
-        for m in self.master:
-            m.grad = None  # held for the step only: the master's gradients are transient
+        held = [i for i, p in enumerate(self.params) if p.grad is not None]
+        storage = self.grad_flat.untyped_storage()
+        storage.resize_(self._grad_bytes)  # one allocation; the views see it
+        try:
+            grads = [self._grads[i] for i in held]
+            if grads:  # multi-tensor ops (offload: a device-to-host copy per tensor)
+                _copy(grads, [self.params[i].grad for i in held])
+                if grad_factor is not None:
+                    torch._foreach_mul_(grads, grad_factor)
+            for m in self.master:
+                m.grad = None
+            for i, g in zip(held, grads, strict=True):
+                self.master[i].grad = g
+            self.inner.step()
+        finally:
+            for m in self.master:
+                m.grad = None
+            storage.resize_(0)  # CUDA: back to the caching allocator, ordered on this stream
         self.copy_to_params()
 
     def copy_to_params(self) -> None:
@@ -75,6 +95,15 @@ class MasterOptimizer:
         self.inner.zero_grad(set_to_none=set_to_none)
         for p in self.params:
             p.grad = None
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` cut into tensors shaped as `like`, in order (views: built once, not per step)."""
+    out, at = [], 0
+    for t in like:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool = False) -> None:
