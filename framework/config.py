@@ -280,6 +280,9 @@ class MetricsConfig:
     trace_steps: int = key(16, ge=1, le=MAX_COUNT)
     # per rank; null = datasheet table (CUDA) or cached matmul probe (CPU)
     peak_tflops: Optional[float] = key(None, gt=0)
+    # the saved-activation tracker (activation_peak_bytes): `sampled` runs its hook on the first
+    # step and every trainer.log_interval-th (asynchronous pipelines: every step), `every` on all
+    activations: str = key("sampled", choices=("sampled", "every"))
 
 
 @dataclass

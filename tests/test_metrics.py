@@ -11,7 +11,7 @@ from framework.metrics.bubble import analytic_bubble
 from framework.metrics.flops import flops_per_token, matmul_params, mfu, probe_peak_flops
 from framework.metrics.memory import ActivationTracker, model_state_bytes
 from framework.models import build_hf_model, build_model
-from framework.train.optim import build_optimizer, lr_at
+from framework.optim.build import build_optimizer, lr_at
 from framework.metrics.model_states import optimizer_state_ratio
 
 from .conftest import compose
@@ -163,3 +163,38 @@ def test_optimizer_state_ratio():
     assert optimizer_state_ratio({"_target_": "torch.optim.AdamW", "lr": 1e-3}) == 2.0
     assert optimizer_state_ratio({"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}) == 1.0
     assert optimizer_state_ratio({"_target_": "torch.optim.SGD", "lr": 0.1}) == 0.0
+
+
+def test_the_activation_tracker_runs_on_the_sampled_steps_only():
+    """metrics.activations=sampled: the saved-tensor hook runs on the first step this process
+    runs and every trainer.log_interval-th, every step of an asynchronous pipeline, and
+    `every` on all; an untracked forward saves nothing into the tracker."""
+    from types import SimpleNamespace
+
+    from framework.metrics.memory import ActivationTracker
+    from framework.train.trainer import tracks_activations
+
+    def recorded(mode, log_interval, first, steps, is_async=False):
+        run = compose("metrics.activations=" + mode, f"trainer.log_interval={log_interval}")
+        runner = SimpleNamespace(tracker=ActivationTracker(), is_async=is_async)
+        out = []
+        for step in range(first, steps):
+            on = tracks_activations(step, runner, run)
+            runner.tracker.steps_recorded += on
+            out += [step + 1] * on
+        return out
+
+    assert recorded("sampled", 5, 0, 12) == [1, 5, 10]
+    assert recorded("sampled", 5, 6, 12) == [7, 10]  # a resumed run records its first step
+    assert recorded("sampled", 5, 0, 4, is_async=True) == [1, 2, 3, 4]
+    assert recorded("every", 5, 0, 4) == [1, 2, 3, 4]
+
+    tracker = ActivationTracker()
+    w = torch.ones(8, requires_grad=True)
+    for enabled in (False, True):
+        tracker.enabled = enabled
+        with tracker.forward(0):
+            y = (w * torch.full((8,), 2.0)).sin().sum()
+        assert tracker.live_bytes() == (64 if enabled else 0), tracker.live_bytes()
+        y.backward()
+        tracker.backward_done(0)

@@ -1,7 +1,10 @@
-"""The plain loop the framework is measured against (issue 46's "before" numbers): transformers'
-GPT2LMHeadModel, fp32 weights under bf16 autocast, torch's fused AdamW (lr 3e-4, betas 0.9 /
-0.95, weight decay 0.1), global-norm clipping at 1.0 (torch's clip_grad_norm_), `accum`
-micro-batches per step, random tokens on the device. Prints one JSON line: tokens/s (median
+"""The plain loop the framework is measured against (issue 46): transformers' GPT2LMHeadModel,
+torch's fused AdamW (lr 3e-4, betas 0.9 / 0.95, weight decay 0.1), global-norm clipping at
+1.0, `accum` micro-batches per step, random tokens on the device. `--precision`:
+`autocast` (fp32 weights under bf16 autocast, nanoGPT's recipe; the "before" numbers),
+`fp32`, or `bf16-mixed` (the framework's arithmetic: bf16 weights and gradients, fp32
+masters in one flat buffer, the fp32 gradients copied in, clipped, stepped by fused AdamW
+and copied back: the same ops as framework/optim/master.py, written out by hand). Prints one JSON line: tokens/s (median
 step after the warm-up, CUDA events), optimizer ms (events around clip + step), and the host
 syncs of one measured step (torch.cuda.set_sync_debug_mode, counted).
 
@@ -28,16 +31,34 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--precision", default="autocast", choices=("autocast", "fp32", "bf16-mixed"))
+    ap.add_argument("--layers", type=int)  # override the size's blocks / width / heads
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--vocab", type=int, default=50304)
     a = ap.parse_args()
     dev = torch.device(a.device)
     layers, width, heads = SIZES[a.model]
+    layers, width, heads = a.layers or layers, a.width or width, a.heads or heads
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=50304, n_positions=a.seq, n_layer=layers, n_embd=width, n_head=heads,
+    cfg = GPT2Config(vocab_size=a.vocab, n_positions=a.seq, n_layer=layers, n_embd=width, n_head=heads,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg).to(dev)
-    fused = dev.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
-    x = torch.randint(0, 50304, (a.accum, a.mb, a.seq), device=dev)
+    params = list(model.parameters())
+    if a.precision == "bf16-mixed":
+        model.to(torch.bfloat16)
+        flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+        masters, grads, at = [], [], 0
+        grad_flat = torch.empty_like(flat)
+        for p in params:
+            masters.append(torch.nn.Parameter(flat[at:at + p.numel()].view(p.shape)))
+            grads.append(grad_flat[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+        for m, g in zip(masters, grads):
+            m.grad = g
+    opt = torch.optim.AdamW(masters if a.precision == "bf16-mixed" else params, lr=3e-4, betas=(0.9, 0.95),
+                            weight_decay=0.1, fused=True)
+    x = torch.randint(0, a.vocab, (a.accum, a.mb, a.seq), device=dev)
     cuda = dev.type == "cuda"
     times, opt_ms, syncs = [], [], None
     for step in range(a.steps):
@@ -51,15 +72,25 @@ def main() -> None:
                 ev[0].record()
             t0 = time.perf_counter()  # the CPU's clock (CUDA: the events)
             for j in range(a.accum):
-                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "autocast"):
                     loss = model(x[j], labels=x[j]).loss / a.accum
                 loss.backward()
             if cuda:
                 ev[1].record()
             t1 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if a.precision == "bf16-mixed":  # the framework's update, by hand
+                with torch.no_grad():
+                    held = [p.grad for p in params]
+                    norm = torch.stack(torch._foreach_norm(held, 2, dtype=torch.float32)).pow(2).sum().sqrt()
+                    torch._foreach_copy_(grads, held)
+                    torch._foreach_mul_(grads, torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+                    opt.step()
+                    torch._foreach_copy_(params, masters)
+                model.zero_grad(set_to_none=True)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             if cuda:
                 ev[2].record()
             if count:
@@ -72,7 +103,7 @@ def main() -> None:
             times.append(ev[0].elapsed_time(ev[2]) / 1e3 if cuda else t2 - t0)
             opt_ms.append(ev[1].elapsed_time(ev[2]) if cuda else (t2 - t1) * 1e3)
     step_s = statistics.median(times) if times else float("nan")
-    print(json.dumps({"impl": "plain", "model": a.model, "mb": a.mb, "accum": a.accum, "seq": a.seq,
+    print(json.dumps({"impl": "plain", "model": a.model, "precision": a.precision, "blocks": layers, "mb": a.mb, "accum": a.accum, "seq": a.seq,
                       "tokens_per_s": a.mb * a.accum * a.seq / step_s, "step_s": step_s,
                       "optimizer_ms": statistics.median(opt_ms) if opt_ms else None,
                       "syncs_last_step": syncs, "steps_measured": len(times)}))

@@ -66,7 +66,7 @@ def memory_summary(ranks: list[dict]) -> dict:
 
 
 def master_bytes(optimizer) -> int:
-    """The optimizer's own copy of the parameters (framework/train/master.py), 0 when it has none."""
+    """The optimizer's own copy of the parameters (framework/optim/master.py), 0 when it has none."""
     return tensor_bytes(getattr(optimizer, "master", []))
 
 
@@ -94,6 +94,10 @@ class ActivationTracker:
         self._extra_keys: set = set()
         self._live: dict[object, dict] = {}
         self.peak_bytes = 0
+        # off: forward() installs no hook (metrics.activations=sampled turns it off between
+        # the steps it records: a Python call per saved tensor is not free)
+        self.enabled = True
+        self.steps_recorded = 0  # steps run with it on (the trainer counts them)
         if model is not None:
             self.set_params(model.parameters())
 
@@ -104,6 +108,9 @@ class ActivationTracker:
 
     @contextlib.contextmanager
     def forward(self, microbatch_id):
+        if not self.enabled:
+            yield
+            return
         saved = self._live.setdefault(microbatch_id, {})
 
         def pack(t: torch.Tensor):

@@ -20,10 +20,12 @@ import time
 
 import torch
 
+from framework.device import wait
+
 
 class HostClock:
     def begin_step(self) -> None:
-        pass
+        wait(None, "clock")  # counted where CUDA's begin_step waits (framework/device.py)
 
     def mark(self) -> float:
         return time.time()
@@ -31,8 +33,11 @@ class HostClock:
     def seconds(self, mark: float) -> float:
         return mark
 
+    def elapsed(self, a: float, b: float) -> float:
+        return b - a
+
     def sync(self) -> None:
-        pass
+        wait(None, "clock")  # nothing to wait for; counted where a CUDA rank would wait
 
 
 class CudaEventClock:
@@ -55,10 +60,15 @@ class CudaEventClock:
         mark.synchronize()  # already passed after the step's flush; a no-op wait then
         return self.anchor_host + self.anchor.elapsed_time(mark) / 1e3
 
+    def elapsed(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float:
+        """Seconds from mark `a` to mark `b` (no anchor needed; read after the step)."""
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
     def sync(self) -> None:
         """The host waits for the compute stream (not the device: a device-wide sync would
         also wait for sends still pending on NCCL's stream, i.e. for a peer)."""
-        torch.cuda.current_stream(self.device).synchronize()
+        wait(self.device, "clock")
 
 
 def clock_for(device: torch.device):
@@ -66,9 +76,8 @@ def clock_for(device: torch.device):
 
 
 def now(device: torch.device) -> float:
-    if device.type == "cuda":
-        # Time the work, not the kernel launches. The compute stream only: a device-wide
-        # sync would also wait for an asynchronous pipeline's sends still pending on NCCL's
-        # stream, whose receives the peer posts only in its next step (a deadlock).
-        torch.cuda.current_stream(device).synchronize()
+    # Time the work, not the kernel launches (CUDA: the host waits for the compute stream;
+    # counted on every device). A step takes a fixed number of these (the runners' phase
+    # boundaries), never one per layer, micro-batch or collective.
+    wait(device, "clock")
     return time.time()

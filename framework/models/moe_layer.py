@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from framework.config import MoEConfig
+from framework.device import to_host
 from framework.parallel.expert_parallel import EPComm, run_routed
 from framework.models.moe_routing import AuxLossScale, attach_aux_loss, route, updated_bias
 
@@ -81,7 +82,10 @@ class MoERuntime:
                 dist.all_reduce(margins, op=dist.ReduceOp.MIN, group=group)
         self.sums, self.margins = {}, {}
         e, out = self.cfg.experts, {}
-        for i, row, margin in zip(layers, flat.cpu(), margins.tolist(), strict=True):
+        # once per step; fp64 carries both exactly
+        host = to_host(torch.cat([flat.flatten().double(), margins.double()]), "moe statistics")
+        rows, margins = host[:flat.numel()].view_as(flat).to(flat.dtype), host[flat.numel():]
+        for i, row, margin in zip(layers, rows, margins.tolist(), strict=True):
             counts = row[:e]
             dropped, entropy_sum, tokens, calls = row[e:e + 4].tolist()
             if tp_group is not None:  # each tp rank ran the micro-batch's sequence shard: one call

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from framework.metrics.timestamps import now
+from framework.metrics.timestamps import clock_for
 from framework.parallel.ring_attention import ring_attention
 from framework.parallel.tp_comm import TPComm, gather_from_sequence_parallel_region
 from framework.parallel.ulysses import ulysses_attention
@@ -53,12 +53,22 @@ class ContextParallel:
         # cp_comm_s: seconds inside this group's collectives, from the step's CommTimer spans
         # (CUDA: events read after the step); without a timer, host time (a sync per call)
         comm.clock = device if comm.timer is None else None
-        self.attention_s, self._backward = 0.0, []  # this step's attention forward seconds; backward spans
+        # The attention's time: marks of the step's clock (CUDA events on the compute stream,
+        # read after the step; host time on CPU), never a host sync per layer.
+        self.clock = comm.timer.clock if comm.timer is not None else clock_for(device)
+        self._forward, self._backward = [], []  # this step's (start, end) marks; backward spans
         self.ranks = ranks  # the cp group's global ranks, in cp-rank order (the ring's peers)
-        self.indices = [token_index(seq_len, comm.size, r, balance).to(device) for r in range(comm.size)]
+        host = [token_index(seq_len, comm.size, r, balance) for r in range(comm.size)]
+        self.indices = [i.to(device) for i in host]
         self.index = self.indices[comm.rank]  # this rank's tokens
         self.gathered = torch.cat(self.indices)  # the keys' positions after the all-gather, rank order
         self.tokens = len(self.index)
+        # The causal masks and the ring's skip flags, built once on the host (no read per block):
+        # block r is (local queries, cp rank r's keys); a block wholly in the future is skipped.
+        blocks = [host[comm.rank][:, None] >= keys[None, :] for keys in host]
+        self.skip = [not bool(b.any()) for b in blocks]
+        self.masks = [b.to(device) for b in blocks]
+        self.full_mask = torch.cat(blocks, dim=1).to(device)
 
     def take(self, timed: Optional[list] = None) -> dict:
         """This step's (since the last call) `cp_comm_bytes`, `cp_comm_s` (seconds inside cp
@@ -66,11 +76,13 @@ class ContextParallel:
         take(), when the comm has a timer) and `cp_attention_s`: the attention functions'
         forward and backward seconds less `cp_comm_s`, i.e. this rank's attention compute, what
         the cp ranks' imbalance compares."""
-        spans = sum(c["end"] - c["start"] for c in self._backward if "start" in c and "end" in c)
+        el = self.clock.elapsed
+        forward = sum(el(s, e) for s, e in self._forward)
+        backward = sum(max(el(c["start"], e) for e in c["end"]) for c in self._backward if "start" in c and c.get("end"))
         comm_s = self.comm.seconds if self.comm.timer is None else sum(e - s for d, _, s, e in timed or [] if d == "cp")
         out = {"cp_comm_bytes": self.comm.take_bytes(), "cp_comm_s": comm_s,
-               "cp_attention_s": max(0.0, self.attention_s + spans - comm_s)}
-        self.comm.seconds, self.attention_s, self._backward = 0.0, 0.0, []
+               "cp_attention_s": max(0.0, forward + backward - comm_s)}
+        self.comm.seconds, self._forward, self._backward = 0.0, [], []
         return out
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,16 +91,16 @@ class ContextParallel:
 
     def mask(self, device) -> torch.Tensor:
         """(local queries, all keys): True where a query may attend (its key is not later)."""
-        return self.index.to(device)[:, None] >= self.gathered.to(device)[None, :]
+        return self.full_mask.to(device)
 
     def mask_of(self, rank: int, device) -> torch.Tensor:
         """(local queries, cp rank `rank`'s keys): the ring's block mask."""
-        return self.index.to(device)[:, None] >= self.indices[rank].to(device)[None, :]
+        return self.masks[rank].to(device)
 
 
 class _Stamp(torch.autograd.Function):
-    """Identity; its backward stamps the time into `span[what]`: on the attention's output the
-    backward's start, on its inputs its end (the latest of q, k, v)."""
+    """Identity; its backward marks the step's clock into `span[what]`: on the attention's
+    output the backward's start, on its inputs its ends (q, k and v each: the latest counts)."""
 
     @staticmethod
     def forward(ctx, x, cp, span, what):
@@ -97,8 +109,11 @@ class _Stamp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        t = now(ctx.cp.device)
-        ctx.span[ctx.what] = t if ctx.what == "start" else max(t, ctx.span.get("end", t))
+        t = ctx.cp.clock.mark()
+        if ctx.what == "start":
+            ctx.span["start"] = t
+        else:
+            ctx.span.setdefault("end", []).append(t)
         return g, None, None, None
 
 
@@ -108,14 +123,14 @@ def attention(module: nn.Module, query, key, value, attention_mask, dropout: flo
     cp: ContextParallel = module.context_parallel
     if attention_mask is not None:  # the split models pass none (packed, unpadded sequences)
         raise ValueError("context parallelism takes no attention mask: the causal mask is built from positions")
-    t0, span = now(cp.device), {}
+    t0, span = cp.clock.mark(), {}
     if torch.is_grad_enabled():
         cp._backward.append(span)  # a span whose backward never runs (a recomputed forward's) is not counted
         query, key, value = (_Stamp.apply(t, cp, span, "end") for t in (query, key, value))
     out = _core(cp, module, query, key, value, dropout, scaling)
     if torch.is_grad_enabled():
         out = _Stamp.apply(out, cp, span, "start")
-    cp.attention_s += now(cp.device) - t0
+    cp._forward.append((t0, cp.clock.mark()))
     return out, None
 
 

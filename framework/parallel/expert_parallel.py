@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from framework.device import to_host
 from framework.metrics.timestamps import now
 from framework.parallel.side_thread import on_side
 from framework.parallel.tensor_parallel import TPShard
@@ -260,19 +261,21 @@ def run_routed(experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights
         per_expert = torch.bincount(flat[order], minlength=total)
     tokens = x[order // k]
     if comm is None:
-        out = run_experts(experts, tokens, per_expert.tolist(), 1.0)
+        out = run_experts(experts, tokens, to_host(per_expert, "moe routing").tolist(), 1.0)
     else:
         with torch.no_grad():
             recv_counts = comm.exchange_counts(per_expert)  # (ep, E/ep): from each rank, to each local expert
-            send = per_expert.view(comm.size, -1).sum(1).tolist()
-            recv = recv_counts.sum(1).tolist()
+            # the layer's one host read: what this rank sends and receives (the splits)
+            host = to_host(torch.cat([per_expert, recv_counts.flatten()]), "moe routing")
+            ep, local = comm.size, experts.local_experts
+            sent, got = host[:total].view(ep, -1), host[total:].view(ep, local)
+            send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
             # received rows are grouped by source rank, then local expert: regroup by expert
-            source_major = torch.arange(int(recv_counts.sum()), device=x.device).split(recv_counts.flatten().tolist())
-            local = experts.local_experts
-            by_expert = [source_major[s * local + e] for e in range(local) for s in range(comm.size)]
+            source_major = torch.arange(sum(recv), device=x.device).split(got.flatten().tolist())
+            by_expert = [source_major[s * local + e] for e in range(local) for s in range(ep)]
             perm = torch.cat(by_expert) if by_expert else torch.zeros(0, dtype=torch.long, device=x.device)
         received = dispatch_to_experts(tokens, send, recv, comm)
-        out = run_experts(experts, received[perm], recv_counts.sum(0).tolist(), 1.0 / comm.size)
+        out = run_experts(experts, received[perm], got.sum(0).tolist(), 1.0 / comm.size)
         out = torch.empty_like(out).index_copy(0, perm, out)  # back to source-major order
         out = combine_from_experts(out, send, recv, comm)
     y = torch.zeros_like(x).index_add(0, order // k, (out * weights.reshape(-1)[order, None]).to(x.dtype))

@@ -113,13 +113,13 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             kv = _Wait.apply(kv, cp, later)
         # the overlap: the next pass's transfer runs under this block's product
         started = start(cp, kv.detach(), +1) if cp.overlap and s < n - 1 else None
-        allowed = cp.mask_of((cp.comm.rank - s) % cp.comm.size, query.device)  # (n, n) of this block
-        if not bool(allowed.any()):
+        block = (cp.comm.rank - s) % cp.comm.size
+        if cp.skip[block]:  # built once on the host: no read of the mask per block
             skipped.append(kv)  # wholly in the queries' future: passed on, never multiplied
             continue
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in kv.split(d, dim=-1))
         scores = (query @ k.transpose(-1, -2)).to(acc_dtype) * scaling
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~cp.mask_of(block, query.device), float("-inf"))
         # The first block (s = 0) is the rank's own, where every query sees at least itself: the
         # running max is finite from then on. It is a constant of the merge, taken off the graph
         # (an amax node would save the scores, and free them again once the max is dropped).
