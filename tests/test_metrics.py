@@ -167,7 +167,7 @@ def test_optimizer_state_ratio():
 
 def test_the_activation_tracker_runs_on_the_sampled_steps_only():
     """metrics.activations=sampled: the saved-tensor hook runs on the first step this process
-    runs and every trainer.log_interval-th, every step of an asynchronous pipeline, and
+    runs, every trainer.log_interval-th and the last, every step of an asynchronous pipeline, and
     `every` on all; an untracked forward saves nothing into the tracker."""
     from types import SimpleNamespace
 
@@ -175,7 +175,7 @@ def test_the_activation_tracker_runs_on_the_sampled_steps_only():
     from framework.train.trainer import tracks_activations
 
     def recorded(mode, log_interval, first, steps, is_async=False):
-        run = compose("metrics.activations=" + mode, f"trainer.log_interval={log_interval}")
+        run = compose("metrics.activations=" + mode, f"trainer.log_interval={log_interval}", f"trainer.steps={steps}")
         runner = SimpleNamespace(tracker=ActivationTracker(), is_async=is_async)
         out = []
         for step in range(first, steps):
@@ -184,8 +184,8 @@ def test_the_activation_tracker_runs_on_the_sampled_steps_only():
             out += [step + 1] * on
         return out
 
-    assert recorded("sampled", 5, 0, 12) == [1, 5, 10]
-    assert recorded("sampled", 5, 6, 12) == [7, 10]  # a resumed run records its first step
+    assert recorded("sampled", 5, 0, 12) == [1, 5, 10, 12]
+    assert recorded("sampled", 5, 6, 12) == [7, 10, 12]  # a resumed run records its first step
     assert recorded("sampled", 5, 0, 4, is_async=True) == [1, 2, 3, 4]
     assert recorded("every", 5, 0, 4) == [1, 2, 3, 4]
 

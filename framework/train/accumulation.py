@@ -65,6 +65,7 @@ class AccumulationRunner:
         # Final storages: ZeRO's flat buffers, if any. FSDP2's shards are never saved for
         # backward; it names its gathered weights to the tracker itself.
         tracker.set_params([] if isinstance(self.zero, FSDP2) else model.parameters())
+        self.states = None  # the last measured StateBytes
 
     def step(self, step: int, batch_of) -> StepResult:
         dev, m = self.ctx.device, self.run.schedule.microbatches
@@ -107,10 +108,14 @@ class AccumulationRunner:
             self.zero.after_step()
         t3 = now(dev)  # the update's end: the host waits for the stream (the step's one wait)
         t1, t2 = clock.seconds(m1), clock.seconds(m2)
-        # untimed; gradients still held
-        states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
-                               else model_state_bytes(self.module, self.optimizer)))
-        states.master_bytes = master_bytes(self.optimizer)
+        # gradients still held; a walk over every tensor (ms at hundreds of tensors), so only on
+        # the steps the tracker records (framework/train/trainer.py: tracks_activations) or
+        # until the optimizer's states exist: the bytes do not change between steps
+        if self.tracker.enabled or self.states is None or not self.states.optimizer_bytes:
+            self.states = StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
+                                        else model_state_bytes(self.module, self.optimizer)))
+            self.states.master_bytes = master_bytes(self.optimizer)
+        states = self.states
         self.optimizer.zero_grad(set_to_none=True)
         moe = moe_step(self.moe, self.run, self.ctx, self.tp_comm, self.update.overflow)
         # The loss is this dp rank's; the logging rank averages ranks at its gather.

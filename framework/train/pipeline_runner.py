@@ -277,8 +277,14 @@ class PipelineRunner:
             sync_replicated_grads(self.params, self.tp_comm, self.run.parallelism.sequence_parallel)
 
     def _state_bytes(self) -> StateBytes:
+        """The model states' bytes, measured on the steps the tracker records (a walk over
+        every tensor: framework/train/trainer.py, tracks_activations) or until the optimizer's
+        states exist; the last measurement otherwise (they do not change between steps)."""
         from framework.metrics.memory import master_bytes, model_state_bytes
 
+        last = getattr(self, "states", None)
+        if last is not None and last.optimizer_bytes and not self.tracker.enabled:
+            return last
         return StateBytes(**(self.zero.state_bytes(self.optimizer) if self.zero
                              else model_state_bytes(self.module, self.optimizer)),
                           master_bytes=master_bytes(self.optimizer))

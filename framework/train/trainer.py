@@ -121,13 +121,14 @@ def _keys(runner, step: int, m: int) -> tuple[list, Callable]:
 
 def tracks_activations(step: int, runner, run: RunConfig) -> bool:
     """Whether step `step` (0-based) runs the saved-activation tracker (metrics.activations):
-    `sampled` records the first step and every log_interval-th, and every step of an
+    `sampled` records the first step, every log_interval-th and the last, and every step of an
     asynchronous pipeline (its micro-batches span steps: a forward untracked in one step
     would be missing from the next step's live bytes). activation_peak_bytes is the peak over
     the recorded steps."""
     if run.metrics.activations == "every" or runner.is_async:
         return True
-    return not runner.tracker.steps_recorded or (step + 1) % run.trainer.log_interval == 0
+    return (not runner.tracker.steps_recorded or (step + 1) % run.trainer.log_interval == 0
+            or step + 1 == run.trainer.steps)
 
 
 def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: ParallelContext) -> StepRecord:
