@@ -36,14 +36,25 @@ def main() -> None:
     ap.add_argument("--width", type=int)
     ap.add_argument("--heads", type=int)
     ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--arch", default="gpt2", choices=("gpt2", "llama"))  # llama: the sizes from the flags
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--inner", type=int)
     a = ap.parse_args()
     dev = torch.device(a.device)
     layers, width, heads = SIZES[a.model]
     layers, width, heads = a.layers or layers, a.width or width, a.heads or heads
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=a.vocab, n_positions=a.seq, n_layer=layers, n_embd=width, n_head=heads,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg).to(dev)
+    if a.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=a.vocab, hidden_size=width, intermediate_size=a.inner,
+                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=a.kv_heads or heads, max_position_embeddings=a.seq,
+                                             tie_word_embeddings=False)).to(dev)
+    else:
+        cfg = GPT2Config(vocab_size=a.vocab, n_positions=a.seq, n_layer=layers, n_embd=width, n_head=heads,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg).to(dev)
     params = list(model.parameters())
     if a.precision == "bf16-mixed":
         model.to(torch.bfloat16)
@@ -103,7 +114,7 @@ def main() -> None:
             times.append(ev[0].elapsed_time(ev[2]) / 1e3 if cuda else t2 - t0)
             opt_ms.append(ev[1].elapsed_time(ev[2]) if cuda else (t2 - t1) * 1e3)
     step_s = statistics.median(times) if times else float("nan")
-    print(json.dumps({"impl": "plain", "model": a.model, "precision": a.precision, "blocks": layers, "mb": a.mb, "accum": a.accum, "seq": a.seq,
+    print(json.dumps({"impl": "plain", "model": a.model if a.arch == "gpt2" else a.arch, "precision": a.precision, "blocks": layers, "mb": a.mb, "accum": a.accum, "seq": a.seq,
                       "tokens_per_s": a.mb * a.accum * a.seq / step_s, "step_s": step_s,
                       "optimizer_ms": statistics.median(opt_ms) if opt_ms else None,
                       "syncs_last_step": syncs, "steps_measured": len(times)}))
