@@ -123,8 +123,7 @@ class RunLogger:
             # null on a step skipped for overflow (its norm is inf or nan: no JSON number)
             "grad_norm": None if r0.overflow else max(r.grad_norm for r in per_rank),
             "rank_grad_norm": [None if r0.overflow else r.grad_norm for r in per_rank],  # the max hides a low rank
-            # sync points inside the step (framework/device.py): the most any rank took, and each rank's by reason
-            "host_syncs": max(sum(r.host_syncs.values()) for r in per_rank),
+            "host_syncs": max(sum(r.host_syncs.values()) for r in per_rank),  # the step's syncs (framework/device.py)
             "rank_host_syncs": [r.host_syncs for r in per_rank],
             # fp16-mixed's loss scaler: the same on every rank (the overflow flag is all-reduced
             # over every rank, framework/train/update.py); absent in the modes without one
