@@ -25,8 +25,9 @@ with sequence parallelism), into the metrics.jsonl row (docs/metrics.md):
   over all, the aux losses summed with their coefficients as trained, the smallest margin),
   for plots and sweeps.
 - `a2a_bytes` (max over ranks of the bytes a rank sent to other ranks by all-to-all, counts
-  and tokens, forward and backward) and `a2a_s` (max over ranks of host seconds inside
-  all-to-all; on CPU the transfer and the wait for peers, on CUDA only what the host waits).
+  and tokens, forward and backward) and `a2a_s` (max over ranks of seconds inside
+  all-to-all: the step's `ep` spans; on CPU the transfer and the wait for peers, on CUDA the
+  compute stream's wait, CUDA events read after the step).
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ class ContextParallel:
         self.comm, self.method, self.device = comm, method, device
         self.overlap = overlap  # parallelism.overlap_cp_ring: the ring's next transfer under this block (ring_attention.py)
         # cp_comm_s: seconds inside this group's collectives, from the step's CommTimer spans
-        # (CUDA: events read after the step); without a timer, host time (a sync per call)
-        comm.clock = device if comm.timer is None else None
+        # (CUDA: events read after the step); without a timer, untimed
         # The attention's time: marks of the step's clock (CUDA events on the compute stream,
         # read after the step; host time on CPU), never a host sync per layer.
         self.clock = comm.timer.clock if comm.timer is not None else clock_for(device)
@@ -79,10 +78,10 @@ class ContextParallel:
         el = self.clock.elapsed
         forward = sum(el(s, e) for s, e in self._forward)
         backward = sum(max(el(c["start"], e) for e in c["end"]) for c in self._backward if "start" in c and c.get("end"))
-        comm_s = self.comm.seconds if self.comm.timer is None else sum(e - s for d, _, s, e in timed or [] if d == "cp")
+        comm_s = sum(e - s for d, _, s, e in timed or [] if d == "cp")
         out = {"cp_comm_bytes": self.comm.take_bytes(), "cp_comm_s": comm_s,
                "cp_attention_s": max(0.0, forward + backward - comm_s)}
-        self.comm.seconds, self._forward, self._backward = 0.0, [], []
+        self._forward, self._backward = [], []
         return out
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:

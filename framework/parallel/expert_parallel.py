@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.device import to_host
-from framework.metrics.timestamps import now
+from framework.metrics.comm_timer import timed
 from framework.parallel.side_thread import on_side
 from framework.parallel.tensor_parallel import TPShard
 from framework.parallel.tp_comm import TPComm
@@ -50,15 +50,13 @@ class EPComm(TPComm):
     bytes this rank sends to other ranks and the time spent in them. With a `timer` (runs),
     each call is a span of the step-time breakdown's (framework/metrics/comm_timer.py: CUDA
     events read after the step, no host sync per call) and `take_a2a`'s seconds and spans
-    come from those; without one (direct use), host time around each call after
-    synchronising the compute stream on CUDA (`metrics.timestamps.now`)."""
+    come from those; without one (direct use) nothing is timed."""
 
     def __init__(self, group, size: int, rank: int, device=None, timer=None, side_group=None):
         self._side = side_group  # parallelism.overlap_dualpipe: the F thread's group (side_thread.py)
         super().__init__(group, size, rank, timer=timer, dim="ep")
         self.device = device if device is not None else torch.device("cpu")
-        self.a2a_bytes, self.a2a_s = 0, 0.0
-        self.spans: list[tuple[str, float, float]] = []  # this step's calls: (what, start, end), unix s
+        self.a2a_bytes = 0
 
     @property
     def group(self):
@@ -70,24 +68,15 @@ class EPComm(TPComm):
 
     def take_a2a(self, timed: Optional[list] = None) -> tuple[int, float, list]:
         """(bytes, seconds, spans) of all-to-all since the last call (a step's when called once
-        per step); `timed`: the step's timer spans (CommTimer.take), which then give both."""
-        out = (self.a2a_bytes, self.a2a_s, self.spans)
-        if self.timer is not None and timed is not None:
-            spans = [(w, s, e) for d, w, s, e in timed if d == "ep"]
-            out = (self.a2a_bytes, sum(e - s for _, s, e in spans), spans)
-        self.a2a_bytes, self.a2a_s, self.spans = 0, 0.0, []
+        per step); the seconds and spans are the `ep` spans of `timed` (CommTimer.take)."""
+        spans = [(w, s, e) for d, w, s, e in timed or [] if d == "ep"]
+        out = (self.a2a_bytes, sum(e - s for _, s, e in spans), spans)
+        self.a2a_bytes = 0
         return out
 
     def _timed(self, what: str, fn) -> None:
-        if self.timer is not None:
-            with self.timer.span("ep", what):
-                fn()
-            return
-        t0 = now(self.device)
-        fn()
-        t1 = now(self.device)
-        self.a2a_s += t1 - t0
-        self.spans.append((what, t0, t1))
+        with timed(self.timer, "ep", what):
+            fn()
 
     def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    what: str = "a2a") -> torch.Tensor:

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from framework.metrics.comm_timer import timed
-from framework.metrics.timestamps import now
 
 
 # torch 2.13 renamed the tensor-in / tensor-out collectives; 2.6-2.12 have the older names.
@@ -37,30 +35,20 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 class TPComm:
     """One rank's tp group: size, rank, and the collectives with their byte tally."""
 
-    def __init__(self, group, size: int, rank: int, clock: Optional[torch.device] = None, timer=None,
-                 dim: str = "tp"):
+    def __init__(self, group, size: int, rank: int, timer=None, dim: str = "tp"):
         self.group, self.size, self.rank = group, size, rank
         self.bytes_sent = 0
         # the step-time breakdown's per-dimension spans (framework/metrics/comm_timer.py)
         self.timer, self.dim = timer, dim
         self.delay_s = 0.0  # debug.tp_delay_ms: rank 0 sleeps before each collective
-        # With a device: the seconds inside the collectives too (cp's comm; tp's stays untimed,
-        # as `now` synchronises CUDA's compute stream): on CPU the transfer plus the wait for
-        # the slowest peer, on CUDA the same at the cost of a sync per call.
-        self.clock, self.seconds = clock, 0.0
 
     @contextlib.contextmanager
     def timed(self):
         """A collective's span (an overlapped call's is its watched wait: comm_timer.watch)."""
         if self.delay_s and self.rank == 0:
             time.sleep(self.delay_s)  # before the span: a slow rank's compute; its peers wait inside theirs
-        with timed(self.timer, self.dim):
-            if self.clock is None:
-                yield
-                return
-            t0 = now(self.clock)
+        with timed(self.timer, self.dim):  # the one clock: the step's CommTimer (none: untimed)
             yield
-            self.seconds += now(self.clock) - t0
 
     def _tally(self, full: torch.Tensor, factor: float) -> None:
         self.bytes_sent += int(full.numel() * full.element_size() * factor * (self.size - 1) / self.size)

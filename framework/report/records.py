@@ -91,7 +91,7 @@ class StepRecord:
     cp_comm_s: float = 0.0
     cp_attention_s: float = 0.0
     a2a_bytes: int = 0  # expert parallelism: bytes this rank sent by all-to-all
-    a2a_s: float = 0.0  # and host seconds inside all-to-all
+    a2a_s: float = 0.0  # and seconds inside all-to-all (its CommTimer spans)
     a2a_spans: list[tuple[str, float, float]] = field(default_factory=list)  # each call: (what, start, end)
     skipped_steps: int = 0
     val_loss: Optional[float] = None  # held-out loss after this step (trainer.eval_interval), same on every rank
