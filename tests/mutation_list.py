@@ -179,4 +179,9 @@ MUTATIONS: list[Mutation] = [
              "framework/train/trainer.py", '    if run.metrics.activations == "every" or runner.is_async:',
              "    if True:",
              ("tests/test_metrics.py::test_the_activation_tracker_runs_on_the_sampled_steps_only",)),
+    Mutation("collective-own-curve-ignored", "a reduce-scatter priced from the all-reduce curve though its own was measured",
+             "framework/sim/cost/collectives.py",
+             '    if own and own["ranks"] == n:  # the collective\'s own measured curve',
+             '    if False:',
+             ("tests/test_cost_model.py::test_a_collective_measured_on_its_own_is_priced_from_its_own_curve",)),
 ]

@@ -110,6 +110,24 @@ def test_ring_collectives_on_a_hand_computed_case():
     assert collective_s("all_reduce", 1e9, 1, link) == 0.0
 
 
+def test_a_collective_measured_on_its_own_is_priced_from_its_own_curve():
+    """gloo's reduce-scatter is an all-reduce of the whole buffer: a link whose bench measured
+    it so prices a ZeRO reduce-scatter at its own curve (the whole buffer's bytes), twice the
+    ring's bytes the all-reduce curve alone would give; 2 ranks, two rows, log-log between."""
+    ar = {"ranks": 2, "rows": [[1e3, 1e-4], [1e6, 1e-2]]}
+    plain = Link(alpha_us=10.0, GBps=1.0, all_reduce_s=ar)
+    gloo = Link(alpha_us=10.0, GBps=1.0, all_reduce_s=ar, reduce_scatter_s=ar,
+                all_gather_s={"ranks": 2, "rows": [[1e3, 3e-4], [1e6, 3e-2]]})
+    # without its own curve: the all-reduce moving the same bus bytes (half the buffer at n = 2)
+    assert collective_s("reduce_scatter", 1e6, 2, plain) == pytest.approx(collective_s("all_reduce", 5e5, 2, plain))
+    assert collective_s("reduce_scatter", 1e6, 2, gloo) == pytest.approx(1e-2)
+    assert collective_s("reduce_scatter", 1e4, 2, gloo) == pytest.approx(1e-4 * 10 ** (2 / 3))
+    assert collective_s("all_gather", 1e6, 2, gloo) == pytest.approx(3e-2)
+    assert collective_s("all_reduce", 1e6, 2, gloo) == pytest.approx(1e-2)  # its own curve, as before
+    # a curve measured over another group size is not read
+    assert collective_s("all_gather", 1e6, 4, gloo) == pytest.approx(collective_s("all_gather", 1e6, 4, plain))
+
+
 def test_groups_are_placed_by_the_frameworks_rank_order():
     """tp innermost (topology.py): tp 8 stays in an 8-GPU node, dp and pp cross nodes."""
     prof = table_profile(gpus_per_node=8, links={"intra": {"alpha_us": 1, "GBps": 300}, "inter": {"alpha_us": 5, "GBps": 25}})

@@ -395,12 +395,12 @@ def main(argv: list[str]) -> int:
            "peak_tflops": {**best, **peaks}, "peak_source": "datasheet" if peaks else "best measured GEMM", **prof}
     if links is not None:
         link = {"alpha_us": links["alpha_us"], "GBps": links["GBps"],
-                "all_reduce_s": {"ranks": args.links, "rows": links["samples"]}}
+                **{f"{kind}_s": {"ranks": args.links, "rows": rows} for kind, rows in links["samples"].items()}}
         out["links"] = {"intra": link, "inter": copy.deepcopy(link)}  # one node: nothing between nodes measured
     with open(args.out, "w") as f:
         f.write(f"# {out['source']}\n")
         if links is not None:
-            f.write(f"# links: {args.links} local ranks' all-reduce measured (all_reduce_s); inter = intra\n")
+            f.write(f"# links: {args.links} local ranks' all-reduce, reduce-scatter and all-gather measured (*_s); inter = intra\n")
         yaml.dump(out, f, Dumper=_dumper(), sort_keys=False, default_flow_style=None, width=120)
     # the numbers as the file holds them (a CPU's GEMM best is a few hundredths of a TFLOP/s)
     print(f"wrote {args.out}: GEMM best {', '.join(f'{d} {t}' for d, t in best.items())} TFLOP/s, "

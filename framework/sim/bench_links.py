@@ -1,9 +1,13 @@
 """The local link between ranks, measured for a hardware profile (`python -m framework.sim.bench
 --links N`): N processes on this node, on the backend a run here uses (gloo on a CPU, NCCL
-on GPUs), time an all-reduce and a p2p exchange over message sizes, and the cost model's
-alpha-beta (framework/sim/cost/collectives.py) is fitted to them:
+on GPUs), time an all-reduce, a reduce-scatter and an all-gather over message sizes, through
+the calls the framework makes (framework/parallel/tp_comm.py's single-tensor forms), and
+the cost model's alpha-beta (framework/sim/cost/collectives.py) is fitted to the all-reduce:
 - alpha_us: a 1-element all-reduce's time over its ring's 2 (n-1) steps (n = 2: a p2p's);
 - GBps: the largest all-reduce's bus bandwidth, 2 (n-1)/n x bytes over its time less alpha.
+The reduce-scatter and the all-gather get curves of their own because a backend need not
+run them as NCCL's rings do: gloo's reduce-scatter is an all-reduce of the whole buffer
+(pytorch#118911), twice a ring reduce-scatter's bytes, and ZeRO 2-3 pay that on a CPU.
 Each time is the slowest rank's median of repeated calls after a warm-up, so a rank that
 arrives late is not counted as link time. One node only: `inter` is written equal to
 `intra` (a user with a cluster measures it with NCCL's tests and edits the profile).
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 SIZES = (1, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)  # fp32 elements: 4 B to 8 MiB
 
 
@@ -51,12 +56,18 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        times = {}
-        for n in SIZES:
-            x = torch.ones(n, device=device)
-            reps = 20 if n < (1 << 18) else 7
-            times[n] = _time(lambda: dist.all_reduce(x), device, reps)
-        mine = torch.tensor([times[n] for n in SIZES], dtype=torch.float64)
+        from framework.parallel.tp_comm import all_gather_single, reduce_scatter_single
+
+        times = []
+        for kind in KINDS:
+            for n in SIZES:  # n: the whole buffer (reduced, scattered from, or gathered into)
+                n = max(n - n % world, world)
+                whole, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
+                call = {"all_reduce": lambda: dist.all_reduce(whole),
+                        "reduce_scatter": lambda: reduce_scatter_single(part, whole),
+                        "all_gather": lambda: all_gather_single(whole, part)}[kind]
+                times.append(_time(call, device, 20 if n < (1 << 18) else 7))
+        mine = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's median
         if rank == 0:
             out.put(mine.tolist())
@@ -65,7 +76,8 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out)
 
 
 def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
-    """{alpha_us, GBps, samples: [[bytes, seconds], ...]} of `world` local ranks."""
+    """{alpha_us, GBps, samples: {kind: [[bytes of the whole buffer, seconds], ...]}} of
+    `world` local ranks."""
     # a CPU's ranks are forked: nothing has run on the intra-op threads yet (the bench measures
     # the links first), and a spawned rank spent ~2 s of CPU re-importing torch; CUDA must spawn
     ctx = mp.get_context("spawn" if device_type == "cuda" else "fork")
@@ -75,13 +87,16 @@ def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
     for p in procs:
         p.start()
     try:
-        times = out.get(timeout=600)
+        flat = out.get(timeout=600)
     finally:
         for p in procs:
             p.join(timeout=60)
+    by_kind = {k: flat[i * len(SIZES):(i + 1) * len(SIZES)] for i, k in enumerate(KINDS)}
+    times = by_kind["all_reduce"]
     steps = 2 * (world - 1)
     alpha = times[0] / steps
     big = SIZES[-1] * 4
     gbps = 2 * (world - 1) / world * big / max(times[-1] - steps * alpha, 1e-9) / 1e9
     return {"alpha_us": round(alpha * 1e6, 2), "GBps": round(gbps, 3),
-            "samples": [[n * 4, round(t, 7)] for n, t in zip(SIZES, times)]}
+            "samples": {k: [[max(n - n % world, world) * 4, round(t, 7)] for n, t in zip(SIZES, ts)]
+                        for k, ts in by_kind.items()}}

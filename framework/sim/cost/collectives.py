@@ -13,9 +13,11 @@ Algorithms (bus-bandwidth factors as nccl-tests reports them; Thakur et al. 2005
 - all-to-all, pairwise: (n-1) / n x bytes sent, n-1 steps
 - p2p: bytes, one step
 A link measured on this machine (`all_reduce_s`, python -m framework.sim.bench --links N) is
-read as its curve for groups of that size: a collective costs the measured all-reduce that
-moves the same bus bytes (all-gather of B as an all-reduce of B / 2; a p2p of B, n = 2, as
-one of B / 2), log-log between the measured sizes. Not modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
+read as its curve for groups of that size: a reduce-scatter or an all-gather costs its own
+measured curve at the whole buffer's bytes where the bench measured one (gloo's
+reduce-scatter is an all-reduce of the whole buffer: twice the ring's bytes), anything else
+the measured all-reduce that moves the same bus bytes (all-gather of B as an all-reduce of
+B / 2; a p2p of B, n = 2, as one of B / 2), log-log between the measured sizes. Not modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
 hierarchical (intra- then inter-node) rings, contention between collectives of different
 groups on one link, SHARP, and any overlap of a collective with compute unless the caller
 says so.
@@ -57,6 +59,10 @@ def collective_s(kind: str, nbytes: float, n: int, link: Link) -> float:
     reduced tensor; all-gather: the gathered one; all-to-all: what one rank sends in all)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    own = getattr(link, f"{kind}_s", None) if kind != "all_reduce" else None
+    if own and own["ranks"] == n:  # the collective's own measured curve
+        rows = sorted(own["rows"])
+        return _loglog([r[0] for r in rows], [r[1] for r in rows], nbytes)
     curve = link.all_reduce_s
     if curve and curve["ranks"] == n:  # the measured curve: the all-reduce moving the same bus bytes
         rows = sorted(curve["rows"])

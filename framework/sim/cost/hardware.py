@@ -13,7 +13,8 @@ datasheet (efficiencies), or both; the keys (docs/cost_model.md):
   `kernel_us`: every kernel lasts at least this (launch or dispatch).
 - `attention_tflops`: measured [s, head_dim, fwd, fwd+bwd TFLOP/s] rows (causal FLOPs),
   interpolated in log2(s) at the nearest head_dim; else `attention_efficiency` x peak.
-- `links`: {intra, inter}: {alpha_us, GBps[, all_reduce_s]}, framework/sim/cost/collectives.py.
+- `links`: {intra, inter}: {alpha_us, GBps[, all_reduce_s, reduce_scatter_s, all_gather_s]},
+  framework/sim/cost/collectives.py.
 - `host_us`: per block and pass of each architecture ({F, B}) and per optimizer tensor, the
   launch / dispatch path (measured where compute is negligible); `host_overlaps`: true on a
   GPU (a pass takes the larger of host and kernel time), false on a CPU (they add).
@@ -85,20 +86,25 @@ def check_tables(hw) -> None:
             raise bad(f"host_us.{arch}", v, "is not {F: us, B: us} per block (or, for optimizer_tensor, us) >= 0")
     for level in ("intra", "inter"):
         link = hw.links.get(level)
-        if not isinstance(link, dict) or not {"alpha_us", "GBps"} <= set(link) <= {"alpha_us", "GBps", "all_reduce_s"} \
+        if not isinstance(link, dict) or not {"alpha_us", "GBps"} <= set(link) <= {"alpha_us", "GBps", *CURVES} \
                 or not _number(link["GBps"]) or not _number(link["alpha_us"], strict=False):
-            raise bad(f"links.{level}", link, "is not {alpha_us: >= 0, GBps: > 0[, all_reduce_s: {ranks, rows}]}")
-        curve = link.get("all_reduce_s")
-        if curve is not None and not (isinstance(curve, dict) and set(curve) == {"ranks", "rows"}
-                                      and isinstance(curve["ranks"], int) and curve["ranks"] >= 2
-                                      and isinstance(curve["rows"], list) and len(curve["rows"]) >= 2
-                                      and all(isinstance(r, list) and len(r) == 2 and _number(r[0]) and _number(r[1])
-                                              for r in curve["rows"])):
-            raise bad(f"links.{level}.all_reduce_s", curve, "is not {ranks: >= 2, rows: [[bytes > 0, seconds > 0], ...]} "
-                      "(two rows or more)")
+            raise bad(f"links.{level}", link, "is not {alpha_us: >= 0, GBps: > 0[, all_reduce_s, reduce_scatter_s, "
+                      "all_gather_s: {ranks, rows}]}")
+        for name in CURVES:
+            curve = link.get(name)
+            if curve is not None and not (isinstance(curve, dict) and set(curve) == {"ranks", "rows"}
+                                          and isinstance(curve["ranks"], int) and curve["ranks"] >= 2
+                                          and isinstance(curve["rows"], list) and len(curve["rows"]) >= 2
+                                          and all(isinstance(r, list) and len(r) == 2 and _number(r[0])
+                                                  and _number(r[1]) for r in curve["rows"])):
+                raise bad(f"links.{level}.{name}", curve, "is not {ranks: >= 2, rows: [[bytes > 0, seconds > 0], ...]} "
+                          "(two rows or more)")
     unknown = sorted(set(hw.links) - {"intra", "inter"})
     if unknown:
         raise bad("links", dict(hw.links), f"has unknown levels {unknown}: only intra (within a node) and inter")
+
+
+CURVES = ("all_reduce_s", "reduce_scatter_s", "all_gather_s")  # a link's measured collectives
 
 
 @dataclass
@@ -107,8 +113,11 @@ class Link:
     GBps: float  # per GPU, one direction: the bandwidth a ring's step moves at
     # measured (python -m framework.sim.bench --links N): {ranks, rows: [[bytes, seconds]]} of an
     # all-reduce over `ranks` local ranks; where given, collectives over that many ranks read
-    # it (collectives.py) instead of alpha-beta
+    # it (collectives.py) instead of alpha-beta; a reduce-scatter or an all-gather reads its
+    # own curve where the bench measured one (bytes: the whole buffer)
     all_reduce_s: Optional[dict] = None
+    reduce_scatter_s: Optional[dict] = None
+    all_gather_s: Optional[dict] = None
 
     def seconds(self, nbytes: float, steps: int = 1) -> float:
         return steps * self.alpha_us * 1e-6 + nbytes / (self.GBps * 1e9)
