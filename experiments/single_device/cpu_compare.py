@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # name -> (plain --model, blocks, width, heads, vocab, seq, micro-batch, accumulation, steps)
 SIZES = {"gpt2-tiny": ("gpt2-tiny", 4, 128, 4, 256, 128, 4, 4, 12),
          "narrow-24": ("gpt2-tiny", 24, 32, 2, 256, 128, 4, 4, 12),
-         "gpt2-124M": ("gpt2", 12, 768, 12, 50304, 64, 1, 2, 6)}
+         "gpt2-124M": ("gpt2", 12, 768, 12, 50304, 64, 1, 2, 12)}
 
 
 def ours(name: str, precision: str, out: Path) -> dict:
