@@ -184,4 +184,9 @@ MUTATIONS: list[Mutation] = [
              '    if own and own["ranks"] == n:  # the collective\'s own measured curve',
              '    if False:',
              ("tests/test_cost_model.py::test_a_collective_measured_on_its_own_is_priced_from_its_own_curve",)),
+    Mutation("bench-times-torch-default-adamw", "the bench times torch's default AdamW, not the framework's update",
+             "framework/sim/bench.py",
+             '                           "weight_decay": 0.1, "implementation": "auto"}, params)',
+             '                           "weight_decay": 0.1, "implementation": "for-loop"}, params)',
+             ("tests/test_update_ops.py::test_the_bench_times_the_update_the_framework_runs",)),
 ]

@@ -132,3 +132,21 @@ def test_the_per_tensor_adamw_dispatches_per_tensor():
     few, n_few, _ = _model_update_ops(2, 64, "bf16-mixed", "for-loop")
     many, n_many, _ = _model_update_ops(16, 24, "bf16-mixed", "for-loop")
     assert sum(many.values()) - sum(few.values()) >= n_many - n_few
+
+
+def test_the_bench_times_the_update_the_framework_runs():
+    """framework/sim/bench.py's `framework_update` (the cost model's `adamw` rate and
+    `host_us.optimizer_tensor`) dispatches what a run's update does: as many ops for 4
+    tensors as for 64 (torch's default AdamW and clip on a CPU, which the bench timed
+    before, dispatch per tensor), and it steps the parameters."""
+    from framework.sim.bench import framework_update
+
+    steps = [framework_update(_params(n)) for n in (4, 64)]
+    for step in steps:
+        step()  # the first step creates the states, a tensor each
+    counts = [_count(step) for step in steps]
+    assert counts[0] == counts[1] and sum(counts[0].values()) < 40, counts
+    ps = _params(8)
+    before = torch.cat([p.detach().clone() for p in ps])
+    framework_update(ps)()
+    assert not torch.equal(torch.cat([p.detach() for p in ps]), before)

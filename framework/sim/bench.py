@@ -15,9 +15,11 @@ of two timings from each side's fastest of alternated calls (`_fastest`), never 
 - `attention_tflops`: scaled-dot-product attention, causal, forward and forward + backward,
   as [s, head_dim, fwd, fwd+bwd TFLOP/s] rows, counting 4 b h s^2 d / 2 forward FLOPs (the
   causal half) and 2.5x that backward (FlashAttention-2's count).
-- `memory_bound_GBps`: norms, activations and softmax of a block, bytes moved per second.
-- `host_us`: per block and pass (F, B) of each architecture, and per optimizer tensor, the
-  time where compute is negligible (`overheads`): the launch and dispatch path.
+- `memory_bound_GBps`: norms, activations and softmax of a block, bytes moved per second;
+  `adamw`: the framework's own update (`framework_update`: its clip and fused AdamW).
+- `host_us`: per block and pass (F, B) of each architecture, and per optimizer tensor of the
+  framework's update, the time where compute is negligible (`overheads`): the launch and
+  dispatch path.
 With `--links N`, the link between N local ranks too (framework/sim/bench_links.py: gloo on
 a CPU, NCCL on GPUs); between nodes nothing is measured, and a profile's `inter` link comes
 from the datasheet or a user's NCCL tests (docs/cost_model.md).
@@ -33,6 +35,7 @@ best measured GEMM per dtype (then MFU reads as a share of what this device's GE
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 import datetime
 import os
 import sys
@@ -196,22 +199,41 @@ def memory_bound(timer: Timer, kind: str) -> dict:
                 return round(2 * moved / (fb - fwd) / 1e9, 3) if fb > fwd else 0.0
 
             out[f"{name}_backward"] = _positive(rate, f"memory_bound_GBps {name}_backward")
-    # the update as ops.py counts it (optimizer_ops: 32 bytes per fp32 parameter, no master):
-    # torch's AdamW as the optimizer config builds it, after the gradient norm's read
-    params = [torch.zeros(tokens * hidden // 4, device=timer.device, requires_grad=True) for _ in range(4)]
+    # the update as ops.py counts it (optimizer_ops: 32 bytes per fp32 parameter, no master),
+    # run as the framework runs it (framework_update)
+    # (on a CPU 4 x 2^20 parameters: at 4 x 65,536 the update's fixed cost was most of its
+    # time, 5.8 GB/s against 17.8 at 2^20 and 22 at 2^22, one thread; a model's update is
+    # bandwidth)
+    size = (tokens * hidden // 4) if kind == "cuda" else 1 << 20
+    params = [torch.zeros(size, device=timer.device, requires_grad=True) for _ in range(4)]
     for q in params:
         q.grad = torch.ones_like(q)
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    update = framework_update(params)
 
-    def update():
-        torch.nn.utils.clip_grad_norm_(params, 1e9)
-        opt.step()
-
-    out["adamw"] = round(32 * tokens * hidden / timer(update, reps=5, inner=2) / 1e9, 3)
+    out["adamw"] = round(32 * 4 * size / timer(update, reps=5, inner=2) / 1e9, 3)
     return out
 
 
 ROUNDS = 25  # host_us: turns of the alternated calls, each variant keeping its fastest
+
+
+def framework_update(params: list) -> Callable[[], None]:
+    """One update as a run of the framework makes it at fp32: the global norm and its clip
+    (framework/parallel/grads.py: one multi-tensor norm, one multiply) and the optimizer
+    group's AdamW (conf/optimizer/adamw.yaml's arguments) under `optimizer.implementation=auto`
+    (framework/optim/build.py: fused where torch has it). The bench timed torch's default
+    AdamW and clip before: a kernel per tensor on a CPU, 3-5x the framework's update there."""
+    from framework.optim.build import build_optimizer
+    from framework.parallel.grads import clip_grad_norm
+
+    opt = build_optimizer({"_target_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                           "weight_decay": 0.1, "implementation": "auto"}, params)
+
+    def step() -> None:
+        clip_grad_norm(params, 1e9)  # the multiply runs, by 1: the gradients stay as they are
+        opt.step()
+
+    return step
 
 
 def _fastest(timer: Timer, fns, rounds: int = ROUNDS) -> list:
@@ -286,7 +308,7 @@ def overheads(timer: Timer, kind: str) -> dict:
         params = [torch.zeros(64, device=timer.device, requires_grad=True) for _ in range(n)]
         for q in params:
             q.grad = torch.ones_like(q)
-        steps.append(torch.optim.AdamW(params, lr=1e-3).step)
+        steps.append(framework_update(params))
 
     def per_tensor():
         t = _fastest(timer, steps)
@@ -386,7 +408,7 @@ def main(argv: list[str]) -> int:
     if args.links:
         from framework.sim.bench_links import measure_links
 
-        links = measure_links(args.links, device_type, torch.get_num_threads())
+        links = measure_links(args.links, device_type, torch.get_num_threads(), args.quick)
     prof = measure(device_type, args.quick)
     best = {d: max(float(r.split()[3]) for r in rows.splitlines()) for d, rows in prof["gemm_tflops"].items() if rows}
     name = args.name or os.path.splitext(os.path.basename(args.out))[0]

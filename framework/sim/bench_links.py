@@ -25,7 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-SIZES = (1, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21)  # fp32 elements: 4 B to 8 MiB
+# fp32 elements: 4 B to 128 MiB (a ZeRO unit of a GPT-2 124M block is 28 MB, its token table
+# 154 MB; gloo's all-gather moves half the bytes per second past 8 MB that it does below);
+# --quick stops at 8 MiB
+SIZES = (1, 1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 25)
+QUICK_SIZES = SIZES[:7]
 
 
 def _free_port() -> int:
@@ -49,7 +53,7 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out) -> None:
+def _rank(rank: int, world: int, port: int, device_type: str, threads: int, sizes: tuple, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -60,13 +64,13 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out)
 
         times = []
         for kind in KINDS:
-            for n in SIZES:  # n: the whole buffer (reduced, scattered from, or gathered into)
+            for n in sizes:  # n: the whole buffer (reduced, scattered from, or gathered into)
                 n = max(n - n % world, world)
                 whole, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
                 call = {"all_reduce": lambda: dist.all_reduce(whole),
                         "reduce_scatter": lambda: reduce_scatter_single(part, whole),
                         "all_gather": lambda: all_gather_single(whole, part)}[kind]
-                times.append(_time(call, device, 20 if n < (1 << 18) else 7))
+                times.append(_time(call, device, 20 if n < (1 << 18) else 7 if n < (1 << 22) else 3))
         mine = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's median
         if rank == 0:
@@ -75,7 +79,7 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, out)
         dist.destroy_process_group()
 
 
-def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
+def measure_links(world: int, device_type: str, threads: int = 1, quick: bool = False) -> dict:
     """{alpha_us, GBps, samples: {kind: [[bytes of the whole buffer, seconds], ...]}} of
     `world` local ranks."""
     # a CPU's ranks are forked: nothing has run on the intra-op threads yet (the bench measures
@@ -83,7 +87,8 @@ def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
     ctx = mp.get_context("spawn" if device_type == "cuda" else "fork")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, threads, out)) for r in range(world)]
+    sizes = QUICK_SIZES if quick else SIZES
+    procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, threads, sizes, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -91,12 +96,12 @@ def measure_links(world: int, device_type: str, threads: int = 1) -> dict:
     finally:
         for p in procs:
             p.join(timeout=60)
-    by_kind = {k: flat[i * len(SIZES):(i + 1) * len(SIZES)] for i, k in enumerate(KINDS)}
+    by_kind = {k: flat[i * len(sizes):(i + 1) * len(sizes)] for i, k in enumerate(KINDS)}
     times = by_kind["all_reduce"]
     steps = 2 * (world - 1)
     alpha = times[0] / steps
-    big = SIZES[-1] * 4
+    big = sizes[-1] * 4
     gbps = 2 * (world - 1) / world * big / max(times[-1] - steps * alpha, 1e-9) / 1e9
     return {"alpha_us": round(alpha * 1e6, 2), "GBps": round(gbps, 3),
-            "samples": {k: [[max(n - n % world, world) * 4, round(t, 7)] for n, t in zip(SIZES, ts)]
+            "samples": {k: [[max(n - n % world, world) * 4, round(t, 7)] for n, t in zip(sizes, ts)]
                         for k, ts in by_kind.items()}}
