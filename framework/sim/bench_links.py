@@ -65,7 +65,6 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, size
         times = []
         for kind in KINDS:
             for n in sizes:  # n: the whole buffer (reduced, scattered from, or gathered into)
-                n = max(n - n % world, world)
                 whole, part = torch.ones(n, device=device), torch.ones(n // world, device=device)
                 call = {"all_reduce": lambda: dist.all_reduce(whole),
                         "reduce_scatter": lambda: reduce_scatter_single(part, whole),
@@ -87,7 +86,7 @@ def measure_links(world: int, device_type: str, threads: int = 1, quick: bool = 
     ctx = mp.get_context("spawn" if device_type == "cuda" else "fork")
     out = ctx.Queue()
     port = _free_port()
-    sizes = QUICK_SIZES if quick else SIZES
+    sizes = tuple(max(n - n % world, world) for n in (QUICK_SIZES if quick else SIZES))  # whole shards each
     procs = [ctx.Process(target=_rank, args=(r, world, port, device_type, threads, sizes, out)) for r in range(world)]
     for p in procs:
         p.start()
@@ -103,5 +102,4 @@ def measure_links(world: int, device_type: str, threads: int = 1, quick: bool = 
     big = sizes[-1] * 4
     gbps = 2 * (world - 1) / world * big / max(times[-1] - steps * alpha, 1e-9) / 1e9
     return {"alpha_us": round(alpha * 1e6, 2), "GBps": round(gbps, 3),
-            "samples": {k: [[max(n - n % world, world) * 4, round(t, 7)] for n, t in zip(sizes, ts)]
-                        for k, ts in by_kind.items()}}
+            "samples": {k: [[n * 4, round(t, 7)] for n, t in zip(sizes, ts)] for k, ts in by_kind.items()}}

@@ -17,7 +17,8 @@ read as its curve for groups of that size: a reduce-scatter or an all-gather cos
 measured curve at the whole buffer's bytes where the bench measured one (gloo's
 reduce-scatter is an all-reduce of the whole buffer: twice the ring's bytes), anything else
 the measured all-reduce that moves the same bus bytes (all-gather of B as an all-reduce of
-B / 2; a p2p of B, n = 2, as one of B / 2), log-log between the measured sizes. Not modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
+B / 2; a p2p of B, n = 2, as one of B / 2), log-log between the measured sizes. Not
+modelled (docs/cost_model.md): NCCL's tree all-reduce and its choice between the two,
 hierarchical (intra- then inter-node) rings, contention between collectives of different
 groups on one link, SHARP, and any overlap of a collective with compute unless the caller
 says so.
@@ -59,16 +60,19 @@ def collective_s(kind: str, nbytes: float, n: int, link: Link) -> float:
     reduced tensor; all-gather: the gathered one; all-to-all: what one rank sends in all)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    own = getattr(link, f"{kind}_s", None) if kind != "all_reduce" else None
-    if own and own["ranks"] == n:  # the collective's own measured curve
-        rows = sorted(own["rows"])
-        return _loglog([r[0] for r in rows], [r[1] for r in rows], nbytes)
+    own = getattr(link, f"{kind}_s", None)
+    if own and own["ranks"] == n:  # the collective's own measured curve (an all-reduce's is its own)
+        return _read(own, nbytes)
     curve = link.all_reduce_s
-    if curve and curve["ranks"] == n:  # the measured curve: the all-reduce moving the same bus bytes
-        rows = sorted(curve["rows"])
-        equal = nbytes * FACTORS[kind](n) / FACTORS["all_reduce"](n)
-        return _loglog([r[0] for r in rows], [r[1] for r in rows], equal)
+    if curve and curve["ranks"] == n:  # the measured all-reduce moving the same bus bytes
+        return _read(curve, nbytes * FACTORS[kind](n) / FACTORS["all_reduce"](n))
     return STEPS[kind](n) * link.alpha_us * 1e-6 + FACTORS[kind](n) * nbytes / (link.GBps * 1e9)
+
+
+def _read(curve: dict, nbytes: float) -> float:
+    """A measured curve's seconds at `nbytes` ({ranks, rows: [[bytes, seconds], ...]})."""
+    rows = sorted(curve["rows"])
+    return _loglog([r[0] for r in rows], [r[1] for r in rows], nbytes)
 
 
 def _loglog(xs: list, ys: list, x: float) -> float:
