@@ -187,7 +187,15 @@ def test_bad_hardware_tables_are_told_by_key():
                         ({"attention_tflops": [[1024, 64, -1, 2]]}, "hardware.attention_tflops"),
                         ({"host_us": {"gpt2": {"F": 1}}}, "hardware.host_us.gpt2"),
                         ({"links": {"intra": {"alpha_us": 1, "GBps": 100}}}, "hardware.links.inter"),
-                        ({"links": {**good["links"], "rack": {"alpha_us": 1, "GBps": 1}}}, "hardware.links")]:
+                        ({"links": {**good["links"], "rack": {"alpha_us": 1, "GBps": 1}}}, "hardware.links"),
+                        ({"links": {**good["links"], "intra": {"alpha_us": 1, "GBps": 100, "reduce_scatter_s":
+                                                               {"ranks": 2, "rows": [[8, 1e-4]]}}}},
+                         "hardware.links.intra.reduce_scatter_s"),
+                        ({"links": {**good["links"], "inter": {"alpha_us": 1, "GBps": 100, "all_gather_s":
+                                                               {"ranks": 1, "rows": [[8, 1e-4], [16, 2e-4]]}}}},
+                         "hardware.links.inter.all_gather_s"),
+                        ({"links": {**good["links"], "intra": {"alpha_us": 1, "GBps": 100, "p2p_s": {}}}},
+                         "hardware.links.intra")]:
         with pytest.raises(ConfigError) as e:
             check_tables(HardwareConfig(**{**good, **change}))
         assert e.value.key == key and "\n" not in str(e.value), (change, str(e.value))
