@@ -189,4 +189,16 @@ MUTATIONS: list[Mutation] = [
              '                           "implementation": "auto"}, params)',
              '                           "implementation": "for-loop"}, params)',
              ("tests/test_update_ops.py::test_the_bench_times_the_update_the_framework_runs",)),
+    Mutation("zero-flatten-copy", "ZeRO 2-3 copy each gradient into a fresh flat buffer before the reduce-scatter",
+             "framework/parallel/zero_unit.py",
+             "        flat = held = self.grad_full\n",
+             "        flat = held = torch.zeros_like(self.full) if self.stage >= 2 else self.grad_full\n"
+             "        if self.stage >= 2:\n"
+             "            [v.copy_(p.grad) for v, p in zip(_cut(flat, self.params), self.params)]\n",
+             ("tests/test_grad_buffers.py",)),
+    Mutation("grad-buffer-flattened", "a pipeline's dp all-reduce flattens the gradients instead of reading its buffer",
+             "framework/parallel/grads.py",
+             "            finish_all_reduce([_issue(piece, group, dtype, False)], world)",
+             "            finish_all_reduce([_issue([p.grad for p in self.params], group, dtype, False)], world)",
+             ("tests/test_grad_buffers.py",)),
 ]

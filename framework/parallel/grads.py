@@ -40,12 +40,63 @@ def start_all_reduce(params: list[nn.Parameter], group, world: int, dtype: Optio
 
 
 def finish_all_reduce(pending: list, world: int) -> None:
-    """Wait for issued buckets, average, copy back into the gradients."""
+    """Wait for issued buckets, average, copy back into the gradients (a GradBuffer's slice
+    reduced in its own dtype is the gradients: nothing to copy)."""
     for work, bucket, flat in pending:
         if work is not None:
             work.wait()
         flat /= world
-        torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))  # one copy op (casting back)
+        if isinstance(bucket, torch.Tensor):
+            if flat is not bucket:
+                bucket.copy_(flat)  # the wide copy rounded back
+        else:
+            torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))  # one copy op (casting back)
+
+
+class GradBuffer:
+    """Parameters' gradients as views of flat buffers, one per dtype (Megatron's grad buffer):
+    autograd accumulates into them in place, so the dp all-reduce reads them as they are, with
+    no flatten copy per step. Kept between steps, as DDP's buckets are; `attach` zeroes them
+    and hands the views out at a step's start (the optimizer's `zero_grad` drops them). Every
+    parameter then holds a gradient, zero where it took no part: for the parameters of a
+    pipeline chunk, which all take part in each micro-batch."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params, self.flats, self.views = params, [], []
+        kinds = list(dict.fromkeys((p.dtype, p.device) for p in params))
+        for dtype, device in kinds:
+            ps = [p for p in params if (p.dtype, p.device) == (dtype, device)]
+            flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
+            at = 0
+            for p in ps:
+                self.views.append((p, flat[at:at + p.numel()].view_as(p)))
+                at += p.numel()
+            self.flats.append(flat)
+
+    def attach(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+        for p, view in self.views:
+            p.grad = view
+
+    def start_all_reduce(self, group, world: int, dtype: Optional[torch.dtype] = None, async_op: bool = True) -> list:
+        """The buffers' all-reduces issued (`start_all_reduce`'s pending form): in place when
+        reduced in their own dtype; widened (`dtype`), in slices of BUCKET_ELEMENTS."""
+        return [_issue(piece, group, dtype, async_op) for piece in self._pieces(world, dtype)]
+
+    def all_reduce(self, group, world: int, dtype: Optional[torch.dtype] = None) -> None:
+        """One piece at a time: the transient is one piece's wide copy."""
+        for piece in self._pieces(world, dtype):
+            finish_all_reduce([_issue(piece, group, dtype, False)], world)
+
+    def _pieces(self, world: int, dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+        if world == 1:
+            return []
+        out = []
+        for flat in self.flats:
+            step = BUCKET_ELEMENTS if dtype is not None and dtype != flat.dtype else max(flat.numel(), 1)
+            out += [flat[at:at + step] for at in range(0, flat.numel(), step)]
+        return out
 
 
 def _buckets(params: list[nn.Parameter], world: int, dtype: Optional[torch.dtype]) -> list[list[torch.Tensor]]:
@@ -63,8 +114,9 @@ def _buckets(params: list[nn.Parameter], world: int, dtype: Optional[torch.dtype
     return buckets
 
 
-def _issue(bucket: list[torch.Tensor], group, dtype: Optional[torch.dtype], async_op: bool) -> tuple:
-    flat = _flatten_dense_tensors(bucket)
+def _issue(bucket, group, dtype: Optional[torch.dtype], async_op: bool) -> tuple:
+    """`bucket`: gradients to flatten, or a GradBuffer's slice (reduced where it is)."""
+    flat = bucket if isinstance(bucket, torch.Tensor) else _flatten_dense_tensors(bucket)
     if dtype is not None and dtype != flat.dtype:
         flat = flat.to(dtype)
     return dist.all_reduce(flat, group=group, async_op=async_op), bucket, flat

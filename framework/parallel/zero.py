@@ -15,6 +15,9 @@ Collectives over the dp group, per stage:
 - 2: the reduce-scatter runs per unit as soon as that unit's gradients of a micro-batch are
   complete (post-accumulate-grad hooks fire once per parameter per backward), adding into
   the owned slice, and the unit's full gradients are freed there; all-gather after the step.
+  The full gradients are views of one flat buffer per unit, given its storage as the unit's
+  backward starts (a hook on its output's gradient), so the reduce-scatter reads what
+  autograd wrote: no flatten copy (zero_unit.py, `open_grads`).
 - 3: also an all-gather of a unit's parameters before its forward and again before its
   backward (a hook on the unit's output gradient), freed after each. The embedding + head
   unit stays gathered from the embedding's forward until its backward is done (the tied
@@ -59,7 +62,7 @@ from framework.optim.master import build as build_master
 from framework.metrics.memory import tensor_bytes
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
-from framework.parallel.zero_unit import FlatUnit
+from framework.parallel.zero_unit import FlatUnit, open_grads_on_backward
 
 
 class Zero:
@@ -121,6 +124,8 @@ class Zero:
                     self._hook_grads(f)
             if stage == 3:
                 self._hook_params(modules, flats)
+            elif stage == 2:
+                open_grads_on_backward(modules, flats)
         for f in self.flat:  # the separate unit is in self.flat too
             f.timer = getattr(ctx, "timer", None)
         self.shards = [f.shard for f in self.flat]
@@ -130,9 +135,11 @@ class Zero:
 
     # --- hooks (stages 2, 3) ---
     def _hook_grads(self, f: FlatUnit) -> None:
-        def on_grad(_p):
+        def on_grad(p):
             if self.stage == 1 and not self.last_microbatch:  # stage 1 reduces in the last one only
                 return
+            if self.stage >= 2:
+                f.adopt(p)
             f.pending -= 1
             if f.pending == 0:
                 self._unit_backward_done(f)
@@ -176,6 +183,7 @@ class Zero:
         def before_backward(m):
             for f in flats:
                 self._gather(f)
+                f.open_grads()
             if self.order_known:
                 self._prefetch_after(m, -1)
 

@@ -53,6 +53,8 @@ class FlatUnit:
         self.shard.expert = all(is_expert(p) for p in params)
         self.shard.tp_partial = all(getattr(p, "tp_partial", False) for p in params)
         self.grad_full: Optional[torch.Tensor] = None
+        self._grad_views: list[torch.Tensor] = []
+        self.grads_open = False  # stages 2-3: the unit's gradient buffer holds storage now
         self.pending = 0  # parameters whose gradient of this micro-batch has not arrived yet
         self.gathered = stage < 3
         self.gathering = None  # a prefetched all-gather's Work, in flight
@@ -103,12 +105,41 @@ class FlatUnit:
         """Stage 1: parameters accumulate straight into one flat gradient buffer."""
         if self.grad_full is None:
             self.grad_full = torch.zeros_like(self.full)
+            self._grad_views = _cut(self.grad_full, self.params)
         else:
             self.grad_full.zero_()
-        offset = 0
-        for p in self.params:
-            p.grad = self.grad_full[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, view in zip(self.params, self._grad_views):
+            p.grad = view
+
+    def open_grads(self) -> None:
+        """Stages 2-3, as the unit's backward starts (each micro-batch): its gradients land in
+        one flat buffer, each parameter's `.grad` a view autograd accumulates into in place,
+        so the reduce-scatter reads it as it is (no flatten copy). Its storage exists from here
+        until the unit is reduced (`close_grads`): the unit's full gradient, once."""
+        if self.grads_open:
+            return
+        if self.grad_full is None:  # the views are made once; the storage comes and goes
+            self.grad_full = torch.empty_like(self.full)
+            self._grad_views = _cut(self.grad_full, self.params)
+        else:
+            self.grad_full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.grad_full.zero_()
+        for p, view in zip(self.params, self._grad_views):
+            p.grad = view
+        self.grads_open = True
+
+    def adopt(self, p: nn.Parameter) -> None:
+        """Stages 2-3, after `p`'s gradient accumulated: where no hook opened the buffer first
+        (a forward the unit's hooks did not see), it is opened now and `p`'s gradient copied in."""
+        if not self.grads_open:
+            grad = p.grad
+            self.open_grads()
+            p.grad.copy_(grad)
+
+    def close_grads(self) -> None:
+        if self.grads_open:
+            self.grad_full.untyped_storage().resize_(0)
+            self.grads_open = False
 
     def reduce_scatter_grads(self, accumulate: bool) -> int:
         """Owner's slice <- dp mean of the unit's gradient. Returns transient bytes used."""
@@ -118,16 +149,9 @@ class FlatUnit:
         """The reduce-scatter issued (async: not waited for, the overlap of
         `parallelism.overlap_grad_reduce`; stages 2-3 then drop the parameters' gradients at
         once, their copy is in flight). For `finish_reduce`."""
-        if self.grad_full is not None:
-            flat = self.grad_full
-        else:
-            flat = torch.zeros(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
-            offset = 0
-            for p in self.params:
-                if p.grad is not None:
-                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-                offset += p.numel()
-        held = flat
+        if self.stage >= 2:
+            self.open_grads()  # no-op after the backward opened it (zeros if no gradient came)
+        flat = held = self.grad_full
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
             flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
         out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
@@ -137,8 +161,10 @@ class FlatUnit:
         else:
             with timed(self.timer, "dp", "zero reduce-scatter"):
                 _reduce_scatter_single(out, flat, group=self.group)
-        transient = (flat.numel() * flat.element_size() if flat is not self.grad_full else 0) + \
-            (held.numel() * held.element_size() if held is not flat and held is not self.grad_full else 0)
+        # Transient: a wide copy, and at stages 2-3 the unit's full gradient itself (stage 1's
+        # buffer lives through the step: counted in grads_bytes).
+        transient = (flat.numel() * flat.element_size() if flat is not held else 0) + \
+            (held.numel() * held.element_size() if self.stage >= 2 else 0)
         if self.stage >= 2:
             for p in self.params:
                 p.grad = None
@@ -149,6 +175,8 @@ class FlatUnit:
         if work is not None:
             with timed(self.timer, "dp", "zero reduce-scatter (overlapped)"):
                 work.wait()
+        if self.stage >= 2:  # its copy was read: the full gradient's storage goes
+            self.close_grads()
         out /= self.size
         if out.dtype != self.full.dtype:
             out = out.to(self.full.dtype)
@@ -161,3 +189,28 @@ class FlatUnit:
         else:
             self.shard.grad = out
         return transient
+
+
+def _cut(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """`flat` cut into views shaped as `params`, in order."""
+    out, at = [], 0
+    for p in params:
+        out.append(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+    return out
+
+
+def open_grads_on_backward(modules: list[nn.Module], flats: list[FlatUnit]) -> None:
+    """Stage 2: the unit's gradient buffers opened as its backward starts (a hook on each
+    module's output gradient; the first to fire opens them), so autograd writes into them."""
+    def before_backward(_grad):
+        for f in flats:
+            f.open_grads()
+
+    def after_forward(_m, _args, out):
+        tensor = out if isinstance(out, torch.Tensor) else out[0]
+        if tensor.requires_grad:
+            tensor.register_hook(before_backward)
+
+    for m in modules:
+        m.register_forward_hook(after_forward)

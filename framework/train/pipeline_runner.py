@@ -41,8 +41,7 @@ from framework.parallel.pipeline.tiling import TiledPlan
 from framework.parallel.pipeline.schedules import resolve
 from framework.models.moe_layer import moe_step
 from framework.parallel.expert_parallel import is_expert
-from framework.parallel.grads import (all_reduce_grads, clip_grad_norm, finish_all_reduce, reduce_expert_grads,
-                                     start_all_reduce)
+from framework.parallel.grads import GradBuffer, clip_grad_norm, finish_all_reduce, reduce_expert_grads
 from framework.parallel.tensor_parallel import sync_replicated_grads
 from framework.precision import policy_of
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
@@ -114,6 +113,12 @@ class PipelineRunner:
         self.overlap = [0] * len(self.chunks) if run.parallelism.overlap_grad_reduce and ctx.dims.dp > 1 else None
         self.reducing: list = []
         self.own = self._owned()
+        # dp without ZeRO: gradients accumulate in flat buffers reduced in place (grads.py's
+        # GradBuffer): per chunk with the overlap, else one for the rank's dense parameters.
+        self.grad_buffers = []
+        if ctx.dims.dp > 1 and not self.zero and not self.is_async:
+            lists = self.own if self.overlap is not None else [[q for ps in self.own for q in ps]]
+            self.grad_buffers = [GradBuffer(ps) if ps else None for ps in lists]
 
     def _owned(self) -> list[list]:
         """Per chunk its dense parameters no other chunk of this rank holds (reduced after its
@@ -157,9 +162,9 @@ class PipelineRunner:
             self.overlap[chunk] += 1
             if self.overlap[chunk] == self.m and self.zero:  # ZeRO 1: the chunk's unit (the tied weight
                 self.zero.start_unit_reduce(chunk)             # is the separate one, reduced after the sum)
-            elif self.overlap[chunk] == self.m:  # the chunk's last backward: its gradients are final
-                started = start_all_reduce(self.own[chunk], self.ctx.dp_group, self.ctx.dims.dp,
-                                           self.policy.reduce_dtype)
+            elif self.overlap[chunk] == self.m and self.grad_buffers[chunk]:  # its gradients are final
+                started = self.grad_buffers[chunk].start_all_reduce(self.ctx.dp_group, self.ctx.dims.dp,
+                                                                    self.policy.reduce_dtype)
                 # each bucket's Work watched: its completion stamped off the step's path (comm_timer.py)
                 self.reducing += [(None if w is None else watch(self.ctx.timer, "dp", [w])[0], b, f)
                                   for w, b, f in started]
@@ -187,6 +192,8 @@ class PipelineRunner:
             self.update.set_lr(step)
             if self.zero:
                 self.zero.start_step()
+            for buffer in filter(None, self.grad_buffers):
+                buffer.attach()
             weight = self.update.loss_weight(step)  # the loss scale (fp16-mixed) multiplies 1/m
             self._aux_scale((1.0 if weight is None else weight) / self.m)
             marks = self.executor.run(0, len(self.actions), batch_of, (1.0 if weight is None else weight) / self.m)
@@ -235,12 +242,10 @@ class PipelineRunner:
                 with timed(ctx.timer, "dp", "gradient all-reduce (overlapped)"):
                     finish_all_reduce(self.reducing, ctx.dims.dp)
             with timed(ctx.timer if ctx.dims.dp > 1 else None, "dp", "gradient all-reduce"):
+                if self.grad_buffers and self.grad_buffers[-1]:  # overlap: the shared ones; else all
+                    self.grad_buffers[-1].all_reduce(ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
                 if self.overlap is not None:
-                    all_reduce_grads(self.own[-1], ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
                     self.reducing, self.overlap = [], [0] * len(self.chunks)
-                else:
-                    all_reduce_grads([q for q in self.params if not is_expert(q)], ctx.dp_group, ctx.dims.dp,
-                                     self.policy.reduce_dtype)
                 reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype)
         with timed(ctx.timer if self.tied is not None else None, "pp", "tied embedding sum"):  # the pipeline's ends
             sum_tied_grad(self.tied, ctx.groups.get("embedding"))
