@@ -197,4 +197,7 @@ class ParallelContext:
                     groups[dim], members[dim] = g, ranks
         if dist.get_backend() != "gloo":
             groups["log"] = dist.new_group(backend="gloo", timeout=timeout)
+            for dim in ("pp", "cp"):  # NCCL makes a communicator on its first call, which must
+                if dim in groups:     # not be a batch_isend_irecv some of its ranks are not in
+                    dist.barrier(group=groups[dim])
         return cls(dims, rank, dims.coords(rank), device, groups, members, recorder or NullRecorder())

@@ -195,11 +195,11 @@ def _ring_hidden_share(monkeypatch, overlap: bool, transfer_s: float = 0.001) ->
             raise RuntimeError("Work::getFuture not implemented.")
 
     def batch(ops):
-        (_, sent, _), (_, out, _) = ops
+        (_, sent, _, _), (_, out, _, _) = ops
         return [Transfer(sent, out)]
 
     monkeypatch.setattr(ring, "dist", SimpleNamespace(isend="isend", irecv="irecv", batch_isend_irecv=batch,
-                                                      P2POp=lambda op, t, peer: (op, t, peer)))
+                                                      P2POp=lambda op, t, peer, group: (op, t, peer, group)))
     timer = CommTimer(torch.device("cpu"))
     cp = ContextParallel(TPComm(None, 2, 0, timer=timer, dim="cp"), 512, "headtail", torch.device("cpu"),
                          "ring", ranks=[0, 1], overlap=overlap)
@@ -219,6 +219,30 @@ def test_the_ring_overlap_shows_the_transfer_time_its_products_hid(monkeypatch):
     p2p Works' completion went unseen). The runs above check the same on real gloo Works."""
     assert _ring_hidden_share(monkeypatch, overlap=True) > 0.5
     assert _ring_hidden_share(monkeypatch, overlap=False) == 0.0
+
+
+def test_the_ring_passes_its_blocks_on_the_cp_group(monkeypatch):
+    """Each pass's isend and irecv name the cp group (its own communicator: under NCCL its
+    own ordered stream, so a pass never queues behind a pipeline receive posted early on
+    the default one), with the ring's neighbours at that step as peers."""
+    from types import SimpleNamespace
+
+    from framework.parallel import ring_attention as ring
+
+    built = []
+
+    def batch(ops):
+        built.append(ops)
+        return []
+
+    monkeypatch.setattr(ring, "dist", SimpleNamespace(isend="isend", irecv="irecv", batch_isend_irecv=batch,
+                                                      P2POp=lambda op, t, peer, group: (op, peer, group)))
+    group = object()
+    cp = SimpleNamespace(comm=SimpleNamespace(group=group, rank=1, size=4, bytes_sent=0, timer=None, dim="cp"),
+                         ranks=[10, 11, 12, 13])
+    for step in (1, 2):
+        ring.start(cp, torch.zeros(3), step, overlapped=False)
+    assert built == [[("isend", 12, group), ("irecv", 10, group)], [("isend", 13, group), ("irecv", 13, group)]]
 
 
 def test_the_imbalance_is_the_worst_cp_groups_max_over_mean():

@@ -111,8 +111,10 @@ def _run_executor(rank, world, name, m, v):
 
     calls = []
     real = dist.batch_isend_irecv
+    pp_group = dist.new_group(list(range(world)))  # not the default group: each op must name it
 
     def recording(ops):
+        assert all(op.group is pp_group for op in ops), "a pipeline P2POp not on the pp group"
         calls.append([("send" if op.op is dist.isend else "recv", op.peer, op.tag) for op in ops])
         return real(ops)
 
@@ -122,7 +124,7 @@ def _run_executor(rank, world, name, m, v):
     for coalesced in (False, True):
         torch.manual_seed(0)
         chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
-        executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v)),
+        executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v), pp_group),
                                        torch.device("cpu"),
                                        (2, 3, 4), lambda j, c: contextlib.nullcontext(), lambda j, c: None,
                                        torch.float32, plan, HostClock(), coalesced_p2p=coalesced)
@@ -136,7 +138,7 @@ def _run_executor(rank, world, name, m, v):
 
 def test_the_executor_issues_exactly_the_checked_groups():
     """One `batch_isend_irecv` per group of each batch (p2p.py's gating rule), in group
-    order, each op with its message's tag. Interleaved at p 3, m 6, v 2: nine batches hold
+    order, each op with its message's tag and on the pp group (its own communicator). Interleaved at p 3, m 6, v 2: nine batches hold
     several groups, so an executor issuing a whole batch as one call fails here."""
     from framework.parallel.pipeline.executor import _tag
 

@@ -78,7 +78,10 @@ def start(cp, x: torch.Tensor, step: int, overlapped: bool = True) -> tuple:
     NCCL's one Work). `x` must not change until `finish`."""
     me, n = cp.comm.rank, cp.comm.size
     out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n]), dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n])]
+    # on the cp group's own communicator (NCCL: its own stream), not behind a pipeline's receives
+    group = cp.comm.group
+    ops = [dist.P2POp(dist.isend, x, cp.ranks[(me + step) % n], group=group),
+           dist.P2POp(dist.irecv, out, cp.ranks[(me - step) % n], group=group)]
     cp.comm.bytes_sent += x.numel() * x.element_size()
     works = dist.batch_isend_irecv(ops)
     # overlapped: a watcher stamps the completion (gloo's p2p Works have no future: comm_timer.py)

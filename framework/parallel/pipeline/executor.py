@@ -68,6 +68,10 @@ class PipelinePeers:
     pp_ranks: list[int]  # the pp group: global rank of pipeline rank 0..p-1
     pp_rank: int
     smap: StageMap
+    # The pp group every P2POp names: its own communicator (NCCL: its own ordered stream), so
+    # a context-parallel ring pass or a collective on another group never queues behind a
+    # receive posted early for a later action. None: the default group.
+    group: object = None
 
     @property
     def pp(self) -> int:
@@ -138,10 +142,10 @@ class PipelineExecutor:
             tag = 0 if self.coalesced else _tag(op.msg, self.peers.num_stages)
             if op.op == "send":
                 t = self.produced.pop(op.msg).contiguous()
-                ops.append(dist.P2POp(dist.isend, t, peer, tag=tag))
+                ops.append(dist.P2POp(dist.isend, t, peer, group=self.peers.group, tag=tag))
             else:
                 t = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
-                ops.append(dist.P2POp(dist.irecv, t, peer, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, t, peer, group=self.peers.group, tag=tag))
                 recvs.append((op.msg, t, len(ops) - 1))
             tensors.append(t)
         self.recorder.note("p2p batch " + ", ".join(f"{o.op} {o.msg.kind} mb{o.msg.microbatch} "
