@@ -151,6 +151,10 @@ BAD = [
     (["parallelism.zero=4"], "parallelism.zero=4", "must be <= 3"),
     (["parallelism=tp2_pp2", "schedule=dualpipev", "schedule.microbatches=4", "parallelism.overlap_dualpipe=true"],
      "parallelism.tp=2", "only ep's collectives have a group per thread"),
+    # refused on CUDA until the pair's F thread has a stream of its own (NCCL could deadlock)
+    (["model=moe-tiny", "parallelism=dp2_pp2", "parallelism.ep=2", "schedule=dualpipev", "schedule.microbatches=4",
+      "parallelism.overlap_dualpipe=true", "device=cuda"], "parallelism.overlap_dualpipe=True",
+     "a cycle NCCL deadlocks on"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "must be <= 1"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0", ">= 0"),
     (["model.dropout=1.0"], "model.dropout=1.0", "must be < 1"),

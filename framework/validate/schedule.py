@@ -59,6 +59,15 @@ def _overlap_dualpipe(run: RunConfig) -> None:
     p = run.parallelism
     if not p.overlap_dualpipe:
         return
+    import torch
+
+    if run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available()):
+        raise ConfigError("parallelism.overlap_dualpipe", True, "on CUDA the pair's F and B threads share one compute "
+                          "stream: each synchronous all-to-all (and the MoE dispatch's host reads) makes it wait, "
+                          "and two ranks can issue ep's and ep_side's all-to-alls in opposite orders, a cycle NCCL "
+                          "deadlocks on (issue 47: the F thread on a stream of its own is not built yet)",
+                          "use parallelism.overlap_dualpipe=false on CUDA (dualpipev runs without the overlap), "
+                          "or device=cpu")
     for k, n in (("parallelism.tp", p.tp), ("parallelism.cp", p.cp)):
         if n > 1:
             raise ConfigError(k, n, "with parallelism.overlap_dualpipe=true: a pair's F and B run on two threads, "
