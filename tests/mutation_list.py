@@ -220,4 +220,9 @@ MUTATIONS: list[Mutation] = [
              '    return math.isclose(a, b, rel_tol=TOLERANCE[kind]["rtol"], abs_tol=TOLERANCE[kind]["atol"])',
              "    return True",
              ("tests/test_gpu_multi_check.py::test_the_tolerance_tells_a_wrong_gradient_from_round_off",)),
+    Mutation("stream-model-completes-on-one-rank", "the stream model completes a collective once any rank reaches it",
+             "framework/parallel/pipeline/streams.py",
+             "        for op in set.intersection(*heads) if heads else set():",
+             "        for op in set.union(*heads) if heads else set():",
+             ("tests/test_stream_model.py::test_two_threads_on_one_stream_deadlock_two_ranks",)),
 ]
