@@ -225,4 +225,8 @@ MUTATIONS: list[Mutation] = [
              "        for op in set.intersection(*heads) if heads else set():",
              "        for op in set.union(*heads) if heads else set():",
              ("tests/test_stream_model.py::test_two_threads_on_one_stream_deadlock_two_ranks",)),
+    Mutation("zero-unused-unit-kept-open", "a ZeRO 2 unit opened by its hook and given no gradient keeps its buffer",
+             "framework/parallel/zero.py",
+             "                    f.drop_grads()\n", "                    pass\n",
+             ("tests/test_grad_buffers.py::test_a_unit_opened_by_its_hook_and_given_no_gradient_is_freed",)),
 ]

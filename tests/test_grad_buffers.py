@@ -72,8 +72,29 @@ def _buffer_case(rank: int, n: int, dtype) -> dict:
             "views": all(g.untyped_storage().data_ptr() == buffer.flats[0].untyped_storage().data_ptr() for g in grads)}
 
 
+def _unused_unit(rank: int) -> dict:
+    """Stage 2: a unit whose output's gradient hook opened its buffer, but whose parameters
+    took no part in this forward (an expert given no token)."""
+    from framework.parallel.zero import Zero
+
+    class Skipped(_Block):
+        def forward(self, x):
+            return x * 2.0  # its weights unused
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(4), Skipped(4))
+    ctx = SimpleNamespace(dims=SimpleNamespace(dp=2), coords=SimpleNamespace(dp=rank), dp_group=dist.group.WORLD)
+    zero = Zero(2, [[b] for b in model], ctx)
+    zero.start_step()
+    zero.start_microbatch()
+    model(torch.arange(ELEMENTS, dtype=torch.float64)).sum().backward()
+    zero.finish_backward()
+    return {"open": [f.grads_open for f in zero.flat], "bytes": [f.grad_full.untyped_storage().nbytes()
+                                                                 for f in zero.flat if f.grad_full is not None]}
+
+
 def _on_rank(rank: int, world: int) -> dict:
-    out = {}
+    out = {"unused": _unused_unit(rank)}
     for n in (4, 64):
         for stage in (2, 3):
             out["zero", stage, n] = _zero_case(rank, stage, n)
@@ -125,3 +146,8 @@ def test_a_grad_buffer_is_reduced_where_autograd_accumulated(ranks):
             narrow = got["buffer", torch.float32, n]["ops"]
             assert narrow["_to_copy"] == 1 and narrow["copy_"] == 1, narrow  # one copy and one back
         assert got["buffer", None, 4]["ops"] == got["buffer", None, 64]["ops"]
+
+
+def test_a_unit_opened_by_its_hook_and_given_no_gradient_is_freed(ranks):
+    for got in ranks:
+        assert got["unused"]["open"] == [False, False] and got["unused"]["bytes"] == [0, 0], got["unused"]

@@ -247,12 +247,14 @@ class Zero:
 
     def finish_backward(self) -> None:
         """After each micro-batch's backward: units whose hooks did not all fire (a parameter
-        unused in this forward) are reduced now, so no gradient is lost."""
+        unused) are reduced now; one opened that no gradient reached (no token) is freed."""
         if self.stage >= 2:
             for f in self.flat:
                 if 0 < f.pending < len(f.params):
                     f.pending = 0
                     self._unit_backward_done(f)
+                elif f.grads_open and f.pending == len(f.params):  # opened; no gradient came
+                    f.drop_grads()
             self._finish_reduces()
         if not self.order_known and self.order:  # the first forward has run: each module's place in it
             self.order_known, self._place = True, {pos: k for k, pos in enumerate(self.order)}

@@ -136,6 +136,12 @@ class FlatUnit:
             self.open_grads()
             p.grad.copy_(grad)
 
+    def drop_grads(self) -> None:
+        """Stages 2-3: an opened buffer no gradient reached: nothing to reduce, freed."""
+        for p in self.params:
+            p.grad = None
+        self.close_grads()
+
     def close_grads(self) -> None:
         if self.grads_open:
             self.grad_full.untyped_storage().resize_(0)
