@@ -194,7 +194,7 @@ MUTATIONS: list[Mutation] = [
              "        flat = held = self.grad_full\n",
              "        flat = held = torch.zeros_like(self.full) if self.stage >= 2 else self.grad_full\n"
              "        if self.stage >= 2:\n"
-             "            [v.copy_(p.grad) for v, p in zip(_cut(flat, self.params), self.params)]\n",
+             "            [v.copy_(p.grad) for v, p in zip(flat_views(flat, self.params), self.params)]\n",
              ("tests/test_grad_buffers.py",)),
     Mutation("grad-buffer-flattened", "a pipeline's dp all-reduce flattens the gradients instead of reading its buffer",
              "framework/parallel/grads.py",

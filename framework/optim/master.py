@@ -44,12 +44,12 @@ class MasterOptimizer:
         pin = device.type == "cpu" and params[0].device.type == "cuda"
         total = sum(p.numel() for p in params)
         self.flat = torch.empty(total, dtype=dtype, device=device, pin_memory=pin)
-        self.master = [nn.Parameter(v) for v in _views(self.flat, params)]  # aliases of `flat`
+        self.master = [nn.Parameter(v) for v in flat_views(self.flat, params)]  # aliases of `flat`
         with torch.no_grad():
             _copy(self.master, [p.detach() for p in params])
         # unpinned on the host (a pinned block per step would cost a cudaHostAlloc)
         self.grad_flat = torch.empty(total, dtype=dtype, device=device)
-        self._grads = _views(self.grad_flat, params)
+        self._grads = flat_views(self.grad_flat, params)
         self._grad_bytes = self.grad_flat.untyped_storage().nbytes()
         self.grad_flat.untyped_storage().resize_(0)  # held for the step only
         self.inner = build_optimizer(spec, self.master)
@@ -97,8 +97,9 @@ class MasterOptimizer:
             p.grad = None
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`flat` cut into tensors shaped as `like`, in order (views: built once, not per step)."""
+def flat_views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` cut into tensors shaped as `like`, in order (views: built once, not per step).
+    Also ZeRO's and the pipeline's gradient buffers (framework/parallel/zero_unit.py, grads.py)."""
     out, at = [], 0
     for t in like:
         out.append(flat[at:at + t.numel()].view(t.shape))

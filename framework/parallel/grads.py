@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from framework.optim.master import flat_views
 from framework.parallel.expert_parallel import expert_params, is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
 
@@ -67,10 +68,7 @@ class GradBuffer:
         for dtype, device in kinds:
             ps = [p for p in params if (p.dtype, p.device) == (dtype, device)]
             flat = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
-            at = 0
-            for p in ps:
-                self.views.append((p, flat[at:at + p.numel()].view_as(p)))
-                at += p.numel()
+            self.views += list(zip(ps, flat_views(flat, ps)))
             self.flats.append(flat)
 
     def attach(self) -> None:

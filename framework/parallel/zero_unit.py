@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from framework.metrics.comm_timer import timed, watch
+from framework.optim.master import flat_views
 from framework.parallel.expert_parallel import is_expert
 from framework.parallel.tensor_parallel import is_tp_sharded
 from framework.parallel.tp_comm import all_gather_single as _all_gather_single
@@ -105,7 +106,7 @@ class FlatUnit:
         """Stage 1: parameters accumulate straight into one flat gradient buffer."""
         if self.grad_full is None:
             self.grad_full = torch.zeros_like(self.full)
-            self._grad_views = _cut(self.grad_full, self.params)
+            self._grad_views = flat_views(self.grad_full, self.params)
         else:
             self.grad_full.zero_()
         for p, view in zip(self.params, self._grad_views):
@@ -120,7 +121,7 @@ class FlatUnit:
             return
         if self.grad_full is None:  # the views are made once; the storage comes and goes
             self.grad_full = torch.empty_like(self.full)
-            self._grad_views = _cut(self.grad_full, self.params)
+            self._grad_views = flat_views(self.grad_full, self.params)
         else:
             self.grad_full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         self.grad_full.zero_()
@@ -195,15 +196,6 @@ class FlatUnit:
         else:
             self.shard.grad = out
         return transient
-
-
-def _cut(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """`flat` cut into views shaped as `params`, in order."""
-    out, at = [], 0
-    for p in params:
-        out.append(flat[at:at + p.numel()].view_as(p))
-        at += p.numel()
-    return out
 
 
 def open_grads_on_backward(modules: list[nn.Module], flats: list[FlatUnit]) -> None:
