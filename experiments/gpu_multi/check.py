@@ -102,9 +102,7 @@ def main() -> int:
     ok = True
     for name in a.only.split(","):
         model, layout, ref_m = LAYOUTS[name]
-        if a.device == "cuda" and name == "ep2_dualpipev":
-            layout = [*layout]  # the overlap is refused on CUDA until its own stream exists
-        elif name == "ep2_dualpipev":
+        if name == "ep2_dualpipev" and a.device != "cuda":  # refused on CUDA until its own stream exists
             layout = [*layout, "parallelism.overlap_dualpipe=true"]
         need = ranks_needed([*model, *layout])
         if gpus is not None and need > gpus:
