@@ -141,6 +141,9 @@ class ParallelContext:
     recorder: Any = field(default_factory=NullRecorder)
     # framework.metrics.comm_timer.CommTimer: per-dimension communication spans (set by the trainer)
     timer: Any = None
+    # pipeline neighbour (pp rank) -> the two ranks' own group: each pair's p2p on its own
+    # communicator (NCCL: its own stream; sim/matching.py stream_of); {} at pp 1
+    pp_pairs: dict = field(default_factory=dict)
 
     @property
     def dp_group(self):
@@ -195,9 +198,30 @@ class ParallelContext:
                 g = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     groups[dim], members[dim] = g, ranks
+        pairs = _pair_groups(dims, rank, groups.get("pp"), timeout)
         if dist.get_backend() != "gloo":
             groups["log"] = dist.new_group(backend="gloo", timeout=timeout)
-            for dim in ("pp", "cp"):  # NCCL makes a communicator on its first call, which must
-                if dim in groups:     # not be a batch_isend_irecv some of its ranks are not in
-                    dist.barrier(group=groups[dim])
-        return cls(dims, rank, dims.coords(rank), device, groups, members, recorder or NullRecorder())
+            # NCCL makes a communicator on its first call, which must not be a
+            # batch_isend_irecv some of its ranks are not in; the pairs in one global order
+            for g in [groups[d] for d in ("pp", "cp") if d in groups] + list(dict.fromkeys(pairs.values())):
+                dist.barrier(group=g)
+        return cls(dims, rank, dims.coords(rank), device, groups, members, recorder or NullRecorder(), pp_pairs=pairs)
+
+
+def _pair_groups(dims: ParallelDims, rank: int, pp_group, timeout) -> dict:
+    """Each pair of pipeline neighbours (pp ranks i and i + 1 mod p) gets a group of its own;
+    at p 2 the pp group is that pair. Every rank creates every pair, in one order."""
+    import torch.distributed as dist
+
+    if dims.pp == 1:
+        return {}
+    out = {}
+    for ranks in dims.groups("pp"):
+        for i in range(len(ranks)) if dims.pp > 2 else ():
+            pair = sorted({ranks[i], ranks[(i + 1) % len(ranks)]})
+            g = dist.new_group(pair, timeout=timeout)
+            if rank in pair:
+                out[ranks.index(pair[0] if pair[1] == rank else pair[1])] = g
+        if dims.pp == 2 and rank in ranks:
+            out[1 - ranks.index(rank)] = pp_group
+    return {k: out[k] for k in sorted(out)}

@@ -84,7 +84,7 @@ def test_check_runs_the_nccl_model_on_the_executors_plan(name, p, m, v, monkeypa
 
     seen = []
     real = chk.nccl_simulate
-    monkeypatch.setattr(chk, "nccl_simulate", lambda plans, smap: seen.append(plans) or real(plans, smap))
+    monkeypatch.setattr(chk, "nccl_simulate", lambda plans, smap, **kw: seen.append(plans) or real(plans, smap, **kw))
     check(name, p, m, v, steps=2)
     want = comm_plan(build_schedule(name, p, m, v, 2), StageMap(p, v))
     assert len(seen) == 1 and seen[0] == want  # the very batches the executor issues, op by op
@@ -112,9 +112,16 @@ def _run_executor(rank, world, name, m, v):
     calls = []
     real = dist.batch_isend_irecv
     pp_group = dist.new_group(list(range(world)))  # not the default group: each op must name it
+    pairs = {}  # each pair of neighbours its own group (topology._pair_groups' rule)
+    for i in range(world):
+        pair = sorted({i, (i + 1) % world})
+        g = dist.new_group(pair)
+        if rank in pair:
+            pairs[pair[0] if pair[1] == rank else pair[1]] = g
 
     def recording(ops):
-        assert all(op.group is pp_group for op in ops), "a pipeline P2POp not on the pp group"
+        assert len({op.peer for op in ops}) == 1 and all(op.group is pairs[op.peer] for op in ops), \
+            "a pipeline P2POp not on its pair's group"
         calls.append([("send" if op.op is dist.isend else "recv", op.peer, op.tag) for op in ops])
         return real(ops)
 
@@ -124,7 +131,7 @@ def _run_executor(rank, world, name, m, v):
     for coalesced in (False, True):
         torch.manual_seed(0)
         chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
-        executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v), pp_group),
+        executor = ex.PipelineExecutor(chunks, ex.PipelinePeers(list(range(world)), rank, StageMap(world, v), pp_group, pairs),
                                        torch.device("cpu"),
                                        (2, 3, 4), lambda j, c: contextlib.nullcontext(), lambda j, c: None,
                                        torch.float32, plan, HostClock(), coalesced_p2p=coalesced)
@@ -137,9 +144,11 @@ def _run_executor(rank, world, name, m, v):
 
 
 def test_the_executor_issues_exactly_the_checked_groups():
-    """One `batch_isend_irecv` per group of each batch (p2p.py's gating rule), in group
-    order, each op with its message's tag and on the pp group (its own communicator). Interleaved at p 3, m 6, v 2: nine batches hold
-    several groups, so an executor issuing a whole batch as one call fails here."""
+    """One `batch_isend_irecv` per group of each batch (p2p.py's gating rule) and peer, in
+    group order then peer order, each op with its message's tag and on its pair of
+    neighbours' own group (its own communicator, sim/matching.py stream_of). Interleaved at
+    p 3, m 6, v 2: nine batches hold several groups, so an executor issuing a whole batch as
+    one call fails here."""
     from framework.parallel.pipeline.executor import _tag
 
     name, p, m, v = "interleaved", 3, 6, 2
@@ -152,8 +161,9 @@ def test_the_executor_issues_exactly_the_checked_groups():
         for coalesced, (calls, actions) in modes.items():
             # coalesced mode: tags all 0, so gloo too matches a pair's messages in issue order
             want = [[(op.op, op.peer, 0 if coalesced else _tag(op.msg, smap.num_stages))
-                     for op in b if op.group == g]
-                    for b in plans[rank].batches for g in sorted({op.group for op in b})]
+                     for op in b if op.group == g and op.peer == q]
+                    for b in plans[rank].batches for g in sorted({op.group for op in b})
+                    for q in sorted({op.peer for op in b if op.group == g})]
             assert calls == want, (rank, coalesced)
             assert actions == [str(a) for a in plans[rank].actions]
 
@@ -248,7 +258,7 @@ def test_the_configured_schedule_is_proved_before_launch(monkeypatch):
 
     asked = []
 
-    def failing(sched, lists, pp, m, v=1, steps=1, pairs=False):
+    def failing(sched, lists, pp, m, v=1, steps=1, pairs=False, cp=1):
         asked.append((sched.name, pp, m, v))
         raise ScheduleError("deadlock under NCCL's rules: {0: 'batch [...] never completes'}")
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 from framework.parallel.pipeline.messages import needs, produces, receiver_of, sender_of
 from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap, pair_starts
-from framework.sim.matching import ScheduleError, match_pairs, recv_units, units
+from framework.sim.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
 
 
 def _duration(durations, op: Op) -> float:
@@ -160,11 +160,13 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
     alone; measured on this machine's gloo, a message sent before its receive was posted
     arrives only after the posting (median 1.4 ms after it, against 0.4 ms after the send
     when the receive was posted first: experiments/simulator). rules="nccl": a rank's units
-    run in issue order on one stream (a unit starts when issued and the previous one is
-    done), a unit completes with its last op, and a compute waits for its receive's whole
+    on one communicator run in issue order on its stream (a unit starts when issued and
+    the one before it on that stream is done; a communicator per pair of neighbours,
+    matching.stream_of; rules="nccl-shared": the pp group's one, the design before), a unit completes with its last op, and a compute waits for its receive's whole
     unit (one coalesced Work)."""
-    nccl = rules == "nccl"
-    ul = {r: units(p) for r, p in plans.items()}
+    nccl = rules.startswith("nccl")
+    ul = {r: units(p, shared=rules == "nccl-shared") for r, p in plans.items()}
+    prev = {r: stream_prev(ul[r]) for r in plans}
     pairs = match_pairs(plans, ul)
     n = {r: len(p.actions) for r, p in plans.items()}
     end = {r: [None] * n[r] for r in plans}
@@ -175,6 +177,7 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
     waits = {r: recv_units(plans[r], ul[r], r, smap) for r in plans}
     ni = {r: 0 for r in plans}  # units issued (a prefix)
     na = {r: 0 for r in plans}  # actions computed (a prefix)
+    low = {r: 0 for r in plans}  # every unit before it is done
     local_ready: dict = {}  # a V's turn: handed over in memory when produced
     cost = (costs.transfer_s(), costs.transfer_s(late=True))
     in_pair = {r: {i for k in pair_starts(p.actions) for i in (k, k + 1)} if costs.paired else set()
@@ -186,24 +189,24 @@ def clock(plans: dict, smap: StageMap, costs: Costs, rules: str = "gloo") -> dic
             while True:
                 moved = False
                 while ni[r] < len(ul[r]) and ul[r][ni[r]][0] <= na[r]:  # unit goes out after action k-1
-                    k, u = ul[r][ni[r]][0], ni[r]
-                    issued = 0.0 if k == 0 else end[r][k - 1]
-                    if not nccl or u == 0:
-                        ustart[r][u] = issued
                     ni[r] += 1
                     moved = True
-                for u in range(ni[r]):
+                for u in range(low[r], ni[r]):
                     if udone[r][u] is not None:
                         continue
-                    if ustart[r][u] is None:  # nccl: behind the previous unit on the stream
-                        if udone[r][u - 1] is None:
-                            break
-                        k = ul[r][u][0]
-                        ustart[r][u] = max(0.0 if k == 0 else end[r][k - 1], udone[r][u - 1])
+                    if ustart[r][u] is None:  # nccl: behind the one before it on its stream
+                        k, p = ul[r][u][0], prev[r][u]
+                        issued = 0.0 if k == 0 else end[r][k - 1]
+                        if nccl and p is not None:
+                            if udone[r][p] is None:
+                                continue
+                            issued = max(issued, udone[r][p])
+                        ustart[r][u] = issued
+                        moved = True
                     udone[r][u] = _unit_done(ul[r][u][1], r, u, pairs, ustart, cost, opdone)
-                    if udone[r][u] is None and nccl:
-                        break  # in order on one stream
                     moved = moved or udone[r][u] is not None
+                while low[r] < ni[r] and udone[r][low[r]] is not None:
+                    low[r] += 1
                 k = na[r]
                 if k < n[r]:
                     a = plan.actions[k]

@@ -2,10 +2,12 @@
 which receive. Shared by the clock (`clock.py`) and the checker's NCCL model (`check.py`).
 
 A `p2p.RankPlan` issues, after action k-1, the ops of `batches[k]`, cut into groups
-(`P2POp.group`): each group is one `batch_isend_irecv`, one *unit* here. Under NCCL a unit is
-one coalesced Work, a rank's units run in issue order on one stream, and a compute that
-needs a received tensor waits for the unit holding its receive; under gloo each op is its
-own Work and the compute waits for its receive alone.
+(`P2POp.group`) and each group by peer (one communicator per pair of pipeline neighbours,
+`stream_of`): each piece is one `batch_isend_irecv`, one *unit* here. Under NCCL a unit is
+one coalesced Work, a rank's units on one communicator run in issue order on its stream
+(the communicators' streams run side by side), and a compute that needs a received tensor
+waits for the unit holding its receive; under gloo each op is its own Work and the compute
+waits for its receive alone.
 """
 
 from __future__ import annotations
@@ -25,16 +27,39 @@ class ScheduleError(ValueError):
         self.where = tuple(where)
 
 
-def units(plan) -> list[tuple[int, list]]:
-    """[(k, ops)] in issue order: k, the batch index (issued after action k-1); ops, one group."""
+def stream_of(op, shared: bool = False):
+    """The communicator (NCCL: the stream) an op runs on: one per pair of pipeline neighbours
+    (`PipelinePeers.pair_groups`), so a send to one neighbour never queues behind a receive
+    from the other posted early for a later action (what held interleaved-zb's stream up to
+    0.0135 of bubble when every op shared the pp group's one stream). `shared`: that design
+    before, one stream for the whole pp group (kept to show what the pairs gained)."""
+    return "pp" if shared else ("pp", op.peer)
+
+
+def units(plan, shared: bool = False) -> list[tuple[int, list, object]]:
+    """[(k, ops, stream)] in issue order: k, the batch index (issued after action k-1); ops,
+    one group's ops on one communicator (`stream_of`); stream, that communicator (None for
+    an empty batch's placeholder)."""
     out = []
     for k, batch in enumerate(plan.batches):
-        groups: dict[int, list] = {}
+        groups: dict[tuple, list] = {}
         for op in batch:
-            groups.setdefault(op.group, []).append(op)
-        out.extend((k, groups[g]) for g in sorted(groups))
+            groups.setdefault((op.group, -1 if shared else op.peer), []).append(op)  # shared: one call per group
+        out.extend((k, groups[g], stream_of(groups[g][0], shared)) for g in sorted(groups))
         if not batch:
-            out.append((k, []))  # every batch index keeps a unit, so units stay ordered by issue point
+            out.append((k, [], None))  # every batch index keeps a unit, so units stay ordered by issue point
+    return out
+
+
+def stream_prev(unit_list: list) -> list:
+    """Per unit: the index of the unit before it on its stream (None: first, or no stream)."""
+    last: dict = {}
+    out = []
+    for u, unit in enumerate(unit_list):
+        stream = unit[2]
+        out.append(last.get(stream) if stream is not None else None)
+        if stream is not None:
+            last[stream] = u
     return out
 
 
@@ -45,7 +70,7 @@ def match_pairs(plans: dict, unit_lists: dict) -> dict:
     message's buffer (check.py proves plans with it; the clock runs proved ones)."""
     sends, recvs = defaultdict(list), defaultdict(list)
     for r in plans:
-        for u, (_, ops) in enumerate(unit_lists[r]):
+        for u, (_, ops, _) in enumerate(unit_lists[r]):
             for i, op in enumerate(ops):
                 (sends[(r, op.peer)] if op.op == "send" else recvs[(op.peer, r)]).append((r, u, i, op.msg))
     match = {}
@@ -65,7 +90,7 @@ def recv_units(plan, unit_list: list, rank: int, smap: StageMap) -> list[tuple]:
     """Per action: ("unit", (u, i)) when it waits for op i of unit u, ("local", message) for
     a message from this rank's other chunk (handed over in memory), (None, None) when it
     needs nothing. ScheduleError when no batch before the action receives what it needs."""
-    where = {op.msg: (u, i, k) for u, (k, ops) in enumerate(unit_list) for i, op in enumerate(ops) if op.op == "recv"}
+    where = {op.msg: (u, i, k) for u, (k, ops, _) in enumerate(unit_list) for i, op in enumerate(ops) if op.op == "recv"}
     out = []
     for k, a in enumerate(plan.actions):
         msg = needs(a, rank, smap)

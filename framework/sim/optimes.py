@@ -12,7 +12,8 @@ Two timelines, each with its bubble in two definitions:
 - the schedule's own (its dependency graph: `clock.simulate`, each receive gating only its
   op, a message arriving T_comm after its producer ends);
 - the executor's (`clock.predict` on the real p2p batches of `p2p.comm_plan` under NCCL's
-  rules: a compute waits for its receive's whole batch, batches run in order on one stream).
+  rules: a compute waits for its receive's group, a pair of neighbours' groups run in order
+  on its communicator's stream).
   The two differ where the executor's batches gate a compute on a receive it does not need.
 Definitions: `paper` = (cost - m (T_F + T_B + T_W)) / cost, cost the longest rank's span
 (its first op's start to its last op's end); `ours` = the mean over ranks of 1 - busy /

@@ -88,7 +88,7 @@ class PipelineRunner:
         self.tracker = tracker
         tracker.set_params(self.module.parameters())  # final now: others' freed, ZeRO's flattened
         self.stage = self.smap.stage(ctx.coords.pp, 0)
-        peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, self.smap, ctx.pp_group)
+        peers = PipelinePeers(ctx.group_ranks["pp"], ctx.coords.pp, self.smap, ctx.pp_group, ctx.pp_pairs)
         # Context parallelism: a rank's T / cp tokens; sequence parallelism: their tp shard.
         seq = run.data.seq_len // run.parallelism.cp // (tp_comm.size if run.parallelism.sequence_parallel else 1)
         act_shape = (run.trainer.micro_batch_size, seq, full.hf_model.config.hidden_size)

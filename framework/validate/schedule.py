@@ -137,7 +137,7 @@ def _prove(run: RunConfig, sched, where) -> None:
     steps = min(2, run.trainer.steps) if not sched.flushes else 1
     try:
         prove(sched, sched.generate(pp, s.microbatches, s.virtual_stages, steps), pp, s.microbatches,
-              s.virtual_stages, steps, run.parallelism.overlap_dualpipe)
+              s.virtual_stages, steps, run.parallelism.overlap_dualpipe, run.parallelism.cp)
     except ScheduleError as e:
         if where is not None:
             raise ConfigError("schedule.csv", s.csv, f"{_cells(e, where)}breaks a rule: {e}",

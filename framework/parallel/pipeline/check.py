@@ -10,9 +10,10 @@
    deadlock, a channel's messages are consumed in another order than sent, or an
    asynchronous schedule runs a forward before the weight version it needs exists.
 3. The batches the executor really issues (`p2p.comm_plan`, the one shared description)
-   under NCCL's rules (`nccl_simulate`): each rank's p2p ops run in issue order on one
-   stream (a batch starts when the previous one completed and the compute issued before
-   it is done); a send completes only together with its matching receive, i.e. once both
+   under NCCL's rules (`nccl_simulate`): each rank's p2p ops on one communicator (one per
+   pair of pipeline neighbours: matching.stream_of) run in issue order on its stream (a
+   unit starts when the one before it on that stream completed and the compute issued
+   before it is done); a send completes only together with its matching receive, i.e. once both
    sides' batches have started; a pair's messages match in issue order, tags ignored, so
    the n-th send r -> q must carry the message q's n-th receive from r expects; a group
    of a batch (one `batch_isend_irecv`, p2p.py) completes as a unit, and a compute that
@@ -26,7 +27,7 @@ from __future__ import annotations
 from framework.parallel.pipeline.p2p import RankPlan, comm_plan
 from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap, get
 from framework.sim.clock import simulate
-from framework.sim.matching import ScheduleError, match_pairs, recv_units, units
+from framework.sim.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
 
 __all__ = ["ScheduleError", "check", "prove", "nccl_simulate", "alive_peak"]
 
@@ -101,54 +102,110 @@ def _check_versions(sched: Schedule, lists: dict[int, list[Action]], smap: Stage
                     raise ScheduleError(f"rank {r}: {a} needs weight version {want} before it exists", [(r, a)])
 
 
-def nccl_simulate(plans: dict[int, RankPlan], smap: StageMap) -> None:
-    """Run every rank's units (one per p2p group, matching.py) and computes under NCCL's
-    rules (module docstring) until nothing can move; anything left is a deadlock."""
-    ul = {r: units(plan) for r, plan in plans.items()}
-    match = match_pairs(plans, ul)
-    wait_on = {r: [where[0] if kind == "unit" else None for kind, where in recv_units(plan, ul[r], r, smap)]
+def nccl_simulate(plans: dict[int, RankPlan], smap: StageMap, shared: bool = False, cp: int = 1) -> None:
+    """Run every rank's units (one per p2p group and communicator, matching.py) and computes
+    under NCCL's rules (module docstring) until nothing can move; anything left is a deadlock.
+    `shared`: every p2p op of a rank on the pp group's one stream (the design before the
+    pairs' own groups). `cp` > 1: each pipeline rank is cp processes whose F, B and I pass
+    the context-parallel ring (`_ring_units`), pipeline p2p going between processes of one
+    cp rank."""
+    procs = [(r, c) for r in plans for c in range(cp)]
+    base = {r: units(plan, shared) for r, plan in plans.items()}
+    match = match_pairs(plans, base)
+    ul, pos = {}, {}
+    for r, plan in plans.items():
+        ul[r], pos[r] = _ring_units(plan, base[r], shared) if cp > 1 else (base[r], list(range(len(base[r]))))
+    prev = {r: stream_prev(ul[r]) for r in plans}
+    old = {r: {e: u for u, e in enumerate(pos[r])} for r in plans}
+    wait_on = {r: [pos[r][where[0]] if kind == "unit" else None for kind, where in recv_units(plan, base[r], r, smap)]
                for r, plan in plans.items()}
-    started = {r: 0 for r in plans}  # units started (a prefix: the stream is ordered)
-    done = {r: 0 for r in plans}  # units completed (a prefix)
-    computed = {r: 0 for r in plans}  # actions whose compute is done (a prefix)
+    ring = {r: {u[3]: e for e, u in enumerate(ul[r]) if len(u) > 3} for r in plans}  # action k -> its ring unit
+    started = {q: [False] * len(ul[q[0]]) for q in procs}
+    done = {q: [False] * len(ul[q[0]]) for q in procs}
+    issued = {q: 0 for q in procs}  # units issued (a prefix: the host issues in order)
+    low = {q: 0 for q in procs}  # every unit before it is done
+    computed = {q: 0 for q in procs}  # actions whose compute is done (a prefix)
 
-    def unit_complete(r: int, u: int) -> bool:
-        return all(started[peer] > up for peer, up in (match[(r, u, i)] for i in range(len(ul[r][u][1]))))
+    def complete(q: tuple, u: int) -> bool:
+        r, c = q
+        if len(ul[r][u]) > 3:  # a ring pass: every cp process of this pipeline rank has started it
+            return all(started[(r, c2)][u] for c2 in range(cp))
+        return all(started[(peer, c)][pos[peer][up]] for peer, up in (match[(r, old[r][u], i)]
+                                                                       for i in range(len(ul[r][u][1]))))
+
+    def may_start(q: tuple, u: int) -> bool:
+        r, p = q[0], prev[q[0]][u]
+        if p is not None and not done[q][p]:
+            return False
+        if len(ul[r][u]) > 3:  # issued inside its action: after the action's receive
+            w = wait_on[r][ul[r][u][3]]
+            return w is None or done[q][w]
+        return True
 
     progressed = True
     while progressed:
         progressed = False
-        for r, plan in plans.items():
+        for q in procs:
+            r, plan = q[0], plans[q[0]]
             while True:
-                u, c = started[r], computed[r]
-                if u < len(ul[r]) and done[r] == u and c >= ul[r][u][0]:  # issued after action k-1
-                    started[r] += 1
-                elif done[r] < started[r] and unit_complete(r, done[r]):
-                    done[r] += 1
-                elif c < len(plan.actions) and (wait_on[r][c] is None or done[r] > wait_on[r][c]):
-                    computed[r] += 1
-                else:
+                moved = False
+                while issued[q] < len(ul[r]) and computed[q] >= ul[r][issued[q]][0]:  # after action k-1
+                    issued[q] += 1
+                    moved = True
+                for u in range(low[q], issued[q]):  # a unit starts once the one before it on its stream is done
+                    if not started[q][u] and may_start(q, u):
+                        started[q][u] = moved = True
+                    if started[q][u] and not done[q][u] and complete(q, u):
+                        done[q][u] = moved = True
+                while low[q] < issued[q] and done[q][low[q]]:
+                    low[q] += 1
+                c = computed[q]
+                if c < len(plan.actions) and (wait_on[r][c] is None or done[q][wait_on[r][c]]) \
+                        and (c not in ring[r] or done[q][ring[r][c]]):
+                    computed[q] += 1
+                    moved = True
+                if not moved:
                     break
                 progressed = True
-    stuck = {r: _stuck(plans[r], ul[r], started[r], done[r], computed[r]) for r in plans
-             if done[r] < len(ul[r]) or computed[r] < len(plans[r].actions)}
+    stuck = {q if cp > 1 else q[0]: _stuck(plans[q[0]], ul[q[0]], low[q], started[q], computed[q]) for q in procs
+             if low[q] < len(ul[q[0]]) or computed[q] < len(plans[q[0]].actions)}
     if stuck:
         raise ScheduleError(f"deadlock under NCCL's rules: {stuck}")
 
 
-def _stuck(plan: RankPlan, unit_list: list, started: int, done: int, computed: int) -> str:
-    if done < started:
+def _ring_units(plan: RankPlan, unit_list: list, shared: bool) -> tuple[list, list]:
+    """The units with a ring pass added for each F, B and I (attention's blocks go round the cp
+    ring in the forward and in the input-gradient backward; W passes nothing): issued as its
+    action starts, after the units of the batch before it, on the cp group's stream (or, with
+    `shared`, on the one stream of the design before). Returns (units, position of each old
+    unit); a ring unit is (k, [], stream, k)."""
+    out, pos, u = [], [], 0
+    for k in range(len(plan.actions) + 1):
+        while u < len(unit_list) and unit_list[u][0] == k:
+            pos.append(len(out))
+            out.append(unit_list[u])
+            u += 1
+        if k < len(plan.actions) and plan.actions[k].op in (Op.F, Op.B, Op.I):
+            out.append((k, [], "pp" if shared else "cp", k))
+    return out, pos
+
+
+def _stuck(plan: RankPlan, unit_list: list, low: int, started: list, computed: int) -> str:
+    if low < len(unit_list) and started[low]:
+        if len(unit_list[low]) > 3:
+            return f"the ring pass of {plan.actions[unit_list[low][3]]} never completes"
         ops = ", ".join(f"{op.op} {op.msg} {'to' if op.op == 'send' else 'from'} rank {op.peer}"
-                        for op in unit_list[done][1])
+                        for op in unit_list[low][1])
         return f"batch [{ops}] never completes"
     return f"{plan.actions[computed]} waits" if computed < len(plan.actions) else "batch never starts"
 
 
 def prove(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: int = 1, steps: int = 1,
-          pairs: bool = False) -> None:
+          pairs: bool = False, cp: int = 1) -> None:
     """Prove given lists for a schedule's declarations: the rules above, the declared
     activation-memory bound, and the executor's batches under gloo's and NCCL's rules
-    (`pairs`: those of parallelism.overlap_dualpipe, p2p._pair)."""
+    (`pairs`: those of parallelism.overlap_dualpipe, p2p._pair; `cp` > 1: with the
+    context-parallel ring's passes inside F, B and I)."""
     smap = sched.stage_map(pp, v)
     n = m * steps if not sched.flushes else m
     if sorted(lists) != list(range(pp)):
@@ -156,7 +213,7 @@ def prove(sched: Schedule, lists: dict[int, list[Action]], pp: int, m: int, v: i
     _check_lists(sched, lists, v, n)
     _check_memory(sched, lists, pp, n if not sched.flushes else m, v)
     simulate(lists, smap)
-    nccl_simulate(comm_plan(lists, smap, pairs), smap)
+    nccl_simulate(comm_plan(lists, smap, pairs), smap, cp=min(cp, 2))  # 2: every ring has the same rendezvous
     if not sched.flushes:
         _check_versions(sched, lists, smap, m)
 

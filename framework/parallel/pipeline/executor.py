@@ -32,7 +32,7 @@ inside a receive (which mixes transfer and waiting).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -68,10 +68,14 @@ class PipelinePeers:
     pp_ranks: list[int]  # the pp group: global rank of pipeline rank 0..p-1
     pp_rank: int
     smap: StageMap
-    # The pp group every P2POp names: its own communicator (NCCL: its own ordered stream), so
-    # a context-parallel ring pass or a collective on another group never queues behind a
-    # receive posted early for a later action. None: the default group.
+    # The pp group: its own communicator (NCCL: its own ordered stream), so a context-parallel
+    # ring pass or a collective on another group never queues behind a receive posted early
+    # for a later action. None: the default group.
     group: object = None
+    # pp rank of a neighbour -> the pair's own group (ParallelContext.pp_pairs): a P2POp
+    # names its pair's, so a send to one neighbour never queues behind a receive from the
+    # other (sim/matching.py stream_of); a peer without one uses `group`
+    pair_groups: dict = field(default_factory=dict)
 
     @property
     def pp(self) -> int:
@@ -128,24 +132,26 @@ class PipelineExecutor:
 
     def _issue(self, k: int) -> None:
         """Batch k of the plan: sends of what earlier actions produced, receives posted; one
-        `batch_isend_irecv` per group (p2p.py's gating rule)."""
+        `batch_isend_irecv` per group (p2p.py's gating rule) and peer (its pair's group)."""
         groups: dict[int, list] = {}
         for op in self.plan.batches[k]:
             groups.setdefault(op.group, []).append(op)
-        for g in sorted(groups):
-            self._issue_group(groups[g])
+        for g in sorted(groups):  # each group per peer: one call per pair's communicator
+            for peer in sorted({op.peer for op in groups[g]}):
+                self._issue_group([op for op in groups[g] if op.peer == peer])
 
     def _issue_group(self, group: list) -> None:
         ops, recvs, tensors = [], [], []
+        comm = self.peers.pair_groups.get(group[0].peer, self.peers.group)
         for op in group:
             peer = self.peers.pp_ranks[op.peer]
             tag = 0 if self.coalesced else _tag(op.msg, self.peers.num_stages)
             if op.op == "send":
                 t = self.produced.pop(op.msg).contiguous()
-                ops.append(dist.P2POp(dist.isend, t, peer, group=self.peers.group, tag=tag))
+                ops.append(dist.P2POp(dist.isend, t, peer, group=comm, tag=tag))
             else:
                 t = torch.empty(self.act_shape, device=self.device, dtype=self.act_dtype)
-                ops.append(dist.P2POp(dist.irecv, t, peer, group=self.peers.group, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, t, peer, group=comm, tag=tag))
                 recvs.append((op.msg, t, len(ops) - 1))
             tensors.append(t)
         self.recorder.note("p2p batch " + ", ".join(f"{o.op} {o.msg.kind} mb{o.msg.microbatch} "

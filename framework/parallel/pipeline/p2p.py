@@ -7,7 +7,8 @@ first action). Every op names a `Message` (activation or gradient of one micro-b
 one stage), so the executor sends exactly the tensor the plan names, and `check.py`
 simulates exactly the batches the executor issues, under gloo's rules and under NCCL's.
 
-Why the placement matters: under NCCL a rank's p2p ops run in issue order on one stream, a
+Why the placement matters: under NCCL a rank's p2p ops on one communicator (here one per
+pair of neighbours, sim/matching.py) run in issue order on its stream, a
 send completes only when the peer's matching receive runs, and a pair's messages match in
 issue order (tags are ignored). Posting each receive with the *receiver's* next action (the
 executor's first design, Megatron's send_forward_recv_backward pairing) deadlocks
@@ -30,8 +31,8 @@ sends (a pair's opposite messages in one group: split apart, NCCL's ordered stre
 deadlock them); each later-consumed receive is a group of its own, in consumer order. A
 compute waits for its receive's group (NCCL) or its receive alone (gloo). Measured on the
 clock at the zero-bubble paper's op times, one Work per batch cost ZB-H1 0.09 of bubble
-and interleaved-zb 0.10; with the groups the replay equals the batch-free schedule
-(tests/test_p2p_gating.py).
+and interleaved-zb 0.10; with the groups, each on its pair of neighbours' communicator, the
+replay equals the batch-free schedule (tests/test_p2p_gating.py).
 """
 
 from __future__ import annotations
