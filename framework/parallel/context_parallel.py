@@ -14,9 +14,10 @@ Collectives: attention only; every other op is token-local. `cp_comm=ring`: K / 
 passed around the group by p2p, merged by log-sum-exp (ring_attention.py). `cp_comm=a2a`
 (Ulysses): all-to-alls trade the sequence split for a head split around the core
 (ulysses.py). `cp_comm=allgather` (Llama 3's):
-forward all-gathers K and V over the cp group and attends the local queries to the whole
-sequence under a causal mask of the tokens' global positions; backward reduce-scatters dK
-and dV (each rank gets the sum of every rank's queries' gradient for its own keys). The
+forward all-gathers K and V over the cp group, puts them in sequence order and attends each
+local query chunk to the keys up to it (past chunks unmasked, its own causal: SDPA with a
+lower-right causal bias, no mask tensor; causal work only, as in the ring); backward
+reduce-scatters dK and dV (each rank gets the sum of every rank's queries' gradient for its own keys). The
 attention runs through transformers' attention interface (`ATTENTION`, registered once), so
 the models are not copied. `cp_comm_bytes` tallies the bytes as `tp_comm_bytes` does.
 """
@@ -26,7 +27,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from framework.metrics.timestamps import clock_for
 from framework.parallel.ring_attention import ring_attention
@@ -39,8 +42,7 @@ ATTENTION = "framework_context_parallel"
 def token_index(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:
     """The positions (in the whole sequence) of the tokens cp rank `rank` holds, in order."""
     chunk = seq_len // (2 * cp)
-    pieces = (rank, 2 * cp - 1 - rank) if balance == "headtail" else (2 * rank, 2 * rank + 1)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in pieces])
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in token_pieces(cp, rank, balance)])
 
 
 class ContextParallel:
@@ -60,14 +62,22 @@ class ContextParallel:
         host = [token_index(seq_len, comm.size, r, balance) for r in range(comm.size)]
         self.indices = [i.to(device) for i in host]
         self.index = self.indices[comm.rank]  # this rank's tokens
-        self.gathered = torch.cat(self.indices)  # the keys' positions after the all-gather, rank order
         self.tokens = len(self.index)
-        # The causal masks and the ring's skip flags, built once on the host (no read per block):
-        # block r is (local queries, cp rank r's keys); a block wholly in the future is skipped.
-        blocks = [host[comm.rank][:, None] >= keys[None, :] for keys in host]
-        self.skip = [not bool(b.any()) for b in blocks]
-        self.masks = [b.to(device) for b in blocks]
-        self.full_mask = torch.cat(blocks, dim=1).to(device)
+        # Causal work only, planned once on the host (no read per block). The sequence is 2 cp
+        # chunks of c tokens; a rank's queries are its two chunks, a block's keys another rank's
+        # two (the ring's block j: cp rank j's keys). Query chunk i against a block needs the
+        # key chunks at or before it: a prefix of the block's keys (its chunks are in order),
+        # wholly in the past (unmasked) but for the diagonal chunk (causal: `causal[L]`).
+        self.chunk = c = seq_len // (2 * comm.size)
+        self.parts = [[p and (p[0] * c, p[1]) for p in row] for row in causal_parts(comm.size, comm.rank, balance)]
+        self.skip = [all(part is None for part in parts) for parts in self.parts]
+        # the gathered chunks (rank order) in sequence order and back: cuts and a cat (a
+        # cat saves nothing for backward, an index_select its index)
+        self.pieces = [k for r in range(comm.size) for k in token_pieces(comm.size, r, balance)]
+        self.prefix = [(q + 1) * c for q in token_pieces(comm.size, comm.rank, balance)]  # query chunk i: keys [0, prefix[i])
+        # lower-right causal masks (c, L): every key but the last chunk's later ones
+        self.causal = {L: torch.ones(c, L, dtype=torch.bool).tril(L - c).to(device) for L in (c, 2 * c)}
+        self.score_elements = 0  # query x key scores computed so far (a host count of shapes: the FLOPs' test)
 
     def take(self, timed: Optional[list] = None) -> dict:
         """This step's (since the last call) `cp_comm_bytes`, `cp_comm_s` (seconds inside cp
@@ -88,13 +98,39 @@ class ContextParallel:
         """This rank's tokens of a (B, T) batch."""
         return x[:, self.index].contiguous()
 
-    def mask(self, device) -> torch.Tensor:
-        """(local queries, all keys): True where a query may attend (its key is not later)."""
-        return self.full_mask.to(device)
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, h, T, d) gathered in cp-rank order -> sequence order."""
+        c = self.chunk
+        return torch.cat([t.narrow(2, self.pieces.index(k) * c, c) for k in range(len(self.pieces))], dim=2)
 
-    def mask_of(self, rank: int, device) -> torch.Tensor:
-        """(local queries, cp rank `rank`'s keys): the ring's block mask."""
-        return self.masks[rank].to(device)
+    def to_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_sequence`."""
+        c = self.chunk
+        return torch.cat([t.narrow(2, k * c, c) for k in self.pieces], dim=2)
+
+    def count(self, query: torch.Tensor, keys: int) -> None:
+        """Add one product's scores, (B, heads, queries) x `keys` (shapes only: no sync)."""
+        self.score_elements += query.numel() // query.size(-1) * keys
+
+
+def token_pieces(cp: int, rank: int, balance: str) -> tuple[int, int]:
+    """The two chunks (of 2 cp) cp rank `rank` holds, in order."""
+    return (rank, 2 * cp - 1 - rank) if balance == "headtail" else (2 * rank, 2 * rank + 1)
+
+
+def causal_parts(cp: int, rank: int, balance: str) -> list[list[Optional[tuple[int, bool]]]]:
+    """Per block j (cp rank j's two key chunks, in sequence order) and query chunk i of
+    `rank`: None (both keys in its future), or (n, diagonal): the block's first n chunks,
+    the last of them the query's own (causal) when `diagonal`, else all in its past. The
+    cost model's activation terms read the same plan (sim/cost/activations.py)."""
+    out = []
+    for j in range(cp):
+        keys, row = token_pieces(cp, j, balance), []
+        for q in token_pieces(cp, rank, balance):
+            need = [k for k in keys if k <= q]
+            row.append((len(need), need[-1] == q) if need else None)
+        out.append(row)
+    return out
 
 
 class _Stamp(torch.autograd.Function):
@@ -134,16 +170,30 @@ def attention(module: nn.Module, query, key, value, attention_mask, dropout: flo
 
 
 def _core(cp: ContextParallel, module, query, key, value, dropout, scaling) -> torch.Tensor:
-    """K and V over the cp group by `cp.method`; the causal mask is of global positions."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    """K and V over the cp group by `cp.method`; causal work only (`ContextParallel.parts`,
+    `prefix`): past keys unmasked, the diagonal chunk causal, the future skipped."""
 
     if cp.method == "ring":
         return ring_attention(cp, query, key, value, scaling if scaling is not None else query.size(-1) ** -0.5)
     if cp.method == "a2a":
         return ulysses_attention(cp, module, query, key, value, dropout, scaling)
     key, value = (gather_from_sequence_parallel_region(t, cp.comm, dim=2) for t in (key, value))  # (B, h, T, d)
-    return sdpa_attention_forward(module, query, key, value, cp.mask(query.device), dropout=dropout,
-                                  scaling=scaling, is_causal=False)[0]
+    key, value = (cp.to_sequence(t) for t in (key, value))
+    key, value, c = repeat_kv(key, query.size(1)), repeat_kv(value, query.size(1)), cp.chunk
+    outs = []
+    for i, L in enumerate(cp.prefix):  # each query chunk against the keys up to it: causal work only
+        q = query[:, :, i * c:(i + 1) * c]
+        cp.count(q, L)
+        outs.append(F.scaled_dot_product_attention(q, key[:, :, :L], value[:, :, :L], attn_mask=causal_lower_right(c, L),
+                                                   dropout_p=dropout if module.training else 0.0, scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: (B, kv heads, n, d) -> (B, heads, n, d), as transformers repeats them (a copy,
+    but a view when one KV head is left: the activation model's `_expanded`)."""
+    b, kv, n, d = t.shape
+    return t if kv == heads else t[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
 
 
 def _register() -> None:

@@ -4,17 +4,18 @@ cp group by point-to-point instead of all-gathered (Liu et al., 2023; Megatron's
 Sharded: as in context_parallel.py (each rank's tokens; parameters whole). Forward: cp - 1
 passes; at pass s a rank holds the K / V block of cp rank (r - s) mod cp, sends it on to
 r + 1 and receives the next from r - 1 (one batch of an isend and an irecv: NCCL's one Work
-per batch). Each block's scores against the local queries are masked by global positions and
-merged by the online softmax (running max, sum of exponentials, weighted values; in at least
+per batch). Each block's scores against the local queries, causal work only (each query
+chunk against the block's key chunks at or before it: past ones unmasked, the diagonal one
+causal, future ones skipped; `ContextParallel.parts`), are merged by the online softmax (running max, sum of exponentials, weighted values; in at least
 fp32): the log-sum-exp merge, so the result is softmax over every key. A block wholly in the
 queries' future is passed on without a product. Backward: autograd's; the pass's conjugate
 sends each block's gradient back the other way, so dK and dV travel back around the ring to
 the rank that owns the keys.
 
-The blocks are products under autograd (no fused kernel): each saves its (B, heads, T/cp,
-T/cp) probabilities, so a rank's attention memory is that of its queries against the whole
-sequence, as with the all-gather; what the ring changes is the traffic (p2p to neighbours,
-never the whole K / V at once).
+The blocks are products under autograd (no fused kernel): each saves its (B, heads, c, L)
+probabilities per query chunk, so a rank's attention memory is that of its queries against
+the keys they see, as with the all-gather; what the ring changes is the traffic (p2p to
+neighbours, never the whole K / V at once).
 
 Overlap (`parallelism.overlap_cp_ring`): in forward, pass s + 1's batch is issued before
 block s is multiplied and waited for after it, so the transfer runs under the block's
@@ -106,7 +107,8 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     groups, d = query.size(1) // key.size(1), key.size(-1)
     acc_dtype = torch.promote_types(query.dtype, torch.float32)
     kv = torch.cat([key, value], dim=-1)  # one message per pass
-    run_max = total = acc = None
+    c = cp.chunk
+    stats = [None, None]  # per query chunk: (running max, sum of exponentials, weighted values)
     skipped, started, later, n = [], None, None, cp.comm.size
     for s in range(n):
         if s:
@@ -121,23 +123,34 @@ def ring_attention(cp, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             skipped.append(kv)  # wholly in the queries' future: passed on, never multiplied
             continue
         k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in kv.split(d, dim=-1))
-        scores = (query @ k.transpose(-1, -2)).to(acc_dtype) * scaling
-        scores = scores.masked_fill(~cp.mask_of(block, query.device), float("-inf"))
-        # The first block (s = 0) is the rank's own, where every query sees at least itself: the
-        # running max is finite from then on. It is a constant of the merge, taken off the graph
-        # (an amax node would save the scores, and free them again once the max is dropped).
-        block_max = scores.detach().amax(-1, keepdim=True)
-        new_max = block_max if run_max is None else torch.maximum(run_max, block_max)
-        p = torch.exp(scores - new_max)
-        pv, ps = p @ v.to(acc_dtype), p.sum(-1, keepdim=True)
-        if run_max is None:
-            acc, total = pv, ps
-        else:
-            rescale = torch.exp(run_max - new_max)
-            acc, total = acc * rescale + pv, total * rescale + ps
-        run_max = new_max
-    out = (acc / total).to(query.dtype).transpose(1, 2).contiguous()
+        for i, part in enumerate(cp.parts[block]):  # causal work only (ContextParallel.parts)
+            if part is not None:
+                stats[i] = _merge(cp, stats[i], query[:, :, i * c:(i + 1) * c], k, v, part, scaling, acc_dtype)
+    out = torch.cat([acc / total for _, total, acc in stats], dim=2).to(query.dtype).transpose(1, 2).contiguous()
     return _Anchor.apply(out, *skipped) if skipped else out
+
+
+def _merge(cp, stats, q, k, v, part, scaling, acc_dtype):
+    """One query chunk against a block's first L keys (the last chunk of them causal when
+    `diagonal`), merged into its running (max, total, acc) by the log-sum-exp rule."""
+    L, diagonal = part
+    k, v = k[:, :, :L], v[:, :, :L]
+    cp.count(q, L)
+    scores = (q @ k.transpose(-1, -2)).to(acc_dtype) * scaling
+    if diagonal:
+        scores = scores.masked_fill(~cp.causal[L], float("-inf"))
+    # The first block (s = 0) is the rank's own, where every query sees at least itself: the
+    # running max is finite from then on. It is a constant of the merge, taken off the graph
+    # (an amax node would save the scores, and free them again once the max is dropped).
+    block_max = scores.detach().amax(-1, keepdim=True)
+    if stats is None:
+        p = torch.exp(scores - block_max)
+        return block_max, p.sum(-1, keepdim=True), p @ v.to(acc_dtype)
+    run_max, total, acc = stats
+    new_max = torch.maximum(run_max, block_max)
+    p = torch.exp(scores - new_max)
+    rescale = torch.exp(run_max - new_max)
+    return new_max, total * rescale + p.sum(-1, keepdim=True), acc * rescale + p @ v.to(acc_dtype)
 
 
 class _Anchor(torch.autograd.Function):

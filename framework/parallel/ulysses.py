@@ -6,7 +6,8 @@ Sharded: as in context_parallel.py (each rank's T / cp tokens; parameters whole)
 but inside the core. Forward: one all-to-all over the cp group takes q, k and v from (this
 rank's tokens, every head) to (every token, heads / cp of them); attention is then ordinary
 causal attention over the whole sequence for those heads (the tokens arrive in cp-rank
-order, so the causal mask is of their global positions, `ContextParallel.gathered`); a
+order and are put in sequence order, `ContextParallel.to_sequence`, so SDPA's own causal
+attention runs: no mask tensor, and a flash kernel skips the future); a
 second all-to-all takes the output back to (this rank's tokens, every head). Backward: the
 conjugate all-to-alls (sequence -> heads for the output's gradient, heads -> sequence for
 dq, dk, dv). The head counts (per tp rank, KV heads too) must divide by cp
@@ -45,11 +46,13 @@ class _AllToAll(torch.autograd.Function):
 
 def ulysses_attention(cp, module, query, key, value, dropout: float, scaling) -> torch.Tensor:
     """(B, heads, n, d) q and (B, kv heads, n, d) k, v of this rank's tokens -> (B, n, heads, d)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    q, k, v = (_AllToAll.apply(t, cp, True) for t in (query, key, value))
-    mask = cp.gathered.to(query.device)
-    out, _ = sdpa_attention_forward(module, q, k, v, mask[:, None] >= mask[None, :], dropout=dropout,
-                                    scaling=scaling, is_causal=False)  # (B, T, heads / cp, d)
-    out = _AllToAll.apply(out.transpose(1, 2), cp, False)  # (B, heads, n, d)
+    from framework.parallel.context_parallel import repeat_kv  # it imports this module
+    q, k, v = (cp.to_sequence(_AllToAll.apply(t, cp, True)) for t in (query, key, value))
+    k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))  # GQA: every query head its K / V head
+    c = cp.chunk
+    for i in range(2 * cp.comm.size):  # the causal count, chunk by chunk (as the ring's and the all-gather's)
+        cp.count(q[:, :, :c], (i + 1) * c)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0,
+                                                           is_causal=True, scale=scaling)
+    out = _AllToAll.apply(cp.to_ranks(out), cp, False)  # (B, heads, n, d)
     return out.transpose(1, 2).contiguous()

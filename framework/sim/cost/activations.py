@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from framework.parallel.context_parallel import causal_parts, token_pieces
 from framework.parallel.pipeline.partition import uniform
 from framework.parallel.pipeline.schedules import get
 from framework.parallel.pipeline.schedules.base import Op
@@ -67,12 +68,16 @@ def _expanded(s: ModelShape, kv_heads: int) -> int:
 
 def _core(s: ModelShape, lay: Layout) -> float:
     """What the attention core adds beyond q, k, v and its output: SDPA's log-sum-exp, and
-    under cp (SDPA takes a mask, so GQA's K / V are expanded, `_expanded`):
-    all-gather: the gathered K and V in place of the local k, v, and the causal mask SDPA saves
-    as an additive float (per sequence: (seq / cp) x seq);
-    a2a: the all-to-all's q, K, V (every token, heads / cp) in place of the local q, k, v, the
-    core's output before the all-to-all back (a new tensor: the local output is another), and
-    the (seq x seq) mask. Under selective recomputation nothing (its inputs stay)."""
+    under cp (causal work only: context_parallel.py):
+    all-gather: the gathered K and V in sequence order (GQA's expanded, `_expanded`) in place
+    of the local k, v, each query chunk's copy (SDPA takes a chunk of a strided q), and per
+    query chunk whose keys run past its own chunk the (c x L) mask
+    that torch's lower-right causal bias materialises off CUDA (a flash kernel takes none;
+    counted, as this machine measures it), on the fullest rank;
+    a2a: the all-to-all's q, K, V (every token, heads / cp) in place of the local q, k, v and
+    the core's output before the all-to-all back (a new tensor: the local output is
+    another); SDPA's own causal attention, no mask. Under selective recomputation nothing
+    (its inputs stay)."""
     if lay.selective:
         return 0.0
     if lay.cp > 1 and lay.cp_comm == "ring":
@@ -84,29 +89,42 @@ def _core(s: ModelShape, lay: Layout) -> float:
     kv_heads = s.kv_heads // tp
     if lay.cp_comm == "a2a":
         kv = _expanded(s, kv_heads // lay.cp)
-        return out + (t * s.hidden + 2 * (kv - s.kv_dim) * t) // tp * a + lay.seq_len * lay.seq_len * a
+        return out + (t * s.hidden + 2 * (kv - s.kv_dim) * t) // tp * a
     local_kv = 0 if s.arch == "gpt2" else 2 * s.kv_dim * t // tp  # GPT-2's are views of c_attn's output
     gathered = 2 * _expanded(s, kv_heads) * lay.micro_batch * lay.seq_len // tp
-    return out + (gathered - local_kv) * a + lay.seq_len // lay.cp * lay.seq_len * a
+    c = lay.seq_len // (2 * lay.cp)
+    masks = max(sum(c * (k + 1) * c for k in token_pieces(lay.cp, r, lay.cp_balance) if k > 0) for r in range(lay.cp))
+    return out + (gathered - local_kv + t * s.hidden // tp) * a + masks * a
 
 
 def _ring(s: ModelShape, lay: Layout) -> float:
     """ring_attention.py's saved tensors, in place of the local q, k, v (which it copies) and
-    SDPA's log-sum-exp. Per block it multiplies (cp of them on the fullest rank: head-tail
-    gives every rank's late chunk some of every block): the query's copy for the product, K
-    (GQA's repeated; else the passed K / V buffer), the bool mask, the probabilities (B,
-    heads, n, n) in the accumulation dtype (fp32 at least), and V (its accumulation-dtype copy
-    when that differs, autocast's bf16 of it and of the probabilities besides); then each
+    SDPA's log-sum-exp, on the fullest rank (`causal_parts`: which key chunks each query
+    chunk multiplies). Per block multiplied: K (GQA's repeated; else the passed K / V
+    buffer) and V (GQA's repeated, in fp32 / fp64). Per (query chunk, block) product of L
+    keys: the query chunk's copy, the probabilities (B, heads, c, L) in the accumulation
+    dtype (fp32 at least), the bool mask of a diagonal part (c x L), and in 16-bit runs V's
+    accumulation-dtype copy, autocast's bf16 of it and of the probabilities. Then each
     merge's rescale, and the final acc and total. (The scores are not kept: the row maxima
     are taken off the graph.)"""
-    tp, a, st, t = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay)
-    n, hd, rows = lay.seq_len // lay.cp, s.hidden // tp, lay.micro_batch * s.heads // tp * (lay.seq_len // lay.cp)
-    grouped = s.heads != s.kv_heads
-    b = lay.micro_batch
-    k = b * n * hd * a if grouped else 2 * b * n * s.kv_dim // tp * a
-    v = (b * n * hd * (st + a) + rows * n * a) if a < st else (b * n * hd * a if grouped else 0)
-    block = b * n * hd * a + k + v + n * n + rows * n * st
-    return lay.cp * block + (lay.cp - 1) * rows * st + rows * (s.head_dim + 1) * st - t * (s.hidden + 2 * s.kv_dim) // tp * a
+    tp, a, st, t, b = lay.tp, lay.act_bytes, _stats_bytes(lay), _tokens(lay), lay.micro_batch
+    n, c, hd = lay.seq_len // lay.cp, lay.seq_len // (2 * lay.cp), s.hidden // tp
+    bh, grouped = b * s.heads // tp, s.heads != s.kv_heads
+    block = b * n * hd * a if grouped else 2 * b * n * s.kv_dim // tp * a
+    block += b * n * hd * a if grouped and a >= st else 0
+    fullest = 0
+    for r in range(lay.cp):
+        total, merges = 0, [0, 0]
+        for row in causal_parts(lay.cp, r, lay.cp_balance):
+            total += block if any(row) else 0
+            for i, part in enumerate(row):
+                if part is None:
+                    continue
+                L, merges[i] = part[0] * c, merges[i] + 1
+                total += b * c * hd * a + bh * c * L * st + (c * L if part[1] else 0)
+                total += b * L * hd * (st + a) + bh * c * L * a if a < st else 0
+        fullest = max(fullest, total + sum(m - 1 for m in merges) * bh * c * st)
+    return fullest + bh * n * (s.head_dim + 1) * st - t * (s.hidden + 2 * s.kv_dim) // tp * a
 
 
 def block_bytes(s: ModelShape, lay: Layout, received: Optional[float] = None) -> float:

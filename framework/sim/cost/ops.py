@@ -19,8 +19,11 @@ column / row parallel), the LM head over the vocabulary; sequence parallelism ru
 residuals and the embedding on T / tp tokens; ep gives each rank E / ep experts and, in
 expectation, T k assignments (its tokens' k, spread over every rank's experts, and as many
 back from the other ep ranks); recomputation repeats each block's F inside its I. cp: a rank's T / cp tokens (`Layout.tokens`);
-its attention is its queries against every key (a2a: every query of heads / cp) under the
-framework's explicit causal mask, which SDPA computes whole: 2 / cp of the causal count.
+its attention is causal work only (context_parallel.py): the all-gather's and Ulysses' SDPA
+run the causal share (a flash kernel skips the future: 1 / cp of the causal count), the
+ring's explicit products multiply each query chunk against the key chunks at or before it,
+the diagonal chunk whole under its mask: (2 cp + 1) / (2 cp) of the causal count over the
+group, 1 / cp of it per rank.
 """
 
 from __future__ import annotations
@@ -80,8 +83,8 @@ def block_ops(s: ModelShape, lay: Layout) -> list[CostOp]:
             ops += _memory("rms_norm", 2 * t * (h + kv) // tp * a, 2.0 * t * 2 * hd / tp, weights=True)
     bh = lay.micro_batch * s.heads // tp
     causal = 2.0 * bh * lay.seq_len ** 2 * hd  # executed forward: 4 b h s^2 d / 2
-    if lay.cp > 1:  # the rank's queries against every key under a mask: the whole rectangle, no causal skip
-        causal = 4.0 * bh * lay.seq_len ** 2 * hd / lay.cp
+    if lay.cp > 1:  # causal work only; the ring's diagonal chunks multiplied whole (module docstring)
+        causal *= (1 + 1 / (2 * lay.cp) if lay.cp_comm == "ring" else 1) / lay.cp
     attn_model = 4.0 * t * lay.seq_len * h / tp
     ops += [CostOp("attention", "attention", "F", attn_model, causal, shape=(bh, lay.seq_len, hd)),
             CostOp("attention", "attention", "I", 2 * attn_model, 2.5 * causal, shape=(bh, lay.seq_len, hd))]

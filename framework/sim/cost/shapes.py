@@ -125,6 +125,7 @@ class Layout:
     cp: int = 1  # context parallel: a rank holds seq_len / cp of each sequence (its `tokens`)
     cp_comm: str = "allgather"  # ops.py's attention, traffic.py's cp collectives, activations.py
     selective: bool = False  # trainer.recompute=selective: the attention core recomputed (activations.py)
+    cp_balance: str = "headtail"  # which chunks a cp rank holds (context_parallel.token_pieces)
 
     @property
     def tokens(self) -> int:
