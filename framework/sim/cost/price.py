@@ -2,8 +2,8 @@
 
 Per stage and pass, an op list (ops.py) priced on the profile (hardware.py) plus the
 collectives the pass waits for: tp's all-reduces (or, with sequence parallelism, its
-all-gathers and reduce-scatters) and ep's all-to-alls, each on the critical path (Megatron
-without its overlap options). Host time: a block's launch path (the profile's `host_us`)
+all-gathers and reduce-scatters) and ep's all-to-alls, each on the critical path but what
+`Job.tp_comm_overlap` hides (Megatron-Core's tp_comm_overlap: overlaps.py). Host time: a block's launch path (the profile's `host_us`)
 either overlaps the kernels (`host_overlaps`: a GPU's asynchronous stream; the pass takes
 the larger) or adds to them (a CPU, where one thread does both).
 Context parallelism (traffic.py's cp collectives): the all-gather's and the all-to-all's
@@ -26,7 +26,10 @@ as each unit's gradients complete), in each micro-batch that reduces (ZeRO 1: th
 2 / 3: every one) one unit's share stays exposed and the others' only what exceeds the
 micro-batch's backward. ZeRO 3 gathers each chunk's parameters before every micro-batch's F
 and B: added to them, or overlapping them (`Job.zero3_prefetch`: the run's
-`parallelism.overlap_param_gather`, DeepSpeed's and FSDP's prefetch). DualPipe's pairs
+`parallelism.overlap_param_gather`, DeepSpeed's and FSDP's prefetch); ZeRO 1 / 2's gather of
+the updated parameters in the next step's forward with `Job.param_gather_overlap`
+(Megatron's distributed optimizer's overlap_param_gather). The overlaps' arithmetic:
+overlaps.py. DualPipe's pairs
 (`Job.dualpipe_overlap`): each pair's all-to-alls under the other op's compute (pairs.py).
 """
 
@@ -41,13 +44,13 @@ from framework.parallel.pipeline.schedules.base import DEFAULT
 from framework.sim.clock import Costs, predict
 from framework.sim.cost.pairs import hidden_s, paired_costs
 from framework.sim.cost.activations import peak_bytes, recompute_transient
-from framework.sim.cost.collectives import collective_s, group_link
-from framework.sim.cost.traffic import (Collective, after_pipeline, dense_reduction, pass_collectives, rank_units,
-                                       step_collectives)
+from framework.sim.cost.collectives import group_link
+from framework.sim.cost.overlaps import (calls_s, chunk_reduce_after, dims_of, param_gather_hidden, tp_hidden,
+                                         zero_reduce_hidden)
+from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
 from framework.sim.cost.hardware import Profile
 from framework.sim.cost.shapes import Layout, ModelShape
-from framework.topology import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class Job:
     # each unit's reduce-scatter under the backward of the units before it
     cp_ring_overlap: bool = True  # cp's ring passes hide under their block's product (forward and backward)
     dualpipe_overlap: bool = False  # a pairs schedule (dualpipev): each pair's ep all-to-alls under the other's compute
+    # Megatron-Core's tp_comm_overlap (with SP): each tp collective beside the GEMM it feeds or follows (overlaps.py)
+    tp_comm_overlap: bool = False
+    # Megatron's overlap_param_gather (ZeRO 1 / 2): the updated parameters gathered in the next forward (overlaps.py)
+    param_gather_overlap: bool = False
 
     @property
     def world(self) -> int:
@@ -100,7 +107,7 @@ def job_of(run, vocab: int) -> Job:
     pol, p, s = policy_of(run), run.parallelism, run.schedule
     lay = Layout(run.trainer.micro_batch_size, run.data.seq_len, p.tp, p.sequence_parallel and p.tp > 1, p.ep,
                  run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
-                 run.trainer.recompute == "selective")
+                 run.trainer.recompute == "selective", p.cp_balance)
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
@@ -111,14 +118,6 @@ def dtype_of(run) -> str:
     from framework.precision import policy_of
 
     return policy_of(run).peak_column or "fp64"
-
-
-# the link a dimension's groups run at (edp spans dp's ranks; the tied table's pair, pp's)
-LINK_OF = {"edp": "dp", "embedding": "pp"}
-
-
-def dims_of(job: Job) -> ParallelDims:
-    return ParallelDims(job.pp, job.dp, job.lay.tp, job.lay.ep, job.lay.cp)
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
@@ -137,23 +136,16 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
         out[ph] = _combine(prof, dev[ph], hb * (dev[ph] / back if back else 0.5))
     comm = pass_collectives(job, blocks, first, last)  # tp, ep and cp's collectives: on the critical path ...
     out["cp"] = 0.0
-    out["ep_F"], out["ep_B"] = (_seconds(prof, job, [c for c in comm[ph] if c.dim == "ep"]) for ph in "FB")
+    out["ep_F"], out["ep_B"] = (calls_s(prof, job, [c for c in comm[ph] if c.dim == "ep"]) for ph in "FB")
     for ph, pas in (("F", "F"), ("B", "I")):
         ring = [c for c in comm[ph] if c.op == "ring"]  # ... but the ring's passes, each hidden behind
         attention = prof.seconds([o for o in ops if o.kind == "attention"], lay.dtype, pas)  # a block's product
-        exposed = max(0.0, _seconds(prof, job, ring) - (attention if job.cp_ring_overlap else 0.0))
-        cp = _seconds(prof, job, [c for c in comm[ph] if c.dim == "cp" and c.op != "ring"]) + exposed
-        out[pas] += _seconds(prof, job, [c for c in comm[ph] if c.op != "ring"]) + exposed
+        exposed = max(0.0, calls_s(prof, job, ring) - (attention if job.cp_ring_overlap else 0.0))
+        cp = calls_s(prof, job, [c for c in comm[ph] if c.dim == "cp" and c.op != "ring"]) + exposed
+        out["tp_hidden_" + ph] = tp_hidden(prof, job, blocks, ph)
+        out[pas] += calls_s(prof, job, [c for c in comm[ph] if c.op != "ring"]) + exposed - out["tp_hidden_" + ph]
         out["cp"] += cp
     return out, flops(ops, model=False), flops(ops)
-
-
-def _seconds(prof: Profile, job: Job, calls: list[Collective]) -> float:
-    """The calls' seconds, cp's ring passes as p2p (pp's sends are the pipeline clock's)."""
-    dims = dims_of(job)
-    return sum(collective_s("p2p" if c.op == "ring" else c.op, c.nbytes, c.n,
-                            group_link(prof, dims, LINK_OF.get(c.dim, c.dim))) * c.calls
-               for c in calls if c.op != "send" and c.n > 1 and c.calls and c.nbytes)  # no group: no link needed
 
 
 def price(prof: Profile, job: Job) -> Priced:
@@ -163,7 +155,7 @@ def price(prof: Profile, job: Job) -> Priced:
         raise ValueError(f"schedule {job.schedule} never flushes: the cost model prices flushing schedules")
     smap = sched.stage_map(p, v)
     parts = uniform(s.layers, p * v)
-    compute, executed, model, cp_s, ep = {}, 0.0, 0.0, [0.0] * p, {}
+    compute, executed, model, cp_s, ep, tp_hid = {}, 0.0, 0.0, [0.0] * p, {}, [0.0] * p
     for stage, blocks in enumerate(parts):
         t, ex, mo = stage_times(prof, job, len(blocks), stage == 0, stage == len(parts) - 1)
         r, c = smap.rank(stage), smap.chunk(stage)
@@ -173,22 +165,23 @@ def price(prof: Profile, job: Job) -> Priced:
         ep[(r, c, "F")], ep[(r, c, "B")] = t["ep_F"], t["ep_B"]
         executed, model = executed + ex * m, model + mo * m
         cp_s[r] += t["cp"] * m
+        tp_hid[r] += (t["tp_hidden_F"] + t["tp_hidden_B"]) * m
     dims = dims_of(job)
     comm = _rank_comm(prof, job)
     if lay.cp > 1:  # exposed: inside F and B already; the ring's less what its products hide
         comm["cp"] = max(cp_s)
+    # tp_comm_overlap: F and B are shorter by what each rank hides; reported, the least any rank hid
+    hidden: dict = {"tp": min(tp_hid)} if job.tp_comm_overlap and min(tp_hid) > 0 else {}
+    if "tp" in hidden:
+        comm["tp"] = max(0.0, comm.get("tp", 0.0) - hidden["tp"])
     after, gather = comm.pop("after"), comm.pop("gather")
     for key in [k for k in compute if k[2] in "FIB"]:  # ZeRO 3: a chunk's parameters gathered before its F and B
         compute[key] = max(compute[key], gather) if job.zero3_prefetch else compute[key] + gather
-    hidden: dict = {}
     if p == 1:
         pipeline, bubble = m * (compute[(0, 0, "F")] + compute[(0, 0, "B")]), 0.0
         if job.overlap_grad_reduce and job.zero >= 1 and job.dp > 1:
-            reduce = _seconds(prof, job, [c for c in after_pipeline(job, 0) if c.op == "reduce_scatter"])
-            units, times = len(rank_units(job, 0)), 1 if job.zero == 1 else m
-            share = reduce / times / units  # one unit's reduce-scatter in one micro-batch
-            exposed = times * (share + max(0.0, (units - 1) * share - compute[(0, 0, "B")]))
-            hidden["dp"] = reduce - exposed
+            # the link is free for them only while it gathers nothing (ZeRO 3 gathers in each B)
+            hidden["dp"] = zero_reduce_hidden(prof, job, compute[(0, 0, "B")] - gather)
             after, comm["dp"] = after - hidden["dp"], max(0.0, comm.get("dp", 0.0) - hidden["dp"])
     else:
         link = group_link(prof, dims, "pp")
@@ -202,9 +195,13 @@ def price(prof: Profile, job: Job) -> Priced:
         pred = predict(comm_plan(lists, smap, pairs), smap, costs, True, "nccl")
         pipeline, bubble = pred.pipeline_s, pred.bubble
         if job.overlap_grad_reduce and job.zero <= 1 and job.dp > 1:
-            overlapped = _overlapped(prof, job, pred)
+            overlapped = chunk_reduce_after(prof, job, pred)
             hidden["dp"] = max(0.0, after - overlapped)  # what leaves the critical path (the worst rank's)
             after, comm["dp"] = overlapped, max(0.0, comm.get("dp", 0.0) - hidden["dp"])
+    if job.param_gather_overlap and job.zero in (1, 2) and job.dp > 1:
+        hid = param_gather_hidden(prof, job, compute)
+        hidden["dp"] = hidden.get("dp", 0.0) + hid
+        after, comm["dp"] = after - hid, max(0.0, comm.get("dp", 0.0) - hid)
     params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
     opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
@@ -215,24 +212,6 @@ def price(prof: Profile, job: Job) -> Priced:
     return Priced(step, pipeline, bubble, comm, opt, tokens / step / job.world, per_gpu / 1e12,
                   per_gpu / prof.peak(lay.dtype), executed * job.dp * lay.tp / step / job.world / prof.peak(lay.dtype),
                   compute, hidden)
-
-
-def _overlapped(prof: Profile, job: Job, pred) -> float:
-    """What runs after the pipeline under overlap_grad_reduce, the worst rank's (module docstring)."""
-    after = 0.0
-    end = max(t.end for tl in pred.timeline.values() for t in tl)
-    for r, tl in pred.timeline.items():
-        dense = _seconds(prof, job, [dense_reduction(job, r)] if job.zero == 0 else  # ZeRO 1: the units' reduce-scatters
-                         [c for c in after_pipeline(job, r) if c.op == "reduce_scatter"])
-        last = {}  # chunk -> the end of its last backward
-        for t in tl:
-            if t.action.op.ends_backward:
-                last[t.action.chunk] = t.end
-        done = 0.0
-        for chunk_end in sorted(last.values()):
-            done = max(done, chunk_end) + dense / len(last)
-        after = max(after, _seconds(prof, job, after_pipeline(job, r)) - dense + max(0.0, done - end))
-    return after
 
 
 def rank_params(job: Job, rank_pp: int) -> float:
@@ -254,10 +233,10 @@ def _rank_comm(prof: Profile, job: Job) -> dict:
     for r in range(job.pp):
         calls, after = step_collectives(job, r), after_pipeline(job, r)
         dim = {c: "dp" if c.dim in ("edp", "embedding") else c.dim for c in calls}
-        mine = {k: _seconds(prof, job, [c for c in calls if dim[c] == k and not zero3(c)]) for k in ("tp", "ep", "dp")}
-        mine["zero3_gather"] = _seconds(prof, job, [c for c in calls if zero3(c)])
-        mine["after"] = _seconds(prof, job, [c for c in after if not zero3(c)])
-        mine["gather"] = _seconds(prof, job, [c for c in after if zero3(c)]) / (2 * job.microbatches *
+        mine = {k: calls_s(prof, job, [c for c in calls if dim[c] == k and not zero3(c)]) for k in ("tp", "ep", "dp")}
+        mine["zero3_gather"] = calls_s(prof, job, [c for c in calls if zero3(c)])
+        mine["after"] = calls_s(prof, job, [c for c in after if not zero3(c)])
+        mine["gather"] = calls_s(prof, job, [c for c in after if zero3(c)]) / (2 * job.microbatches *
                                                                                 job.virtual_stages)
         out = {k: max(v, out.get(k, 0.0)) for k, v in mine.items()}
     return out
@@ -290,6 +269,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
             "assumptions": "no overlap of communication with compute (but cp's ring passes"
                            f"{' and the dp reduction under backward' if r.comm_hidden_s.get('dp') else ''}"
                            f"{' and ZeRO 3 gathers under compute' if job.zero3_prefetch else ''}"
+                           f"{' and tp collectives beside their GEMMs' if job.tp_comm_overlap else ''}"
+                           f"{' and the parameter gather under the next forward' if job.param_gather_overlap else ''}"
                            f"{' and each DualPipe pair all-to-all under the other op' if job.dualpipe_overlap else ''}); "
                            "ring collectives; "
                            "host path "
