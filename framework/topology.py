@@ -210,7 +210,8 @@ class ParallelContext:
 
 def _pair_groups(dims: ParallelDims, rank: int, pp_group, timeout) -> dict:
     """Each pair of pipeline neighbours (pp ranks i and i + 1 mod p) gets a group of its own;
-    at p 2 the pp group is that pair. Every rank creates every pair, in one order."""
+    at p 2 the pp group is that pair. Every rank creates every pair, in one order, and the
+    returned {neighbour's pp rank: group} keeps it."""
     import torch.distributed as dist
 
     if dims.pp == 1:
@@ -224,4 +225,4 @@ def _pair_groups(dims: ParallelDims, rank: int, pp_group, timeout) -> dict:
                 out[ranks.index(pair[0] if pair[1] == rank else pair[1])] = g
         if dims.pp == 2 and rank in ranks:
             out[1 - ranks.index(rank)] = pp_group
-    return {k: out[k] for k in sorted(out)}
+    return out  # in creation order: the NCCL barriers above run in one global order

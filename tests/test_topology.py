@@ -114,3 +114,33 @@ def test_cp_groups_are_megatrons(pp, data, cp, tp):
     same_cp_rank = sorted(_megatron_groups(world, sizes, [False, False, True, False]))
     assert sorted([r for r in g if dims.cp_rank(dims.coords(r)) == k] for g in dims.groups("dp")
                   for k in range(cp)) == same_cp_rank
+
+
+def test_each_pair_of_pipeline_neighbours_gets_its_own_group_in_one_global_order(monkeypatch):
+    """topology._pair_groups (the pipeline p2p's communicators): at pp 4 x dp 2 every rank
+    makes all 8 pair groups in one order and keeps its two, keyed by the neighbour's pp
+    rank; a rank's groups come in creation order (the order NCCL's barriers on them run:
+    any two ranks meet their shared groups in the same order). At pp 2 the pp group is the
+    pair; at pp 1 there is none."""
+    import torch.distributed as dist
+
+    from framework.topology import _pair_groups
+
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, timeout=None: made.append(tuple(ranks)) or tuple(ranks))
+    dims = ParallelDims(pp=4, dp=2, tp=1)
+    seen = {}
+    for rank in range(dims.world_size):
+        made.clear()
+        seen[rank] = _pair_groups(dims, rank, "pp-group", None)
+        assert len(made) == 8 and len(set(made)) == 8
+        order = list(made)
+    for rank, pairs in seen.items():
+        pp = dims.coords(rank).pp
+        assert sorted(pairs) == sorted({(pp - 1) % 4, (pp + 1) % 4})
+        ranks = dims.group_of("pp", rank)
+        for peer, group in pairs.items():
+            assert set(group) == {rank, ranks[peer]}
+        assert [order.index(g) for g in pairs.values()] == sorted(order.index(g) for g in pairs.values())
+    assert _pair_groups(ParallelDims(pp=2, dp=2, tp=1), 1, "pp-group", None) == {1: "pp-group"}
+    assert _pair_groups(ParallelDims(pp=1, dp=2, tp=1), 0, None, None) == {}
