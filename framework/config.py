@@ -242,6 +242,11 @@ class TrainerConfig:
     # none | selective (the attention core recomputed in backward) | full (each block recomputed)
     recompute: str = key("none", choices=("none", "selective", "full"))
     activation_checkpointing: bool = False  # the old name of recompute=full (derive_layout keeps them in step)
+    # none | blocks: each transformer block torch.compile'd (torchtitan's apply_compile; framework/models/compile.py)
+    compile: str = key("none", choices=("none", "blocks"))
+    # inductor (generated kernels; on CPU gcc builds C++) | aot_eager (the same traced graphs, eager kernels)
+    compile_backend: str = key("inductor", choices=("inductor", "aot_eager"), when=lambda r: r.trainer.compile != "none",
+                               when_text="trainer.compile=blocks", base=("trainer.compile=blocks",))
     seed: int = key(1234, ge=0, lt=1 << 32)  # numpy's default_rng takes [0, 2**32)
     log_interval: int = key(5, ge=1, le=1 << 40)
     save_checkpoint: bool = False  # write final_model.pt (full state dict) in the job dir

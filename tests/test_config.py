@@ -155,6 +155,11 @@ BAD = [
     (["model=moe-tiny", "parallelism=dp2_pp2", "parallelism.ep=2", "schedule=dualpipev", "schedule.microbatches=4",
       "parallelism.overlap_dualpipe=true", "device=cuda"], "parallelism.overlap_dualpipe=True",
      "a cycle NCCL deadlocks on"),
+    # trainer.compile: what recompiles every step, or is not proved
+    (["trainer.compile=blocks", "metrics.skip_first=0"], "metrics.skip_first=0", "compiles every block"),
+    (["trainer.compile=blocks", "parallelism=dp2", "parallelism.zero=3"], "parallelism.zero_impl='ours'",
+     "recompiled in every measured step"),
+    (["trainer.compile=blocks", "model=moe-tiny"], "trainer.compile='blocks'", "recompiles on them"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "must be <= 1"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0", ">= 0"),
     (["model.dropout=1.0"], "model.dropout=1.0", "must be < 1"),

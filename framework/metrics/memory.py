@@ -62,6 +62,8 @@ def memory_summary(ranks: list[dict]) -> dict:
             "activation_peak_bytes", "master_bytes")
     out = {f"{k}_max": max(r[k] for r in ranks) for k in keys}
     out["memory_peak_bytes"] = max(r["memory_peak_bytes"] for r in ranks)
+    if "compile_s" in ranks[0]:  # trainer.compile: the slowest rank's compile seconds (not a memory key, gathered here)
+        out["compile_s"] = max(r["compile_s"] for r in ranks)
     return out
 
 

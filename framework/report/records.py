@@ -102,6 +102,7 @@ class StepRecord:
     comm_total: dict = field(default_factory=dict)  # dim -> seconds of communication, hidden or not (comm_timer.py)
     action_comm_s: list = field(default_factory=list)  # per action: communication seconds inside its compute
     host_syncs: dict = field(default_factory=dict)  # the step's sync points, by reason (framework/device.py)
+    compiles: Optional[int] = None  # trainer.compile: frames torch.compile compiled during the step (models/compile.py)
     # how much to trust the step (framework/metrics/noise.py): this process's CPU seconds, its
     # node, the node's CPUs and (rank 0) the node's busy CPU seconds during the step
     cpu_s: float = 0.0

@@ -53,7 +53,7 @@ MEDIAN_KEYS = ("step_time_s", "tokens_per_s", "tflops", "mfu", "data_s", "fwd_bw
 # Of each step's row, what rank 0 keeps for the summary: a few numbers, not every rank's lists.
 KEPT_KEYS = MEDIAN_KEYS + ("step", "loss", "mfu", "val_loss", "bubble_fraction_analytic", "rank_bubble_fraction",
                            "loss_scale", "skipped_steps", "other_cpu_share", "moe_load_max_over_mean",
-                           "moe_dropped_fraction", "a2a_s")
+                           "moe_dropped_fraction", "a2a_s", "compiles")
 # W&B's own summary of a metric defaults to its last value; summary.json's medians (after
 # warm-up) and last loss are written by finish() instead, so W&B computes none for these.
 SUMMARY_FROM_FINISH = MEDIAN_KEYS + ("loss", "val_loss", "memory_peak_bytes")
@@ -125,6 +125,8 @@ class RunLogger:
             "rank_grad_norm": [None if r0.overflow else r.grad_norm for r in per_rank],  # the max hides a low rank
             "host_syncs": max(sum(r.host_syncs.values()) for r in per_rank),  # the step's syncs (framework/device.py)
             "rank_host_syncs": [r.host_syncs for r in per_rank],
+            # trainer.compile: frames compiled in the step, the most any rank did (0 after warm-up)
+            **({"compiles": max(r.compiles for r in per_rank)} if r0.compiles is not None else {}),
             # fp16-mixed's loss scaler: the same on every rank (the overflow flag is all-reduced
             # over every rank, framework/train/update.py); absent in the modes without one
             **({"loss_scale": r0.loss_scale, "overflow": r0.overflow, "skipped_steps": r0.skipped_steps}
@@ -288,6 +290,9 @@ class RunLogger:
             "virtual_stages": run.schedule.virtual_stages,
             **memory_summary(ranks), "offload_optimizer": run.parallelism.offload_optimizer,
             "precision": policy_of(run).mode,
+            # trainer.compile: frames compiled in the warm-up steps and in the measured ones (0 expected)
+            **({"compiles_warmup": sum(r["compiles"] for r in self.records[:len(self.records) - len(measured)]),
+                "compiles_measured": sum(r["compiles"] for r in measured)} if "compiles" in self.records[-1] else {}),
             **({"loss_scale": self.records[-1]["loss_scale"], "skipped_steps": self.records[-1]["skipped_steps"]}
                if "loss_scale" in self.records[-1] else {}),
             "layout": layout_keys(run)["layout"],

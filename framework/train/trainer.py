@@ -40,6 +40,7 @@ from framework.parallel.expert_parallel import EPComm
 from framework.train.pipeline_runner import PipelineRunner
 from framework.parallel.pipeline.schedules import Op
 from framework.models import recompute
+from framework.models.compile import compile_blocks, compiled_frames
 from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
 from framework.metrics.breakdown import busy_s, rank_parts, serialise_pairs
@@ -80,6 +81,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
         context_parallel.install(model, cp)
     if run.trainer.recompute == "selective":  # after cp: it wraps the attention function in use
         recompute.install(model)
+    if run.trainer.compile == "blocks":  # after every wrapper of the blocks (models/compile.py)
+        compile_blocks(model, run.trainer.compile_backend)
     tracker = ActivationTracker()  # the runner sets its parameters once they are final
 
     def forward_context(mb, chunk):
@@ -139,6 +142,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
     runner.tracker.enabled = tracks_activations(step, runner, run)
     runner.tracker.steps_recorded += runner.tracker.enabled
     take_syncs()  # the step's own sync points from here (not the last step's checkpoint or eval)
+    frames = compiled_frames()[0] if run.trainer.compile != "none" else None
     # One clock (the CommTimer's): begin_step anchors it (CUDA: waits for the idle stream),
     # every mark inside the step is an event read after it, and the step ends with one wait.
     clock = ctx.timer.clock
@@ -172,7 +176,7 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
                       actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans,
                       comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {}, **cpu.take(),
-                      host_syncs=take_syncs())
+                      host_syncs=take_syncs(), compiles=None if frames is None else compiled_frames()[0] - frames)
 
 
 def _announce(saver, logger) -> None:
@@ -202,6 +206,8 @@ def rank_memory(runner, last: StepRecord, run: RunConfig, device: torch.device) 
     mem["p2p_buffer_peak_bytes"] = last.p2p_buffer_peak_bytes
     mem.update(formula_report(runner, run), zero_transient_peak_bytes=st.zero_transient_peak_bytes)
     mem.update(activation_peak_bytes=runner.tracker.peak_bytes, rss_peak_bytes=rss, **device_memory(device))
+    if run.trainer.compile != "none":  # torch's own count of its compile seconds in this process
+        mem["compile_s"] = compiled_frames()[1]
     mem["memory_peak_bytes"] = mem.get("cuda_max_reserved_bytes", rss)
     return mem
 

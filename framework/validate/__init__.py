@@ -17,6 +17,7 @@ from framework.config import ConfigError, DataConfig, RunConfig, check_overrides
 from framework.parallel.pipeline.partition import PartitionError
 from framework.parallel.pipeline.schedules import never_flushes
 from framework.validate.common import first_line
+from framework.validate.compile import check_compile
 from framework.validate.expert import check_expert_parallel, check_moe
 from framework.validate.context import check_context_parallel
 from framework.validate.fsdp2 import check_fsdp2
@@ -48,7 +49,8 @@ def configure(cfg, overrides: list[str]) -> RunConfig:
 
 
 def validate(run: RunConfig) -> None:
-    for check in (check_ranges, load_schedule_modules, _parallelism, _model, check_schedule, check_precision, _data,
+    for check in (check_ranges, load_schedule_modules, _parallelism, _model, check_schedule, check_precision,
+                  check_compile, _data,
                   check_eval,
                   check_optimizer, check_logger, _misc, check_node_capacity, check_paths, check_hardware):
         check(run)
