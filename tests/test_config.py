@@ -160,6 +160,8 @@ BAD = [
     (["trainer.compile=blocks", "parallelism=dp2", "parallelism.zero=3"], "parallelism.zero_impl='ours'",
      "recompiled in every measured step"),
     (["trainer.compile=blocks", "model=moe-tiny"], "trainer.compile='blocks'", "recompiles on them"),
+    (["trainer.compile=blocks", "parallelism.cp=2", "parallelism.cp_comm=a2a", "parallelism=single"],
+     "trainer.compile='blocks'", "not proved equal"),
     (["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2.0", "must be <= 1"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0", ">= 0"),
     (["model.dropout=1.0"], "model.dropout=1.0", "must be < 1"),

@@ -29,7 +29,8 @@ def test_tp_collectives_hide_behind_their_own_gemms_on_a_hand_computed_case():
     and kv 85.899 us (attention in: 128.849), o 42.950, gate_up 343.597, down 171.799 in F;
     I and W as much again each. Beside each linear its collectives hide up to the linear's
     own time: F hides 128.849 + 42.950 + 200 + 171.799 = 543.598 us of its 800; B (I + W)
-    200 + 85.899 + 200 + 200 = 685.899 us of its 800. Four blocks, two micro-batches: the step
+    200 + 85.899 + 200 + 200 = 685.899 us of its 800 (under zbh1, whose W runs later, I's
+    alone: 543.598 again). Four blocks, two micro-batches: the step
     shrinks by 8 x 1229.497 us, and the embedding's and head's collectives stay exposed."""
     us = 1e-6
     prof = flat(intra_GBps=4096 * 1024 * 2 / 2 / 200e-6 / 1e9)
@@ -42,6 +43,10 @@ def test_tp_collectives_hide_behind_their_own_gemms_on_a_hand_computed_case():
     block_tp = 2 * 4 * 8 * 200 * us  # 8 collectives a block (F and B), 4 blocks, 2 micro-batches
     assert off.comm_s["tp"] > block_tp and on.comm_s["tp"] > block_tp - on.comm_hidden_s["tp"]
     assert on.stage_s[(0, 0, "F")] == pytest.approx(off.stage_s[(0, 0, "F")] - 4 * hidden_f, rel=1e-9)
+    # a schedule that splits the backward runs W later: B's collectives hide under I's GEMMs
+    # alone, as F's under F's (the same 543.598 us a block)
+    split = price(prof, Job(LLAMA, lay, microbatches=2, schedule="zbh1", tp_comm_overlap=True))
+    assert split.comm_hidden_s["tp"] == pytest.approx(2 * 4 * 2 * hidden_f, rel=1e-9)
     # Megatron's overlap needs sequence parallelism: without it nothing hides
     plain = Layout(1, 4096, tp=2)
     assert price(prof, Job(LLAMA, plain, tp_comm_overlap=True)).step_s == price(prof, Job(LLAMA, plain)).step_s

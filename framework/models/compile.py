@@ -11,10 +11,11 @@ collective inside a custom autograd function) breaks the graph and runs eagerly:
 are the eager run's either way (tests/test_compile.py, fp64).
 
 Compilation happens in the first forward and backward of each block shape: the steps that
-compile are reported (`compiles` per step: frames dynamo compiled; `compile_s`: their
-seconds, torch's own count) and left out of the measured medians (metrics.skip_first is
-raised to cover them: framework/train/loop.py); after warm-up `compiles` stays 0, or the
-run says which step recompiled.
+compile are reported (`compiles` per step: frames dynamo compiled; `compile_s`: torch's own
+wall-time count of its frame and backward compiles) and left out of the measured medians
+(validate/compile.py refuses metrics.skip_first=0); after warm-up `compiles` stays 0, or
+the row says which step recompiled (a resumed run compiles again in its first step: with
+fewer steps left than metrics.skip_first its summary's `compiles_measured` shows it).
 """
 
 from __future__ import annotations
@@ -34,15 +35,9 @@ def compile_blocks(model: nn.Module, backend: str) -> int:
 
 
 def compiled_frames() -> tuple[int, float]:
-    """(frames dynamo has compiled so far, seconds spent compiling) in this process."""
-    from torch._dynamo.utils import counters, compile_times
+    """(frames dynamo has compiled so far, seconds spent compiling) in this process: torch's
+    own wall time of whole frame and backward compiles (its finer timers nest inside these,
+    so summing them would count a compile several times)."""
+    from torch._dynamo.utils import calculate_time_spent, counters
 
-    frames = int(counters["frames"]["ok"])
-    seconds = 0.0
-    try:
-        table = compile_times(repr="csv", aggregate=True)
-        names, values = table
-        seconds = sum(float(v) for v in values)
-    except Exception:  # torch's table changed shape: the count still stands
-        pass
-    return frames, seconds
+    return int(counters["frames"]["ok"]), calculate_time_spent().get("total_wall_time", 0.0)

@@ -26,6 +26,10 @@ def check_compile(run: RunConfig) -> None:
                           "frees each unit's parameters every micro-batch, which torch.compile's guards see as new "
                           "tensors: it recompiled in every measured step (21, 2, 1 frames in steps 1-3)",
                           f"set parallelism.zero_impl=fsdp2 (proved), or {fix}")
+    if run.parallelism.cp > 1 and run.parallelism.cp_comm == "a2a":
+        raise ConfigError("trainer.compile", t.compile, "with parallelism.cp_comm=a2a: Ulysses' all-to-alls inside "
+                          "compiled blocks are not proved equal to eager yet (the all-gather and the ring are)",
+                          f"use parallelism.cp_comm=allgather or ring, or {fix}")
     if run.model.arch == "qwen3_moe":
         raise ConfigError("trainer.compile", t.compile, "with a MoE model: the routing's per-expert token counts "
                           "change every step and torch.compile recompiles on them (ep 1: 24, 4, 0 frames in steps "

@@ -6,7 +6,8 @@ and is set on a Job in code, as experiments/cluster_model does for published sys
   sequence parallelism only, as there): each all-gather of a block pipelined with the GEMM
   it feeds (q k v, the MLP's first), each reduce-scatter with the GEMM it follows (the
   attention's and the MLP's output projections); in backward the conjugates beside the
-  same linears' gradient GEMMs (I and W). A collective hides at most its own linear's time:
+  same linears' gradient GEMMs (I and W; I alone under a schedule that splits the backward,
+  whose W runs later). A collective hides at most its own linear's time:
   per block, each of the four linears hides min(its collectives, its GEMMs). Not built by
   the framework (its tp collectives are synchronous).
 - `overlap_grad_reduce` (the run's key): pp > 1 without ZeRO (or ZeRO 1), each chunk's
@@ -26,6 +27,8 @@ and is set on a Job in code, as experiments/cluster_model does for published sys
 
 from __future__ import annotations
 
+from framework.parallel.pipeline.schedules import get
+from framework.parallel.pipeline.schedules.base import Op
 from framework.sim.cost.collectives import collective_s, group_link
 from framework.sim.cost.ops import block_ops
 from framework.sim.cost.traffic import after_pipeline, dense_reduction, pass_collectives, rank_units
@@ -60,7 +63,8 @@ def tp_hidden(prof, job, blocks: int, ph: str) -> float:
         return 0.0
     each = calls_s(prof, job, calls) / n
     ops = block_ops(job.shape, job.lay)
-    phases = "F" if ph == "F" else "IW"
+    # B's collectives are priced into I; a split schedule runs W later, so only I's GEMMs hide them
+    phases = "F" if ph == "F" else ("I" if Op.W in get(job.schedule).ops else "IW")
     hidden = 0.0
     for names in _BESIDE:
         gemms = [o for o in ops if o.name in names and o.kind == "gemm"]
