@@ -11,8 +11,8 @@ collective inside a custom autograd function) breaks the graph and runs eagerly:
 are the eager run's either way (tests/test_compile.py, fp64).
 
 Compilation happens in the first forward and backward of each block shape: the steps that
-compile are reported (`compiles` per step: frames dynamo compiled; `compile_s`: torch's own
-wall-time count of its frame and backward compiles) and left out of the measured medians
+compile are reported (framework/metrics/compiles.py: `compiles` per step, frames dynamo
+compiled; `compile_s`, torch's own wall time of its compiles) and left out of the measured medians
 (validate/compile.py refuses metrics.skip_first=0); after warm-up `compiles` stays 0, or
 the row says which step recompiled (a resumed run compiles again in its first step: with
 fewer steps left than metrics.skip_first its summary's `compiles_measured` shows it).
@@ -33,11 +33,3 @@ def compile_blocks(model: nn.Module, backend: str) -> int:
         block.compile(backend=backend, dynamic=False)
     return len(blocks)
 
-
-def compiled_frames() -> tuple[int, float]:
-    """(frames dynamo has compiled so far, seconds spent compiling) in this process: torch's
-    own wall time of whole frame and backward compiles (its finer timers nest inside these,
-    so summing them would count a compile several times)."""
-    from torch._dynamo.utils import calculate_time_spent, counters
-
-    return int(counters["frames"]["ok"]), calculate_time_spent().get("total_wall_time", 0.0)

@@ -34,7 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 from framework.metrics.timestamps import clock_for
 from framework.parallel.ring_attention import ring_attention
 from framework.parallel.tp_comm import TPComm, gather_from_sequence_parallel_region
-from framework.parallel.ulysses import ulysses_attention
+from framework.parallel.ulysses import repeat_kv, ulysses_attention
 
 ATTENTION = "framework_context_parallel"
 
@@ -187,13 +187,6 @@ def _core(cp: ContextParallel, module, query, key, value, dropout, scaling) -> t
         outs.append(F.scaled_dot_product_attention(q, key[:, :, :L], value[:, :, :L], attn_mask=causal_lower_right(c, L),
                                                    dropout_p=dropout if module.training else 0.0, scale=scaling))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
-
-
-def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """GQA: (B, kv heads, n, d) -> (B, heads, n, d), as transformers repeats them (a copy,
-    but a view when one KV head is left: the activation model's `_expanded`)."""
-    b, kv, n, d = t.shape
-    return t if kv == heads else t[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
 
 
 def _register() -> None:

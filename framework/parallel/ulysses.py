@@ -44,9 +44,16 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all(ctx.cp, g, not ctx.heads_to_sequence), None, None
 
 
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: (B, kv heads, n, d) -> (B, heads, n, d), as transformers repeats them (a copy,
+    but a view when one KV head is left: the activation model's `_expanded`); the
+    all-gather's core (context_parallel.py) uses it too."""
+    b, kv, n, d = t.shape
+    return t if kv == heads else t[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
+
+
 def ulysses_attention(cp, module, query, key, value, dropout: float, scaling) -> torch.Tensor:
     """(B, heads, n, d) q and (B, kv heads, n, d) k, v of this rank's tokens -> (B, n, heads, d)."""
-    from framework.parallel.context_parallel import repeat_kv  # it imports this module
     q, k, v = (cp.to_sequence(_AllToAll.apply(t, cp, True)) for t in (query, key, value))
     k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))  # GQA: every query head its K / V head
     c = cp.chunk

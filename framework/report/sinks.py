@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from framework.config import RunConfig
 from framework.report.files import write_atomic
-from framework.metrics import breakdown, noise
+from framework.metrics import breakdown, compiles, noise
 from framework.metrics.noise import median_or_none
 from framework.metrics.bubble import analytic_at_measured, analytic_label
 from framework.metrics.cp import step_metrics as cp_metrics
@@ -68,14 +68,12 @@ class RunLogger:
         self.run, self.job_dir, self.ctx, self.info = run, job_dir, ctx, info
         self.is_logger = ctx.rank == 0
         self.records: list[dict] = []
-        self.actions: dict[int, list] = {}  # kept step -> per-rank action records (pipelines)
-        self.comm_spans: dict[int, list] = {}  # kept step -> per-rank communication spans (comm_timer.py)
+        self.actions, self.comm_spans = {}, {}  # kept step -> per-rank actions (pipelines), comm spans (comm_timer.py)
         self.kept = kept_steps(first_step, run.trainer.steps, first_step + run.metrics.skip_first,
                                run.metrics.trace_steps)
         self.busy_window: Optional[list[list[float]]] = None  # per rank [Σ busy, Σ window] over the run
         self.predictor: Optional[RunPredictor] = None  # pipelines (and pp 1 with ep > 1): the replay of this run
-        self.wandb = None
-        self.completed = False
+        self.wandb, self.completed = None, False
         self.progress: Optional[Progress] = None
         if self.is_logger:
             self.progress = Progress(run.trainer.steps, first_step, job_dir)
@@ -125,8 +123,7 @@ class RunLogger:
             "rank_grad_norm": [None if r0.overflow else r.grad_norm for r in per_rank],  # the max hides a low rank
             "host_syncs": max(sum(r.host_syncs.values()) for r in per_rank),  # the step's syncs (framework/device.py)
             "rank_host_syncs": [r.host_syncs for r in per_rank],
-            # trainer.compile: frames compiled in the step, the most any rank did (0 after warm-up)
-            **({"compiles": max(r.compiles for r in per_rank)} if r0.compiles is not None else {}),
+            **compiles.step_row(per_rank),  # trainer.compile: frames compiled in the step (metrics/compiles.py)
             # fp16-mixed's loss scaler: the same on every rank (the overflow flag is all-reduced
             # over every rank, framework/train/update.py); absent in the modes without one
             **({"loss_scale": r0.loss_scale, "overflow": r0.overflow, "skipped_steps": r0.skipped_steps}
@@ -290,9 +287,7 @@ class RunLogger:
             "virtual_stages": run.schedule.virtual_stages,
             **memory_summary(ranks), "offload_optimizer": run.parallelism.offload_optimizer,
             "precision": policy_of(run).mode,
-            # trainer.compile: frames compiled in the warm-up steps and in the measured ones (0 expected)
-            **({"compiles_warmup": sum(r["compiles"] for r in self.records[:len(self.records) - len(measured)]),
-                "compiles_measured": sum(r["compiles"] for r in measured)} if "compiles" in self.records[-1] else {}),
+            **compiles.summary(self.records, measured),  # trainer.compile: warm-up and measured frames
             **({"loss_scale": self.records[-1]["loss_scale"], "skipped_steps": self.records[-1]["skipped_steps"]}
                if "loss_scale" in self.records[-1] else {}),
             "layout": layout_keys(run)["layout"],
