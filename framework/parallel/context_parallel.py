@@ -74,6 +74,7 @@ class ContextParallel:
         # the gathered chunks (rank order) in sequence order and back: cuts and a cat (a
         # cat saves nothing for backward, an index_select its index)
         self.pieces = [k for r in range(comm.size) for k in token_pieces(comm.size, r, balance)]
+        self.seq_order = sorted(range(len(self.pieces)), key=self.pieces.__getitem__)  # gathered chunk of each
         self.prefix = [(q + 1) * c for q in token_pieces(comm.size, comm.rank, balance)]  # query chunk i: keys [0, prefix[i])
         # lower-right causal masks (c, L): every key but the last chunk's later ones
         self.causal = {L: torch.ones(c, L, dtype=torch.bool).tril(L - c).to(device) for L in (c, 2 * c)}
@@ -101,7 +102,7 @@ class ContextParallel:
     def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """(B, h, T, d) gathered in cp-rank order -> sequence order."""
         c = self.chunk
-        return torch.cat([t.narrow(2, self.pieces.index(k) * c, c) for k in range(len(self.pieces))], dim=2)
+        return torch.cat([t.narrow(2, g * c, c) for g in self.seq_order], dim=2)
 
     def to_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """The inverse of `to_sequence`."""

@@ -56,9 +56,8 @@ def ulysses_attention(cp, module, query, key, value, dropout: float, scaling) ->
     """(B, heads, n, d) q and (B, kv heads, n, d) k, v of this rank's tokens -> (B, n, heads, d)."""
     q, k, v = (cp.to_sequence(_AllToAll.apply(t, cp, True)) for t in (query, key, value))
     k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))  # GQA: every query head its K / V head
-    c = cp.chunk
-    for i in range(2 * cp.comm.size):  # the causal count, chunk by chunk (as the ring's and the all-gather's)
-        cp.count(q[:, :, :c], (i + 1) * c)
+    n = 2 * cp.comm.size  # the causal count, chunk by chunk (as the ring's and the all-gather's): chunk i sees i + 1
+    cp.count(q[:, :, :cp.chunk], cp.chunk * n * (n + 1) // 2)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0,
                                                            is_causal=True, scale=scaling)
     out = _AllToAll.apply(cp.to_ranks(out), cp, False)  # (B, heads, n, d)
