@@ -130,19 +130,23 @@ def test_a_call_without_a_future_is_timed_by_a_watcher_thread():
         for w in waits:
             w.wait()
     (_, _, s, e), = timer.take()
-    assert work.waits == 1 and e - s < 0.01
+    assert work.waits == 1 and e - s < 0.04  # a hand-over, not the 0.05 s transfer
     assert 0.05 <= timer.totals["cp"] - (e - s) <= e - before
     r = row([dict.fromkeys(PARTS, 0.0) | {"comm_cp": e - s}], [timer.totals])
     assert r["comm_hidden_cp"] > 0.5 and r["comm_hidden_unseen_calls"] == 0
     # waited for at once, outside any span (a stray wait): the wait is timed all the same,
     # as exposed cp time, and nothing reads as hidden
+    # (hidden: at most the host's own time between the issue and the wait, never the transfer;
+    # bounded by stamps, not by a wall-clock guess, since a loaded machine stalls the host)
     timer.begin_step()
     work = _NoFuture()
+    before = time.time()
     waits = timer.watch("cp", [work])
     threading.Timer(0.05, work.done.set).start()
     waits[0].wait()
     (dim, _, s, e), = timer.take()
-    assert dim == "cp" and e - s >= 0.045 and timer.totals["cp"] - (e - s) < 0.005
+    hidden = timer.totals["cp"] - (e - s)
+    assert dim == "cp" and e - s >= 0.045 and -1e-9 <= hidden <= s - before + 1e-6 and hidden < 0.045
     failed = _NoFuture(error=RuntimeError("peer gone"))  # the Work's error reaches the caller's wait
     failed.done.set()
     with pytest.raises(RuntimeError, match="peer gone"):
