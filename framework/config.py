@@ -79,6 +79,8 @@ MAX_GLOBAL_BATCH = 1 << 30
 _MOE = dict(when=lambda r: r.model.arch == "qwen3_moe", when_text="model.arch=qwen3_moe", base=("model=moe-tiny",))
 _FP16 = dict(when=lambda r: r.trainer.precision == "fp16-mixed", when_text="trainer.precision=fp16-mixed",
              base=("trainer.precision=fp16-mixed",))
+_FP8 = dict(when=lambda r: r.precision.fp8 != "none", when_text="precision.fp8=tensorwise or rowwise",
+            base=("precision.fp8=tensorwise", "trainer.precision=bf16-mixed"))
 _SYNTHETIC = dict(when=lambda r: r.data.name == "synthetic", when_text="data=synthetic")
 _PYCODE = dict(when=lambda r: r.data.name == "pycode", when_text="data=pycode", base=("data=pycode",))
 _HF = dict(when=lambda r: r.data.name == "hf", when_text="data=hf", base=("data=hf", "data.path=json"))
@@ -422,6 +424,11 @@ class PrecisionConfig:
     # gradient collectives: null = the mode's (fp32 when mixed) | fp32 | param
     reduce_dtype: Optional[str] = key(None, choices=("fp32", "param"))
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    # none | tensorwise | rowwise: the blocks' linears on FP8 operands (torchao; framework/models/fp8.py)
+    fp8: str = key("none", choices=("none", "tensorwise", "rowwise"))
+    # null: emulated off CUDA, FP8 GEMMs on CUDA (sm 8.9+) | true: emulated anywhere | false: never emulated
+    fp8_emulate: Optional[bool] = key(None, **_FP8)
+    fp8_all_gather: bool = key(False, **_FP8)  # FSDP2 gathers tensorwise FP8 weights (1 byte per element)
 
 
 @dataclass

@@ -15,6 +15,10 @@ checkpoint's compatibility check.
 | `fp16-mixed` | fp16 (the loss scaled dynamically) | fp32, fp32 | fp16 | fp16 |
 | `fp64` | fp64 (verification: layouts compared at rtol 1e-9) | (none), fp64 | fp64 | fp64 |
 
+`precision.fp8` (tensorwise | rowwise) runs the blocks' linears on FP8 operands beside
+bf16-autocast or bf16-mixed (framework/models/fp8.py): dtypes as the mode's, MFU against the
+bf16 peak (torchtitan's convention: FP8's own peak is twice that).
+
 `bf16` is kept as an alias of `bf16-autocast` (the name it had before the modes with 16-bit
 parameters existed): autocast over fp32 parameters, so its memory is fp32's.
 
@@ -46,6 +50,7 @@ class Policy:
     master_dtype: Optional[torch.dtype] = None  # the optimizer's own copy of the parameters; None: none
     reduce_dtype: Optional[torch.dtype] = None  # gradient all-reduce / reduce-scatter; None: param_dtype
     loss_scaling: bool = False  # dynamic loss scaling (fp16-mixed; keys precision.loss_scale.*)
+    fp8: str = "none"  # precision.fp8: the blocks' linears on FP8 operands (framework/models/fp8.py)
 
     @property
     def param_bytes(self) -> int:
@@ -104,9 +109,12 @@ def policy_of(precision) -> Policy:
     base = MODES[canonical(precision.trainer.precision)]
     reduce = precision.precision.reduce_dtype
     if reduce == "param":
-        return replace(base, reduce_dtype=None)
-    if reduce == "fp32" and base.param_dtype != F64:
-        return replace(base, reduce_dtype=F32)
+        base = replace(base, reduce_dtype=None)
+    elif reduce == "fp32" and base.param_dtype != F64:
+        base = replace(base, reduce_dtype=F32)
+    fp8 = precision.precision.fp8
+    if fp8 != "none":  # beside bf16 only (validated): MFU stays against the bf16 peak, as torchtitan reports it
+        base = replace(base, fp8=fp8)
     return base
 
 

@@ -427,6 +427,23 @@ PRECISION_BAD = [
      "must be <= precision.loss_scale.initial"),
     (["trainer.precision=fp16-mixed", "precision.loss_scale.hysteresis=0"], "precision.loss_scale.hysteresis=0",
      "must be >= 1"),
+    (["trainer.precision=fp64", "precision.fp8=tensorwise"], "precision.fp8='tensorwise'", "verifies layouts at rtol"),
+    (["trainer.precision=fp16-mixed", "precision.fp8=rowwise"], "precision.fp8='rowwise'", "loss scaling is not proved"),
+    (["model=moe-tiny", "trainer.precision=bf16-mixed", "precision.fp8=tensorwise"], "precision.fp8='tensorwise'", "grouped GEMMs have no FP8 path"),
+    (["device=cpu", "trainer.precision=bf16-mixed", "precision.fp8=tensorwise", "precision.fp8_emulate=false"], "precision.fp8_emulate=False",
+     "no FP8 matrix units"),
+    (["trainer.precision=bf16-mixed", "parallelism=dp2", "parallelism.zero=3", "parallelism.zero_impl=fsdp2",
+      "precision.fp8=rowwise",
+      "precision.fp8_all_gather=true"], "precision.fp8_all_gather=True", "one scale for the whole tensor"),
+    (["trainer.precision=bf16-mixed", "parallelism=dp2", "parallelism.zero=3", "precision.fp8=tensorwise",
+      "precision.fp8_all_gather=true"],
+     "precision.fp8_all_gather=True", "has no FSDP2 gather"),
+    (["trainer.precision=fp32", "precision.fp8=tensorwise"], "precision.fp8='tensorwise'", "would run in fp32"),
+    (["trainer.precision=bf16-mixed", "parallelism=pp2", "schedule=zbh1", "precision.fp8=tensorwise"],
+     "precision.fp8='tensorwise'", "every linear's backward would run twice"),
+    (["trainer.precision=bf16-mixed", "parallelism=dp2", "parallelism.zero=3", "parallelism.zero_impl=fsdp2",
+      "precision.fp8=tensorwise", "precision.fp8_all_gather=true", "trainer.save_checkpoint=true"],
+     "precision.fp8_all_gather=True", "e4m3 roundings of the masters"),
 ]
 
 

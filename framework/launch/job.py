@@ -28,7 +28,7 @@ from framework.metrics.bubble import analytic_bubble, analytic_source
 from framework.parallel.pipeline.schedules import resolve
 from framework.metrics.flops import active_expert_params, flops_per_token, matmul_params
 from framework.metrics.peak import NO_UNIT, PENDING, device_peak, fixed_peak
-from framework.models import build_hf_model, with_pretrained_sizes
+from framework.models import build_hf_model, fp8, with_pretrained_sizes
 from framework.launch.plan import make_plan, render_plan
 from framework.precision import policy_of
 from framework.report.closing import summary_lines
@@ -269,6 +269,9 @@ def run_job(run: RunConfig, job_dir: str, set_aside: bool = True) -> Optional[di
     if device_type == "cpu" and run.launcher == "local" and run.world_size > cores:
         print(f"WARNING: {run.world_size} ranks on {cores} CPU cores: the ranks take turns on the cores, so step "
               "times include waiting for one; compare layouts of the same rank count (docs/sweeps.md)", flush=True)
+    fp8_note = fp8.note(run.precision.fp8, run.model.n_embd, device_type)
+    if fp8_note:
+        print(f"NOTE: {fp8_note}", flush=True)
     if run.launcher == "external":
         print(f"launch the {run.world_size} ranks with, on each node (this job directory on a filesystem every node "
               "sees; torchrun's options, docs/multinode.md):\n  python -m framework.launch.node --nnodes=<N> "

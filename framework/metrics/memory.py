@@ -34,15 +34,21 @@ def _storage_key(t: torch.Tensor):
     return (s.device.type, s.data_ptr()), s.nbytes()
 
 
+def _storage_keys(t: torch.Tensor) -> list:
+    """(key, bytes) of the storages holding `t`: its own, or a wrapper subclass's inner
+    tensors' (torchao's FP8 tensors: data and scale), which have no storage of their own."""
+    try:
+        return [_storage_key(t)]
+    except (RuntimeError, NotImplementedError):
+        if not hasattr(t, "__tensor_flatten__"):
+            raise
+        return [k for name in t.__tensor_flatten__()[0] for k in _storage_keys(getattr(t, name))]
+
+
 def _weight_keys(tensors) -> set:
     """Storage keys of weights that hold memory now. A freed storage (ZeRO-3's resized-away
     buffer, a pipeline stage's dropped parameter) has no address worth remembering."""
-    keys = set()
-    for t in tensors:
-        key, nbytes = _storage_key(t)
-        if nbytes > 0:
-            keys.add(key)
-    return keys
+    return {key for t in tensors for key, nbytes in _storage_keys(t) if nbytes > 0}
 
 
 def tensor_bytes(tensors) -> int:
@@ -50,8 +56,7 @@ def tensor_bytes(tensors) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        key, nbytes = _storage_key(t)
-        seen[key] = nbytes
+        seen.update(_storage_keys(t))
     return sum(seen.values())
 
 

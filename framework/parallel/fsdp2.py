@@ -43,6 +43,10 @@ their dtype, no casts. bf16-mixed: the model is materialised in the master dtype
 those fp32 shards ARE the master weights; `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=policy.grad_reduce_dtype)` all-gathers bf16 copies for compute and
 reduce-scatters in fp32 into fp32 gradients. fp16-mixed (loss scaling) is rejected.
+`precision.fp8_all_gather` (tensorwise FP8): each block's FP8 linear weights become torchao's
+`WeightWithDynamicFloat8CastTensor` before sharding, so FSDP2 casts a shard to FP8 (its own
+amax all-reduced over dp: one scale for the whole weight) and gathers 1 byte per element;
+the matmul takes the gathered FP8 weight as cast.
 
 Measurement (`state_bytes`, as zero.py's): exact bytes of the local tensors' storages
 (parameters and gradients include the dim-0 padding). The transient peak is read from FSDP2's
@@ -64,6 +68,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from framework.metrics.memory import tensor_bytes
+from framework.models import fp8
 from framework.precision import policy_of
 
 
@@ -84,6 +89,12 @@ def chunk_start(p: DTensor) -> int:
     return first * math.prod(p.shape[1:])
 
 
+def framework_attrs(p: nn.Parameter) -> dict:
+    """The attributes the framework set on a parameter (tp_shard, ...), which FSDP2's new
+    DTensor parameters need back; not an FP8 wrapper's own fields (fp8.WRAPPER_KEYS)."""
+    return {k: v for k, v in p.__dict__.items() if k not in fp8.WRAPPER_KEYS}
+
+
 class FSDP2:
     """The FSDP2 state of one rank, with zero.Zero's duck-typed interface (AccumulationRunner)."""
 
@@ -98,6 +109,7 @@ class FSDP2:
         mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype if policy.mixed else None,
                                   reduce_dtype=policy.grad_reduce_dtype)
         fill = getattr(model, "fill", None)
+        self.root, self.fp8_all_gather = model, run.precision.fp8_all_gather
         self.modules: list[FSDPModule] = []
         self.attrs: dict[int, dict] = {}  # id(sharded parameter) -> the framework's attributes
         for block in model.blocks:
@@ -129,9 +141,11 @@ class FSDP2:
                 p.data = p.data.to(master)  # still on the meta device: no values yet
         if fill is not None:
             fill(params)  # one unit whole at a time, then only its shard stays (as zero.py)
+        if self.fp8_all_gather and module is not self.root and fp8.fp8_weights_for_all_gather(module):
+            params = [p for p in module.parameters() if p.requires_grad]  # the FP8-cast weights replaced them
         ids = {id(p) for p in params}
         # Every (module, name) holding one of them: FSDP2 registers new parameters there.
-        places = [(m, n, dict(p.__dict__)) for m in module.modules() for n, p in m._parameters.items()
+        places = [(m, n, framework_attrs(p)) for m in module.modules() for n, p in m._parameters.items()
                   if p is not None and id(p) in ids]
         fully_shard(module, mesh=self.mesh, reshard_after_forward=after_forward, mp_policy=mp)
         # FSDP2's new DTensor parameters drop custom attributes: put the framework's back

@@ -114,16 +114,19 @@ class _SequenceGatherLinear(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None, None
 
 
-def column_entry(x: torch.Tensor, weight: torch.Tensor, comm: TPComm, sequence_parallel: bool, conv1d: bool):
-    """Enter the tp region and multiply: copy_to_tp_region, or the sequence gather above."""
-    if sequence_parallel:
+def column_entry(x: torch.Tensor, weight: torch.Tensor, comm: TPComm, sequence_parallel: bool, conv1d: bool,
+                 mm: Callable = _matmul):
+    """Enter the tp region and multiply: copy_to_tp_region, or the sequence gather above. Another
+    `mm` (FP8, framework/models/fp8.py) multiplies the gathered input with its own autograd."""
+    if sequence_parallel and mm is _matmul:
         return _SequenceGatherLinear.apply(x, weight, comm, conv1d)
-    return _matmul(enter_tp_region(x, comm, False), weight, conv1d)
+    return mm(enter_tp_region(x, comm, sequence_parallel), weight, conv1d)
 
 
 class ColumnParallelLinear(nn.Module):
     """`enters=True`: the layer is the region's only reader and enters it itself (GPT-2's
-    c_attn and c_fc); otherwise its module's pre-hook entered once for several (Llama)."""
+    c_attn and c_fc); otherwise its module's pre-hook entered once for several (Llama).
+    `mm`: the matmul (FP8's replaces it: framework/models/fp8.py)."""
 
     def __init__(self, module: nn.Module, comm: TPComm, parts: int = 1, enters: bool = False,
                  sequence_parallel: bool = False):
@@ -135,12 +138,13 @@ class ColumnParallelLinear(nn.Module):
         index = column_index(n, comm, parts)
         self.weight = _shard(module.weight, TPShard(dim, index, n))
         self.bias = _shard(module.bias, TPShard(0, index, n)) if module.bias is not None else None
+        self.mm = _matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters:
-            y = column_entry(x, self.weight, self.comm, self.sequence_parallel, self.conv1d)
+            y = column_entry(x, self.weight, self.comm, self.sequence_parallel, self.conv1d, self.mm)
         else:
-            y = _matmul(x, self.weight, self.conv1d)  # (B, T, out/tp)
+            y = self.mm(x, self.weight, self.conv1d)  # (B, T, out/tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -153,9 +157,10 @@ class RowParallelLinear(nn.Module):
         n = module.weight.size(dim)
         self.weight = _shard(module.weight, TPShard(dim, column_index(n, comm), n))
         self.bias = module.bias  # replicated: added once, after the sum
+        self.mm = _matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(_matmul(x, self.weight, self.conv1d), self.comm, self.sequence_parallel)  # (B, T[/tp], out)
+        y = exit_tp_region(self.mm(x, self.weight, self.conv1d), self.comm, self.sequence_parallel)  # (B, T[/tp], out)
         return y if self.bias is None else y + self.bias
 
 
@@ -247,6 +252,11 @@ def _entry_hook(comm: TPComm, sequence_parallel: bool) -> Callable:
 
 def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
+def style_of(plan: dict[str, str], name: str):
+    """The plan's style for a module name (the first pattern that matches), or None."""
+    return next((style for pattern, style in plan.items() if _matches(pattern, name)), None)
 
 
 def apply_plan(model: nn.Module, plan: dict[str, str], comm: TPComm, sequence_parallel: bool,

@@ -31,8 +31,8 @@ from framework.validate.paths import read_json
 # split of every op over tensor-parallel ranks; ZeRO's gathers and sharded optimizer step (in the
 # time outside the pipeline, which is replayed as measured); the device. parallelism.dp is not
 # here: it changes only the dp all-reduce in that outside time (docs/simulator.md, Limits).
-UNSCALED = ("model", "data.seq_len", "trainer.micro_batch_size", "trainer.precision",
-            "trainer.activation_checkpointing", "parallelism.tp", "parallelism.sequence_parallel",
+UNSCALED = ("model", "data.seq_len", "trainer.micro_batch_size", "trainer.precision", "precision.fp8",
+            "trainer.compile", "trainer.activation_checkpointing", "parallelism.tp", "parallelism.sequence_parallel",
             "parallelism.zero", "parallelism.zero_impl", "parallelism.offload_optimizer", "device")
 MAX_JOB_FILE_BYTES = 64 << 20  # run_info.json, summary.json: kilobytes when this framework wrote them
 NOT_WORK = ("model.name", "model.pretrained")

@@ -43,6 +43,7 @@ from framework.parallel.pipeline.schedules import Op
 from framework.models import recompute
 from framework.metrics.compiles import compiled_frames
 from framework.models.compile import compile_blocks
+from framework.models import fp8
 from framework.parallel import context_parallel
 from framework.parallel.tp_comm import TPComm
 from framework.metrics.breakdown import busy_s, rank_parts, serialise_pairs
@@ -81,6 +82,9 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
                                               run.parallelism.cp_balance, ctx.device, run.parallelism.cp_comm,
                                               ctx.group_ranks["cp"], run.parallelism.overlap_cp_ring)
         context_parallel.install(model, cp)
+    if run.precision.fp8 != "none":  # before recompute and compile wrap the blocks (torchtitan's order)
+        fp8.install(model.blocks, run.precision.fp8, fp8.emulated(run.precision.fp8_emulate, ctx.device),
+                    run.precision.fp8_all_gather)
     if run.trainer.recompute == "selective":  # after cp: it wraps the attention function in use
         recompute.install(model)
     if run.trainer.compile == "blocks":  # after every wrapper of the blocks (models/compile.py)

@@ -25,7 +25,7 @@ from framework.validate.hardware import check_hardware
 from framework.validate.environment import check_logger, check_node_capacity, check_rank_env, cpu_rank_limit
 from framework.validate.heldout import check_eval, flushing
 from framework.validate.optimizer import check_optimizer
-from framework.validate.precision import check_precision
+from framework.validate.precision import check_fp8_widths, check_precision
 from framework.validate.schedule import check_schedule, load_schedule_modules
 from framework.models.checks import check_model_type, check_tp_sizes
 from framework.validate.paths import check_job_dir, check_paths, local_data_files, safetensors_problem
@@ -175,6 +175,8 @@ def validate_model(run: RunConfig, hf_model) -> list[range]:
     arch = ARCHS[run.model.arch]
     if run.parallelism.tp > 1:
         check_tp_sizes(arch.tp_sizes(hf_model.config), run.parallelism.tp)
+    if run.precision.fp8 != "none":
+        check_fp8_widths(run, hf_model, arch.TP_PLAN)
     stages = run.parallelism.pp * run.schedule.virtual_stages
     try:
         return stage_ranges(run.parallelism.partition, arch.split(hf_model), stages)

@@ -39,6 +39,7 @@ def check_precision(run: RunConfig) -> None:
                               "set trainer.precision=fp16-mixed, or debug.inf_grad_step=null")
         positive("debug.inf_grad_step", k)
     _inf_grad_rank(run)
+    _fp8(run)
 
 
 def _inf_grad_rank(run: RunConfig) -> None:
@@ -72,3 +73,114 @@ def _loss_scale(run: RunConfig) -> None:
            f"must be below 1 and {two}", "e.g. 0.5")
     positive(pre + "growth_interval", c.growth_interval)
     positive(pre + "hysteresis", c.hysteresis)
+
+
+FP8_OVER = ("bf16-autocast", "bf16", "bf16-mixed")  # FP8 linears run beside bf16 (torchtitan's setting)
+
+
+def _fp8(run: RunConfig) -> None:
+    """precision.fp8 (framework/models/fp8.py): which modes, schedules, devices, models and
+    wrappers it runs with. The widths are checked on the meta model (check_fp8_widths)."""
+    import importlib.util
+
+    c, mode, off = run.precision, run.trainer.precision, "or precision.fp8=none"
+    if c.fp8 == "none":
+        return
+    if mode not in FP8_OVER:
+        why = {"fp64": "verifies layouts at rtol 1e-9 and FP8 rounds every GEMM operand to 3 mantissa bits",
+               "fp16-mixed": "its loss scaling is not proved with FP8's own dynamic scales",
+               "fp32": "the linears outside FP8 would run in fp32 and MFU would mix two peaks"}[mode]
+        raise ConfigError("precision.fp8", c.fp8, f"with trainer.precision={mode}: {why}; FP8 runs beside bf16, as "
+                          "torchtitan trains it", f"use trainer.precision=bf16-mixed (or bf16-autocast), {off}")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("precision.fp8", c.fp8, "runs through torchao's float8 training, which is not installed",
+                          f"pip install -e '.[fp8]' (torchao), {off}")
+    if run.model.arch == "qwen3_moe":
+        raise ConfigError("precision.fp8", c.fp8, "with a MoE model: the experts' grouped GEMMs have no FP8 path "
+                          "here (torchao's MoE training is another API)", f"use a dense model, {off}")
+    if run.parallelism.pp > 1:
+        from framework.parallel.pipeline.schedules.base import REGISTRY
+
+        sched = REGISTRY.get(run.schedule.name)
+        if sched is not None and sched.splits_backward:
+            raise ConfigError("precision.fp8", c.fp8, f"with schedule {run.schedule.name}, which splits each backward "
+                              "into I and W: torchao's FP8 matmul computes both gradients in either call, so every "
+                              "linear's backward would run twice", f"use a schedule without I / W (flush, "
+                              f"interleaved, ...), {off}")
+    _fp8_device(run)
+    if c.fp8_all_gather:
+        _fp8_all_gather(run)
+
+
+def _fp8_device(run: RunConfig) -> None:
+    """FP8 GEMMs need FP8 tensor cores (or emulation) and, on them, multiples of 16 per side."""
+    import torch
+
+    c = run.precision
+    if run.dry_run or run.launcher == "external":  # the ranks' device is not this host's
+        return
+    cuda = run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        if c.fp8_emulate is False:
+            raise ConfigError("precision.fp8_emulate", False, "this device has no FP8 matrix units (no CUDA): the "
+                              "GEMMs can only be emulated (the same casts, an fp32 matmul)",
+                              "set precision.fp8_emulate=null or true (emulation: the numerics, not the speed)")
+        return
+    if c.fp8_emulate or not torch.cuda.is_available():
+        return
+    from framework.models.fp8 import ALIGN, FP8_MIN_CAPABILITY
+
+    cap = torch.cuda.get_device_capability()
+    if cap < FP8_MIN_CAPABILITY:
+        raise ConfigError("precision.fp8", c.fp8, f"this GPU (compute capability {cap[0]}.{cap[1]}) has no FP8 "
+                          "tensor cores (8.9+: Ada, Hopper, Blackwell)", "set precision.fp8_emulate=true "
+                          "(numerics only), or precision.fp8=none")
+    tokens = run.trainer.micro_batch_size * run.data.seq_len // run.parallelism.cp
+    if tokens % ALIGN:
+        raise ConfigError("precision.fp8", c.fp8, f"a micro-batch's {tokens} tokens per rank (micro_batch_size x "
+                          f"seq_len / cp) are the weight gradient's reduced dimension, and FP8 GEMMs take "
+                          f"multiples of {ALIGN}", f"use micro_batch_size x seq_len / cp a multiple of {ALIGN}, or "
+                          "precision.fp8=none")
+
+
+def _fp8_all_gather(run: RunConfig) -> None:
+    c, p, t = run.precision, run.parallelism, run.trainer
+    if c.fp8 != "tensorwise":
+        raise ConfigError("precision.fp8_all_gather", True, f"with precision.fp8={c.fp8}: FSDP2 gathers a weight "
+                          "cast with one scale for the whole tensor; rowwise scales differ per row of the GEMM "
+                          "(torchao's rule)", "use precision.fp8=tensorwise, or precision.fp8_all_gather=false")
+    if p.zero_impl != "fsdp2" or p.zero < 2 or p.dp < 2:
+        raise ConfigError("precision.fp8_all_gather", True, "gathers FSDP2's weight shards in FP8, and this "
+                          f"layout has no FSDP2 gather (dp {p.dp}, zero {p.zero}, zero_impl {p.zero_impl})",
+                          "set parallelism.zero_impl=fsdp2 with zero 2 or 3 and dp > 1, or "
+                          "precision.fp8_all_gather=false")
+    if t.save_checkpoint or t.checkpoint_interval > 0:
+        raise ConfigError("precision.fp8_all_gather", True, "with checkpoints or the final model: the weights FSDP2 "
+                          "gathers are FP8 (an export would hold e4m3 roundings of the masters) and the shards are "
+                          "torchao's wrapper tensors, which the checkpoint writer does not take yet",
+                          "set precision.fp8_all_gather=false (FP8 GEMMs still run), or trainer.save_checkpoint=false "
+                          "and trainer.checkpoint_interval=0")
+
+
+def check_fp8_widths(run: RunConfig, hf_model, plan: dict) -> None:
+    """Every linear FP8 converts multiplies widths torch's FP8 GEMM (`_scaled_mm`) takes:
+    this rank's in and out features multiples of 16 (its tp shard's). `hf_model`: the meta
+    model, whose linears outside the blocks are the LM head alone (never converted)."""
+    from framework.models.fp8 import ALIGN, linears, widths
+    from framework.parallel.tensor_parallel import style_of
+
+    tp = run.parallelism.tp
+    for name, module, _ in linears(hf_model):
+        if name.endswith("lm_head"):
+            continue
+        fan_in, fan_out = widths(module)
+        style = style_of(plan, name) if tp > 1 else None
+        if style and style.startswith("colwise"):
+            fan_out //= tp
+        elif style == "rowwise":
+            fan_in //= tp
+        if fan_in % ALIGN or fan_out % ALIGN:
+            raise ConfigError("precision.fp8", run.precision.fp8, f"{name} multiplies {fan_in} x {fan_out} features on "
+                              f"each rank (tp {tp}); FP8 GEMMs take multiples of {ALIGN}",
+                              f"use model widths (n_embd, n_inner, heads x head size) whose shards are multiples of "
+                              f"{ALIGN}, or precision.fp8=none")
