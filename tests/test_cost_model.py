@@ -203,7 +203,7 @@ def test_bad_hardware_tables_are_told_by_key():
 
 def test_a_profile_without_the_runs_dtype_or_gpus_for_its_layout_is_refused():
     assert_config_error(["hardware=h100-sxm", "trainer.precision=fp64", "parallelism=single"],
-                        "hardware.peak_tflops={'bf16': 989.5, 'fp16': 989.5, 'fp32': 66.9}", "has no fp64 peak, the dtype of trainer.precision=fp64")
+                        "hardware.peak_tflops={'fp8': 1979.0, 'bf16': 989.5, 'fp16': 989.5, 'fp32': 66.9}", "has no fp64 peak, the dtype of trainer.precision=fp64")
     assert_config_error(["hardware=h100-sxm", "hardware.gpus=2", "parallelism=dp4"],
                         "hardware.gpus=2", "is fewer than the layout's 4 ranks")
 

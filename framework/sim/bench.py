@@ -6,7 +6,8 @@
 What it measures, each the median of repeated back-to-back calls (CUDA events on a GPU; on a
 CPU the thread's CPU clock with one thread, else the host clock; after warm-up), a difference
 of two timings from each side's fastest of alternated calls (`_fastest`), never zero:
-- `gemm_tflops`: a @ b over an (m, n, k) grid per dtype (bf16, fp16, fp32 on CUDA; fp32 and
+- `gemm_tflops`: a @ b over an (m, n, k) grid per dtype (fp8 by `torch._scaled_mm` on compute
+  capability 8.9+, bf16, fp16, fp32 on CUDA; fp32 and
   fp64 on CPU), as "m n k TFLOP/s" lines with 2 m n k FLOPs: the table the cost model
   interpolates (framework/sim/cost/hardware.py).
 - `memory_GBps`: the best sustained copy (bytes read + written per second) over sizes that
@@ -47,8 +48,9 @@ import torch.nn.functional as F
 from framework.device import resolve_device
 from framework.launch.commands import OutputPath, Parser, command, reject
 
-DTYPES = {"cuda": ("bf16", "fp16", "fp32"), "cpu": ("fp32", "fp64")}
-TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+DTYPES = {"cuda": ("fp8", "bf16", "fp16", "fp32"), "cpu": ("fp32", "fp64")}  # fp8: compute capability 8.9+ only
+TORCH_DTYPE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+               "fp64": torch.float64}
 # Grids: a GPU reaches its peak only past a few thousand per side; this CPU's models are
 # tiny (n_embd 32-768, a few thousand tokens per micro-batch).
 DIMS = {"cuda": (128, 512, 1024, 2048, 4096, 8192, 16384), "cpu": (16, 64, 256, 1024, 4096)}
@@ -112,10 +114,27 @@ def _inner(seconds_guess: float, target: float) -> int:
     return max(1, min(200, int(target / max(seconds_guess, 1e-7))))
 
 
+def _gemm(device, m: int, n: int, k: int, dtype):
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    return lambda: a @ b
+
+
+def _fp8_gemm(device, m: int, n: int, k: int):
+    """The GEMM torchao's tensorwise FP8 linear runs: e4m3 operands (the second column-major,
+    as `_scaled_mm` takes it), one fp32 scale each, bf16 out. The casts are not in it (the
+    cost model prices them apart)."""
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
 def gemm(timer: Timer, kind: str, quick: bool) -> dict:
     dims = DIMS[kind][::2] if quick else DIMS[kind]
     out = {}
     for name in DTYPES[kind]:
+        if name == "fp8" and torch.cuda.get_device_capability(timer.device) < (8, 9):
+            continue  # no FP8 tensor cores
         dtype, rows = TORCH_DTYPE[name], []
         for m in dims:
             for n in dims:
@@ -123,11 +142,10 @@ def gemm(timer: Timer, kind: str, quick: bool) -> dict:
                     most = (QUICK_MNK if quick else MOST_MNK)[kind]
                     if m * n * k > most or (name == "fp32" and kind == "cuda" and m * n * k > 8192 ** 3):
                         continue
-                    a = torch.randn(m, k, device=timer.device, dtype=dtype)
-                    b = torch.randn(k, n, device=timer.device, dtype=dtype)
+                    fn = _fp8_gemm(timer.device, m, n, k) if name == "fp8" else _gemm(timer.device, m, n, k, dtype)
                     # a cold timer times one call per rep: no first call to size `inner` for
-                    first = timer(lambda: a @ b, reps=1, warmup=1) if timer.junk is None else 1.0
-                    t = timer(lambda: a @ b, reps=5, inner=_inner(first, SECONDS_PER_POINT[kind]))
+                    first = timer(fn, reps=1, warmup=1) if timer.junk is None else 1.0
+                    t = timer(fn, reps=5, inner=_inner(first, SECONDS_PER_POINT[kind]))
                     rows.append(f"{m} {n} {k} {2 * m * n * k / t / 1e12:.6g}")
         out[name] = "\n".join(rows) + "\n"  # one row per line: one YAML string (hardware.py `gemm_rows`)
     return out

@@ -33,7 +33,7 @@ from typing import Optional
 from framework.config import ConfigError
 from framework.sim.cost.ops import CostOp
 
-DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp64")
+DTYPES = ("fp8", "bf16", "fp16", "fp32", "tf32", "fp64")
 FIX = "see docs/cost_model.md (the profile's keys), or write it with python -m framework.sim.bench"
 
 
@@ -163,9 +163,12 @@ class Profile:
         return self.peak_tflops[dtype] * 1e12
 
     def gemm_rate(self, m: float, n: float, k: float, dtype: str) -> float:
-        """FLOP/s of one (m, n, k) GEMM."""
+        """FLOP/s of one (m, n, k) GEMM. An fp8 GEMM with no fp8 table: the bf16 table's
+        fraction of its peak at this shape, of the fp8 peak (until the bench measures one)."""
         if dtype in self._grids:
             return self._grids[dtype].rate(m, n, k) * 1e12
+        if dtype == "fp8" and "bf16" in self._grids:
+            return self._grids["bf16"].rate(m, n, k) * 1e12 * self.peak("fp8") / self.peak("bf16")
         eff = self.gemm_efficiency or {"max": 0.75, "half_dim": 128}
         half = eff["half_dim"]
         return self.peak(dtype) * eff["max"] * math.prod(d / (d + half) for d in (m, n, k))
@@ -184,10 +187,12 @@ class Profile:
         floor = self.kernel_us * 1e-6
         if op.kind == "gemm":
             m, n, k = op.shape
-            return op.count * max(op.flops / self.gemm_rate(m, n, k, dtype), floor)
+            return op.count * max(op.flops / self.gemm_rate(m, n, k, op.dtype or dtype), floor)
         if op.kind == "attention":
             _, s, d = op.shape
             return max(op.flops / self.attention_rate(s, d, op.phase != "F", dtype), floor)
+        if op.fused:  # one generated kernel: the copy rate (eager's per-op rates include its extra kernels)
+            return op.count * max(op.bytes / (self.memory_GBps * 1e9), floor)
         table = self.memory_bound_GBps  # a backward's own rate where the bench measured one
         rate = table.get(f"{op.name}_backward" if op.phase != "F" else op.name, table.get(op.name, self.memory_GBps)) * 1e9
         return op.count * max(op.bytes / rate, floor)

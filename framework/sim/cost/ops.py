@@ -44,6 +44,43 @@ class CostOp:
     bytes: float = 0.0
     shape: tuple = ()  # gemm (m, n, k); attention (batch x heads, s, head_dim)
     count: int = 1  # identical kernels (a rank's experts)
+    dtype: str = ""  # a GEMM's own dtype ("fp8": precision.fp8); "": the layout's
+    fused: bool = False  # a compiled block's generated kernel: streams at the profile's copy rate
+
+
+# Casting one operand of E elements (a bytes each) to FP8 with dynamic scaling (torchao's
+# hp_tensor_to_float8_dynamic), as kernels and bytes. Eager, 6 kernels: abs (read E a, write
+# E a), amax (read E a), the upcast to fp32 (read E a, write 4 E; none from fp32: 5 kernels),
+# the scale multiply and the saturating clamp (read and write 4 E each), the cast (read 4 E,
+# write E); and the scale itself from the amax in 4 scalar kernels (7 rowwise: rounded to a
+# power of two). Compiled: one reduction (the amax: read E a) and one fused scale-clamp-cast
+# (read E a, write E). Not priced: the layout copies _scaled_mm's operands need (a transposed
+# contiguous copy of W in I and of dY and x in W: 2 E bytes each).
+def _cast_ops(phase: str, elements: float, a: int, rowwise: bool, compiled: bool) -> list[CostOp]:
+    if compiled:
+        return [CostOp("fp8_cast", "memory", phase, bytes=elements * (2 * a + 1) / 2, count=2, fused=True)]
+    upcast = elements * (a + 4) if a != 4 else 0.0
+    sized = elements * 3 * a + upcast + elements * (8 + 8 + 5)
+    kernels = 6 if a != 4 else 5
+    return [CostOp("fp8_cast", "memory", phase, bytes=sized / kernels, count=kernels),
+            CostOp("fp8_scale", "memory", phase, count=7 if rowwise else 4)]
+
+
+def _fp8(ops: list[CostOp], lay: Layout, readers: int = 1) -> list[CostOp]:
+    """A linear's three GEMMs at FP8 with the casts of their operands (torchao casts each
+    GEMM's two operands, the backward's again: F x, W; I dY, W; W dY, x). `readers`: the
+    model's linears this op merges that read the same x (Llama's k and v, gate and up: 2):
+    eager, each casts x itself; compiled, the graph casts it once (common subexpressions)."""
+    if lay.fp8 == "none":
+        return ops
+    (f, i, _w) = ops
+    t, n_out, k_in = f.shape
+    x, w, dy = t * k_in, k_in * n_out, t * n_out
+    a, row = lay.act_bytes, lay.fp8 == "rowwise"
+    xs = (x,) * (1 if lay.compiled else readers)
+    casts = [c for ph, es in (("F", (*xs, w)), ("I", (dy, w)), ("W", (dy, *xs))) for e in es
+             for c in _cast_ops(ph, e, a, row, lay.compiled)]
+    return [replace(o, dtype="fp8") for o in ops] + casts
 
 
 def _linear(name: str, t: int, k_in: int, n_out: int, model_params: float, tp: int) -> list[CostOp]:
@@ -75,9 +112,9 @@ def block_ops(s: ModelShape, lay: Layout) -> list[CostOp]:
     norm_f = 2.0 * t * s.norm_params() / tp
     ops = _memory(norm, 2 * tn * h * a, norm_f, weights=True)
     if s.arch == "gpt2":
-        ops += _linear("qkv", t, h, 3 * h // tp, 3 * h * h + 3 * h, tp)
+        ops += _fp8(_linear("qkv", t, h, 3 * h // tp, 3 * h * h + 3 * h, tp), lay)
     else:
-        ops += _linear("q", t, h, h // tp, h * h, tp) + _linear("kv", t, h, 2 * kv // tp, 2 * h * kv, tp)
+        ops += _fp8(_linear("q", t, h, h // tp, h * h, tp), lay) + _fp8(_linear("kv", t, h, 2 * kv // tp, 2 * h * kv, tp), lay, 2)
         ops += _memory("rotary", 2 * t * (h + kv) // tp * a)
         if s.arch == "qwen3_moe":
             ops += _memory("rms_norm", 2 * t * (h + kv) // tp * a, 2.0 * t * 2 * hd / tp, weights=True)
@@ -88,11 +125,16 @@ def block_ops(s: ModelShape, lay: Layout) -> list[CostOp]:
     attn_model = 4.0 * t * lay.seq_len * h / tp
     ops += [CostOp("attention", "attention", "F", attn_model, causal, shape=(bh, lay.seq_len, hd)),
             CostOp("attention", "attention", "I", 2 * attn_model, 2.5 * causal, shape=(bh, lay.seq_len, hd))]
-    ops += _linear("o", t, h // tp, h, h * h + (h if s.bias else 0), tp)
-    ops += _memory("add", 3 * tn * h * a, backward=0.0)  # residual; its gradient passes through
-    ops += _memory(norm, 2 * tn * h * a, norm_f, weights=True)
+    ops += _fp8(_linear("o", t, h // tp, h, h * h + (h if s.bias else 0), tp), lay)
+    if lay.compiled:  # the residual add and the next norm in one kernel: the sum is written once, not read back
+        ops += _memory(f"add_{norm}", 4 * tn * h * a, norm_f, backward=1.0, weights=True)
+    else:
+        ops += _memory("add", 3 * tn * h * a, backward=0.0)  # residual; its gradient passes through
+        ops += _memory(norm, 2 * tn * h * a, norm_f, weights=True)
     ops += _mlp(s, lay, t, tn)
     ops += _memory("add", 3 * tn * h * a, backward=0.0)
+    if lay.compiled:  # every elementwise op a generated kernel (fp8 casts are marked already)
+        ops = [replace(o, fused=True) if o.kind == "memory" else o for o in ops]
     if lay.recompute:  # the block's forward again, inside its backward: executed, not model FLOPs
         ops += [replace(o, phase="I", model_flops=0.0) for o in ops if o.phase == "F"]
     return ops
@@ -114,10 +156,10 @@ def _mlp(s: ModelShape, lay: Layout, t: int, tn: int) -> list[CostOp]:
         ops += _memory("permute", 4 * tn * s.top_k * h * a)  # dispatch / combine gathers and the weighted sum
         return ops
     if s.gated:
-        return (_linear("gate_up", t, h, 2 * f // tp, 2 * h * f, tp) + _memory("silu_mul", 3 * t * f // tp * a)
-                + _linear("down", t, f // tp, h, f * h, tp))
-    return (_linear("fc", t, h, f // tp, h * f + f, tp) + _memory("gelu", 2 * t * f // tp * a)
-            + _linear("proj", t, f // tp, h, f * h + h, tp))
+        return (_fp8(_linear("gate_up", t, h, 2 * f // tp, 2 * h * f, tp), lay, 2) + _memory("silu_mul", 3 * t * f // tp * a)
+                + _fp8(_linear("down", t, f // tp, h, f * h, tp), lay))
+    return (_fp8(_linear("fc", t, h, f // tp, h * f + f, tp), lay) + _memory("gelu", 2 * t * f // tp * a)
+            + _fp8(_linear("proj", t, f // tp, h, f * h + h, tp), lay))
 
 
 def embedding_ops(s: ModelShape, lay: Layout) -> list[CostOp]:

@@ -126,6 +126,8 @@ class Layout:
     cp_comm: str = "allgather"  # ops.py's attention, traffic.py's cp collectives, activations.py
     selective: bool = False  # trainer.recompute=selective: the attention core recomputed (activations.py)
     cp_balance: str = "headtail"  # which chunks a cp rank holds (context_parallel.token_pieces)
+    fp8: str = "none"  # precision.fp8: the blocks' linears' GEMMs at the profile's fp8 rate, plus their casts
+    compiled: bool = False  # trainer.compile=blocks: a block's elementwise ops fused (ops.py)
 
     @property
     def tokens(self) -> int:
