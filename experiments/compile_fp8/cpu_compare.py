@@ -7,10 +7,13 @@ per-pass ratios with its min-max, and the compile seconds the warm-up took).
 
 tokens/s: summary.json's median over the steps after metrics.skip_first=2 (compilation is
 in the first step, which that leaves out: the row's `compiles_measured` must be 0); fp32;
-inductor (gcc-built C++ kernels) on torch's default intra-op threads.
+inductor (gcc-built C++ kernels) on torch's default intra-op threads. Each compiled run
+starts from an empty inductor cache (TORCHINDUCTOR_CACHE_DIR), so `compile_s` is a cold
+compile's wall time.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +34,9 @@ def one(name: str, compiled: bool, out: Path, k: int) -> dict:
             f"trainer.steps={steps}", "metrics.skip_first=2", "trainer.warmup_steps=1", "parallelism=single",
             "logger=none", f"trainer.log_interval={steps}", f"hydra.run.dir={job}"]
     args += ["trainer.compile=blocks"] if compiled else []
-    subprocess.run(args, cwd=ROOT, check=True, capture_output=True, timeout=1800)
+    # a fresh inductor cache per compiled run: compile_s is a cold compile's, as a first run sees it
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(out / f"inductor_{name}_{k}")}
+    subprocess.run(args, cwd=ROOT, check=True, capture_output=True, timeout=1800, env=env)
     s = json.loads((job / "summary.json").read_text())
     return {"size": name, "compiled": compiled, "pass": k, "tokens_per_s": s["tokens_per_s"],
             "compile_s": s.get("compile_s"), "compiles_measured": s.get("compiles_measured"),
