@@ -1,0 +1,128 @@
+"""The packages of framework/ depend one way (docs/code-map.md, "Package order"): a module
+imports only from its own package and the packages below it. The order is read from the
+code map, so the page and the rule cannot drift apart. The imports that still point up are
+listed below, each by file and module: a new one fails with its file and line, and a listed
+one that is gone fails too, so the list only shrinks (issue 49 empties it)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+from .test_layout import FRAMEWORK, ROOT, modules
+
+# (importing file, imported framework module) for every import that still goes up the order
+KNOWN_UPWARD = {
+    ("framework/config.py", "framework.parallel.pipeline.schedules"),
+    ("framework/config.py", "framework.parallel.pipeline.schedules.base"),
+    ("framework/metrics/breakdown.py", "framework.parallel.pipeline.messages"),
+    ("framework/metrics/breakdown.py", "framework.parallel.pipeline.schedules"),
+    ("framework/metrics/bubble.py", "framework.parallel.pipeline.schedules"),
+    ("framework/metrics/comm_timer.py", "framework.parallel.side_thread"),
+    ("framework/metrics/model_states.py", "framework.parallel.expert_parallel"),
+    ("framework/metrics/timeline.py", "framework.parallel.pipeline.schedules"),
+    ("framework/metrics/timeline.py", "framework.sim.replay"),
+    ("framework/models/__init__.py", "framework.parallel.tensor_parallel"),
+    ("framework/models/materialise.py", "framework.parallel.expert_parallel"),
+    ("framework/models/materialise.py", "framework.parallel.tensor_parallel"),
+    ("framework/models/moe_layer.py", "framework.parallel.expert_parallel"),
+    ("framework/models/moe_routing.py", "framework.parallel.tp_comm"),
+    ("framework/models/qwen3_moe.py", "framework.parallel.expert_parallel"),
+    ("framework/parallel/pipeline/check.py", "framework.sim.clock"),
+    ("framework/parallel/pipeline/check.py", "framework.sim.matching"),
+    ("framework/parallel/pipeline/executor.py", "framework.train.flight"),
+    ("framework/parallel/pipeline/p2p.py", "framework.sim.clock"),
+    ("framework/parallel/pipeline/reference.py", "framework.data"),
+    ("framework/parallel/pipeline/schedules/cli.py", "framework.launch.commands"),
+    ("framework/parallel/pipeline/schedules/cli.py", "framework.sim.clock"),
+    ("framework/parallel/pipeline/schedules/csv_format.py", "framework.sim.clock"),
+    ("framework/parallel/pipeline/schedules/zb_auto.py", "framework.sim.clock"),
+    ("framework/parallel/pipeline/schedules/zero_bubble.py", "framework.sim.clock"),
+    ("framework/report/compare.py", "framework.launch.commands"),
+    ("framework/report/sinks.py", "framework.sim.replay"),
+    ("framework/report/winner.py", "framework.launch.commands"),
+    ("framework/sim/bench.py", "framework.launch.commands"),
+    ("framework/sim/cli.py", "framework.launch.commands"),
+    ("framework/sim/optimes.py", "framework.launch.commands"),
+    ("framework/sim/sweep.py", "framework.launch.jobdir"),
+    ("framework/topology.py", "framework.train.flight"),
+    ("framework/train/trainer.py", "framework.launch.signals"),
+    ("framework/train/worker.py", "framework.launch.signals"),
+    ("framework/validate/hardware.py", "framework.sim.cost.hardware"),
+    ("framework/validate/hardware.py", "framework.sim.cost.price"),
+}
+
+
+def package_order() -> list[str]:
+    text = open(os.path.join(ROOT, "docs", "code-map.md")).read()
+    line = re.search(r"^Package order, lowest first: (.+)$", text, re.M)
+    assert line, "docs/code-map.md has no 'Package order, lowest first: a -> b -> ...' line"
+    return [p.strip(" `.") for p in line.group(1).split("->")]
+
+
+def package_of(module: str) -> str:
+    """framework.parallel.zero -> parallel; framework.config -> config; framework -> framework."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def imports(mods: dict[str, str]):
+    """(file, line, imported framework module) of every import statement, functions included."""
+    for m, path in sorted(mods.items()):
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "framework" else [node.module]
+            else:
+                continue
+            for n in names:
+                if n.split(".")[0] == "framework" and "." in n:
+                    while n not in mods and "." in n:
+                        n = n.rsplit(".", 1)[0]
+                    yield rel, m, node.lineno, n
+
+
+def upward(order: list[str]) -> list[tuple[str, int, str, str, str]]:
+    rank = {p: i for i, p in enumerate(order)}
+    out = []
+    for rel, m, line, target in imports(modules()):
+        a, b = package_of(m), package_of(target)
+        if a != b and rank[b] > rank[a]:
+            out.append((rel, line, target, a, b))
+    return out
+
+
+def test_every_package_has_its_place_in_the_order():
+    order = package_order()
+    packages = {package_of(m) for m in modules()}
+    assert not packages - set(order), f"docs/code-map.md's package order lacks {sorted(packages - set(order))}"
+    assert len(order) == len(set(order))
+
+
+def test_no_new_import_goes_up_the_package_order():
+    new = [f"{rel}:{line} imports {target} ({a} below {b} in docs/code-map.md's order)"
+           for rel, line, target, a, b in upward(package_order()) if (rel, target) not in KNOWN_UPWARD]
+    assert not new, "imports up the package order (import downward, or move what both need lower):\n" + "\n".join(new)
+
+
+def test_the_list_of_upward_imports_only_shrinks():
+    found = {(rel, target) for rel, _, target, _, _ in upward(package_order())}
+    gone = sorted(KNOWN_UPWARD - found)
+    assert not gone, f"no longer upward (remove from KNOWN_UPWARD in tests/test_package_order.py): {gone}"
+
+
+def test_the_order_check_finds_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself: config importing the trainer is upward in any sane order."""
+    assert package_of("framework.parallel.pipeline.executor") == "parallel" and package_of("framework.config") == "config"
+    order = package_order()
+    assert order.index("config") < order.index("train")
+    fake = dict(modules())
+    path = tmp_path / "config.py"
+    path.write_text("from framework.train.trainer import build_runner\n")
+    fake["framework.config"] = str(path)
+    monkeypatch.setattr("tests.test_package_order.modules", lambda: fake)
+    rel = os.path.relpath(str(path), ROOT).replace(os.sep, "/")
+    assert (rel, 1, "framework.train.trainer", "config", "train") in upward(order)
