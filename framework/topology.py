@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from framework.train.flight import NullRecorder
 
 
 @dataclass(frozen=True)
@@ -125,6 +124,14 @@ class ParallelDims:
 
     def group_of(self, dim: str, rank: int) -> list[int]:
         return next(g for g in self.groups(dim) if rank in g)
+
+
+class NullRecorder:
+    """The flight recorder's stand-in (framework/train/flight.py's FlightRecorder writes what a
+    rank last started) for code run outside a launched rank: unit tests, the reference model."""
+
+    def note(self, text: str, wait: bool = False) -> None:
+        pass
 
 
 @dataclass

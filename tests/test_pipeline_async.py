@@ -1,5 +1,5 @@
 """PipeDream 1F1B and 2BW match, step by step, a single-process run of their update rule
-(framework/parallel/pipeline/reference.py), hold the weight versions they should, and learn;
+(tests/pipeline_reference.py), hold the weight versions they should, and learn;
 a resumed 1f1b run equals a fresh asynchronous run from its checkpoint.
 
 The reference derives its weight versions from the papers' definitions (a simulated 1F1B
@@ -15,8 +15,8 @@ import torch
 
 from framework.launch.job import run_info
 from framework.launch.diagnosis import RankFailure
-from framework.parallel.pipeline.reference import derived_versions, double_buffer_versions, pipedream_versions
-from framework.parallel.pipeline.reference import run_async_reference
+from .pipeline_reference import derived_versions, double_buffer_versions, pipedream_versions
+from .pipeline_reference import run_async_reference
 from framework.parallel.pipeline.schedules import get, names
 
 from .conftest import FP64, FP64_TOL, TINY, compose, final_params, read_metrics, run_local

@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from framework.topology import NullRecorder
+
 FLIGHT_DIR = ".flight"
 SLOTS = 64
 TEXT = 112  # bytes of text per note (longer notes are cut)
@@ -74,13 +76,6 @@ class FlightRecorder:
     def close(self) -> None:
         self._map.close()
         self._file.close()
-
-
-class NullRecorder:
-    """For code run outside a launched rank (unit tests, the reference model)."""
-
-    def note(self, text: str, wait: bool = False) -> None:
-        pass
 
 
 @dataclass

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from framework.train.flight import NullRecorder
+from framework.topology import NullRecorder
 from framework.metrics.memory import tensor_bytes
 from framework.parallel.pipeline.messages import Message, needs, produces
 from framework.parallel.pipeline.p2p import RankPlan
