@@ -30,7 +30,7 @@ from framework.launch.job import run_job
 from framework.launch.jobdir import set_aside_previous, write_outcome
 from framework.launch.diagnosis import RankFailure
 from framework.report.progress import console_to_run_log
-from framework.launch.signals import StopSignals, Stopped
+from framework.train.signals import StopSignals, Stopped
 from framework.sim.sweep import OBJECTIVES as SIMULATED_OBJECTIVES
 from framework.validate import configure
 from framework.validate.overrides import add_absent_keys, check_command_line

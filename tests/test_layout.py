@@ -114,7 +114,7 @@ def test_files_past_330_lines_say_why_in_their_docstring():
 def test_every_module_imports_first():
     """Import each module first into a table without any framework module: a package
     `__init__` that imports its siblings can close a cycle that only this order shows
-    (the ranks import framework.launch.signals before anything of launch/)."""
+    (the ranks import framework.train.signals before anything of launch/)."""
     names = sorted(m for m in modules() if not m.endswith("__main__"))
     code = (
         "import sys, importlib\n"

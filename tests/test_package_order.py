@@ -44,8 +44,6 @@ KNOWN_UPWARD = {
     ("framework/sim/cli.py", "framework.launch.commands"),
     ("framework/sim/optimes.py", "framework.launch.commands"),
     ("framework/sim/sweep.py", "framework.launch.jobdir"),
-    ("framework/train/trainer.py", "framework.launch.signals"),
-    ("framework/train/worker.py", "framework.launch.signals"),
     ("framework/validate/hardware.py", "framework.sim.cost.hardware"),
     ("framework/validate/hardware.py", "framework.sim.cost.price"),
 }

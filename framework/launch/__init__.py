@@ -3,7 +3,6 @@
 - job.py        validate -> dry run or prepare -> launch -> summarise, for one job
 - jobdir.py     what a job writes into its directory; setting an earlier run's files aside
 - plan.py       the dry run (`dry_run=true`): groups, stages, schedule grid, memory estimate
-- signals.py    SIGINT / SIGTERM -> Stopped: the one stop path (also the ranks')
 - search_space.py the layout search's custom_search_space (parallelism.ep for MoE models)
 - commands.py   the argument errors of `python -m framework.simulate / report / schedules`: one
                 `config error:` line, exit 2 (it imports nothing of the framework: the report stays light)
@@ -15,6 +14,6 @@
                 (not imported here: it is a program)
 
 The rank side is framework/train/ (framework/train/worker.py its entry); the launchers here only
-read what the ranks leave. Nothing is imported here: the ranks import signals.py, and an eager
-import of the launchers (which import the rank side) would close a cycle.
+read what the ranks leave (and share the stop path, framework/train/signals.py). Nothing is
+imported here: an eager import of the launchers (which import the rank side) would close a cycle.
 """

@@ -48,7 +48,7 @@ class RankEnd:
     @property
     def stopped(self) -> bool:
         """Ended the way the agent ends survivors once another rank failed (SIGTERM, seen
-        as exit 143 through framework.launch.signals, then SIGKILL), or by a stop signal."""
+        as exit 143 through framework.train.signals, then SIGKILL), or by a stop signal."""
         return _stop_rank(self.exitcode) > 0
 
 

@@ -33,7 +33,7 @@ from framework.launch.plan import make_plan, render_plan
 from framework.precision import policy_of
 from framework.report.closing import summary_lines
 from framework.launch.jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, write_outcome
-from framework.launch.signals import Stopped
+from framework.train.signals import Stopped
 from framework.sim.sweep import predict_job
 from framework.sim.calibrate import read_calibration
 from framework.sim.cli import describe, fill_measured_times, what_if

@@ -21,7 +21,7 @@ from typing import Optional
 
 from framework.train import flight
 from framework.config import RunConfig
-from framework.launch.signals import Stopped
+from framework.train.signals import Stopped
 from framework.train.worker import FAILURES_DIR, rank_main
 from framework.launch.diagnosis import RankEnd, diagnose, read_records
 from framework.launch.watchdog import Watchdog

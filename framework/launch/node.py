@@ -39,7 +39,7 @@ from framework.train import flight
 from framework.config import read_config
 from framework.report.files import write_report
 from framework.launch.jobdir import completed_summary, write_outcome
-from framework.launch.signals import Stopped
+from framework.train.signals import Stopped
 from framework.train.worker import FAILURES_DIR
 from framework.launch.diagnosis import RankEnd, RankFailure, diagnose, peek_records
 from framework.launch.local import run_ranks

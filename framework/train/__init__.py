@@ -6,8 +6,8 @@
 - pipeline_runner.py the pp > 1 runner: one step around the executor; the measured bubble
 - evaluate.py        held-out val_loss
 - update.py          after the gradients are reduced: overflow, clip, optimizer step, lr index
-- master.py          fp32 master weights / ZeRO-Offload's host copy
-- optim.py           the optimizer and the learning-rate schedule
 - loss_scale.py      fp16-mixed's dynamic loss scaler
 - flight.py          the flight recorder the launcher's watchdog reads
+- signals.py         SIGINT / SIGTERM deferred to a step boundary (Stopped), read by the launcher too
+(the master weights and the optimizer's build are framework/optim/)
 """

@@ -51,7 +51,7 @@ from framework.metrics.noise import CpuClock
 from framework.metrics.comm_timer import CommTimer
 from framework.precision import autocast_context
 from framework.report.records import RunInfo, StepRecord, StepResult
-from framework.launch.signals import Stopped, StopSignals
+from framework.train.signals import Stopped, StopSignals
 from framework.topology import ParallelContext
 
 

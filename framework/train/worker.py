@@ -14,7 +14,7 @@ What a rank leaves for the launcher (which only reads it, framework/launch/):
   BEFORE the process group is destroyed. Destroying it (or exiting) closes the rank's
   connections, and its blocked peers then fail with "connection closed by peer" within
   milliseconds; recording first makes the true cause the earliest record every time.
-- A stop (SIGINT / SIGTERM, framework/launch/signals.py) is no failure: no record, exit 130 / 143.
+- A stop (SIGINT / SIGTERM, framework/train/signals.py) is no failure: no record, exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from framework.device import backend_for, rank_device, threads_per_rank
 from framework.report.files import write_report
 from framework.train.flight import FlightRecorder, dead_ranks, path_of
 from framework.report.records import RunInfo
-from framework.launch.signals import Stopped, StopSignals
+from framework.train.signals import Stopped, StopSignals
 from framework.topology import ParallelContext, ParallelDims
 from framework.validate import check_rank_env
 
