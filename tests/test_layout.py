@@ -11,7 +11,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORK = os.path.join(ROOT, "framework")
-POLICIES = {"__init__.py", "config.py", "topology.py", "precision.py", "device.py"}
+POLICIES = {"__init__.py", "topology.py", "precision.py", "device.py"}
 ENTRY_POINTS = {"simulate.py", "schedules.py", "worker.py"}  # `python -m framework.X`, a few lines each
 
 

@@ -14,8 +14,9 @@ from .test_layout import FRAMEWORK, ROOT, modules
 
 # (importing file, imported framework module) for every import that still goes up the order
 KNOWN_UPWARD = {
-    ("framework/config.py", "framework.parallel.pipeline.schedules"),
-    ("framework/config.py", "framework.parallel.pipeline.schedules.base"),
+    ("framework/config/load.py", "framework.parallel.pipeline.schedules"),
+    ("framework/config/parallelism.py", "framework.parallel.pipeline.schedules.base"),
+    ("framework/config/rules.py", "framework.parallel.pipeline.schedules.base"),
     ("framework/metrics/breakdown.py", "framework.parallel.pipeline.messages"),
     ("framework/metrics/breakdown.py", "framework.parallel.pipeline.schedules"),
     ("framework/metrics/bubble.py", "framework.parallel.pipeline.schedules"),

@@ -115,7 +115,7 @@ def test_every_key_states_its_rule():
             ok = rule.free
         if not ok:
             missing.append(path)
-    assert missing == [], f"keys without a rule in framework/config.py: {missing}"
+    assert missing == [], f"keys without a rule in framework/config/: {missing}"
 
 
 def test_every_key_of_the_schema_is_fuzzed(garbage, tmp_path):

@@ -14,7 +14,7 @@ import yaml
 from framework.launch.commands import reject
 from framework.report.fairness import same_loss
 
-# Objectives a larger value of which is better (RunConfig.objective's choices in framework/config.py has them all).
+# Objectives a larger value of which is better (RunConfig.objective's choices in framework/config/ has them all).
 MAXIMISED = ("tokens_per_s", "mfu")
 SPEED = ("tokens_per_s", "mfu", "step_time_s")  # objectives a noisy measurement makes untrustworthy
 

@@ -85,7 +85,7 @@ def target_config(src: RunConfig, overrides: list[str], check: bool = True, job_
                           f"does not fit the schema ({str(e).splitlines()[0]})",
                           "give the key a value of its type (docs/configuration.md)") from None
     dst = load_config(cfg)
-    check_ranges(dst)  # every key's rule (framework/config.py), as run.py checks it
+    check_ranges(dst)  # every key's rule (framework/config/), as run.py checks it
     if dst.schedule.microbatches > MOST_MICROBATCHES:  # the clock replays every one of them
         raise ConfigError("schedule.microbatches", dst.schedule.microbatches,
                           f"is more than {MOST_MICROBATCHES:,} (the simulator replays each micro-batch)",

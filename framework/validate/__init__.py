@@ -35,7 +35,7 @@ __all__ = ["configure", "validate", "validate_model", "validate_prepared", "chec
            "check_model_type", "local_data_files", "check_rank_env", "check_job_dir", "cpu_rank_limit",
            "safetensors_problem", "first_line"]
 
-# Ranges, choices and finiteness of single keys are the schema's (framework/config.py, each
+# Ranges, choices and finiteness of single keys are the schema's (framework/config/, each
 # key's Rule, enforced by ranges.check_ranges first); what follows is what a rule cannot say.
 
 

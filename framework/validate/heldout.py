@@ -19,7 +19,7 @@ def flushing() -> list[str]:
 
 def check_eval(run: RunConfig) -> None:
     t, d = run.trainer, run.data
-    # Their ranges are the schema's rules (framework/config.py); what follows joins keys.
+    # Their ranges are the schema's rules (framework/config/); what follows joins keys.
     evaluating = t.eval_interval > 0
     if evaluating and run.parallelism.pp > 1 and never_flushes(run.schedule):
         # Never flushed: between steps, activations of the next step's micro-batches are in

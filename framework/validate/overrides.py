@@ -5,7 +5,7 @@ no file (`schedule=zbhh1`) with its own multi-line message, before run.py's task
 runs, so no later check can word it; and `+trainer.stepz=10`, which Hydra accepts, only
 met the schema after composition. So run.py parses the overrides here first, as Hydra
 parses them (its OverridesParser), and checks each one: a dotted key against the typed
-schema (framework/config.py's dataclasses), a group's options (and each value of a sweep)
+schema (framework/config/'s dataclasses), a group's options (and each value of a sweep)
 against conf/<group>/*.yaml. The first unknown one is a ConfigError with the closest names
 (difflib), for a single run and a `-m` sweep alike: a typo in a sweep would fail every job.
 

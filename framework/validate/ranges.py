@@ -1,4 +1,4 @@
-"""The schema's rules, enforced on every key: what framework/config.py's `key(...)` states
+"""The schema's rules, enforced on every key: what framework/config/'s `key(...)` states
 (range, finiteness, choices, non-empty, the condition under which the key acts) is checked
 here for every key of a run, so a key is validated by stating its rule, not by someone
 remembering to write its check. Cross-key conditions a rule cannot state stay in the
