@@ -149,7 +149,7 @@ class ParallelContext:
     # framework.metrics.comm_timer.CommTimer: per-dimension communication spans (set by the trainer)
     timer: Any = None
     # pipeline neighbour (pp rank) -> the two ranks' own group: each pair's p2p on its own
-    # communicator (NCCL: its own stream; sim/matching.py stream_of); {} at pp 1
+    # communicator (NCCL: its own stream; parallel/pipeline/matching.py stream_of); {} at pp 1
     pp_pairs: dict = field(default_factory=dict)
 
     @property

@@ -1,5 +1,5 @@
 """The schedule's bubble: a closed form where a paper gives one that holds here, else the
-schedule model (its own lists on the unit-time clock, framework/sim/clock.py), and every
+schedule model (its own lists on the unit-time clock, framework/parallel/pipeline/clock.py), and every
 report says which; a run's `predicted_*` is a replay of its own durations, and reads so.
 
 The closed forms are tested against the schedule model's idle time per rank (the step's
@@ -27,7 +27,7 @@ from framework.parallel.pipeline.schedules import (CLOSED_FORM, SCHEDULE_MODEL, 
                                                    build_schedule, get, names)
 from framework.parallel.pipeline.schedules.dualpipev import paper_idle as dualpipe_idle
 from framework.parallel.pipeline.schedules.zero_bubble import zbh1_idle, zbh2_idle
-from framework.sim.clock import simulate, simulated_bubble
+from framework.parallel.pipeline.clock import simulate, simulated_bubble
 
 TIMES = [OpTimes(1, 1, 1), OpTimes(1, 1, 0.5), OpTimes(1, 1.5, 0.5), OpTimes(1, 2, 1), OpTimes(2, 2, 1),
          OpTimes(1, 3, 1), OpTimes(0.5, 1, 0.25), OpTimes(1, 1, 2), OpTimes(2, 1, 1), OpTimes(1, 0.5, 1)]
@@ -71,7 +71,7 @@ def test_each_schedule_says_where_its_bubble_comes_from_and_a_closed_form_equals
                     clock = _pair_clock(s.generate(p, m, v, steps), s.stage_map(p, v), t, None)
                     assert model == pytest.approx(_idle_share(clock)), (p, m, v, t, steps)
         calls = []
-        monkeypatch.setattr("framework.sim.clock.simulated_bubble", lambda *a, **k: calls.append(a) or 0.5)
+        monkeypatch.setattr("framework.parallel.pipeline.clock.simulated_bubble", lambda *a, **k: calls.append(a) or 0.5)
         s.bubble(p, m, v, OpTimes(), 1)
         monkeypatch.undo()
         assert bool(calls) == (source == SCHEDULE_MODEL), (p, m, v, source)

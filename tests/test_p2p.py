@@ -18,7 +18,7 @@ from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulat
 from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
 from framework.parallel.pipeline.p2p import P2POp, RankPlan, comm_plan
 from framework.parallel.pipeline.schedules import Action, StageMap, build_schedule
-from framework.sim.clock import simulate
+from framework.parallel.pipeline.clock import simulate
 
 from .conftest import TINY, read_metrics, run_local
 from .distributed import run_ranks
@@ -146,7 +146,7 @@ def _run_executor(rank, world, name, m, v):
 def test_the_executor_issues_exactly_the_checked_groups():
     """One `batch_isend_irecv` per group of each batch (p2p.py's gating rule) and peer, in
     group order then peer order, each op with its message's tag and on its pair of
-    neighbours' own group (its own communicator, sim/matching.py stream_of). Interleaved at
+    neighbours' own group (its own communicator, parallel/pipeline/matching.py stream_of). Interleaved at
     p 3, m 6, v 2: nine batches hold several groups, so an executor issuing a whole batch as
     one call fails here."""
     from framework.parallel.pipeline.executor import _tag

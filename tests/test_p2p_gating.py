@@ -13,7 +13,7 @@ import pytest
 from framework.parallel.pipeline.check import check, nccl_simulate
 from framework.parallel.pipeline.p2p import RankPlan, comm_plan
 from framework.parallel.pipeline.schedules import get, names
-from framework.sim.clock import Costs, predict, simulated_bubble
+from framework.parallel.pipeline.clock import Costs, predict, simulated_bubble
 
 TIMES = {"F": 18.522, "I": 18.086, "W": 9.337, "B": 18.086 + 9.337, "U": 0.0}
 

@@ -12,7 +12,7 @@ from framework.config import ConfigError
 from framework.sim.calibrate import Sample
 from framework.parallel.pipeline.p2p import comm_plan
 from framework.parallel.pipeline.schedules import get
-from framework.sim.clock import Costs, predict
+from framework.parallel.pipeline.clock import Costs, predict
 
 from .conftest import assert_config_error, read_metrics, run_cli, run_local
 

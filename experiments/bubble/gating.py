@@ -39,7 +39,7 @@ def predicted(job: Path, name: str, v: int) -> tuple[float, float]:
     from framework.parallel.pipeline.p2p import RankPlan, comm_plan
     from framework.parallel.pipeline.schedules import get
     from framework.sim.calibrate import Calibration
-    from framework.sim.clock import Costs, predict
+    from framework.parallel.pipeline.clock import Costs, predict
 
     cal = Calibration.from_json(json.loads((job / "calibration.json").read_text()))
     sched = get(name)

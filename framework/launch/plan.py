@@ -24,7 +24,7 @@ from framework.models import ARCHS
 from framework.metrics.model_states import config_model_states, optimizer_state_ratio, paper_form, zero_model_states
 from framework.parallel.tensor_parallel import shard_numels
 from framework.parallel.pipeline.schedules import resolve
-from framework.sim.clock import grid
+from framework.parallel.pipeline.clock import grid
 from framework.precision import bytes_of, policy_of
 from framework.topology import Coords, ParallelDims
 

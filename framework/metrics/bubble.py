@@ -8,7 +8,7 @@ op times T_F, T_I, T_W (T_B = T_I + T_W), and where it comes from (`bubble_sourc
   zero-bubble paper's idle time, floored by the flush's fill), reported as "analytic";
 - else the schedule model (SCHEDULE_MODEL): the idle share of the schedule's own
   dependency graph run with those op times and no communication cost
-  (framework/sim/clock.py), a simulation, reported as "schedule model" (interleaved-zb,
+  (framework/parallel/pipeline/clock.py), a simulation, reported as "schedule model" (interleaved-zb,
   zbv, dualpipev, zb-auto, a CSV file's schedule).
 The key stays `bubble_fraction_analytic`; `bubble_analytic_source` says which it is.
 docs/schedules.md lists them. A run reports it for its own measured op times

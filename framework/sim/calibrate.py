@@ -54,7 +54,7 @@ from typing import Any, Optional
 from framework.config import ConfigError
 from framework.parallel.pipeline.messages import needs, produces, receiver_of
 from framework.parallel.pipeline.schedules import Action, Op, StageMap
-from framework.sim.clock import Costs
+from framework.parallel.pipeline.clock import Costs
 from framework.validate.paths import read_json
 
 WAITED_S = 2e-4  # a receive wait longer than this: the message was not there yet

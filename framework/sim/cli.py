@@ -9,7 +9,7 @@ schedule.microbatches=M` (sim/optimes.py), or `hardware=PROFILE [run.py's overri
 The job's calibration.json (every pipeline run writes it: per-stage op durations, host gap,
 link latency, time outside the pipeline, activation bytes; framework/sim/calibrate.py)
 is rescaled to the target partition (framework/sim/whatif.py) and the target schedule's
-real plan is run through the clock (framework/sim/clock.py). Prints the
+real plan is run through the clock (framework/parallel/pipeline/clock.py). Prints the
 predicted step time, bubble and activation peak per rank; `--png` draws the predicted
 Gantt chart. With no override it replays the job itself (`replay: true`: its own durations
 on its own layout, beside its measurement; a prediction is of a layout not run).

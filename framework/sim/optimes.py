@@ -29,7 +29,7 @@ from framework.launch.commands import MOST_MICROBATCHES, MOST_STAGES, MOST_CHUNK
 from framework.parallel.pipeline.p2p import comm_plan
 from framework.parallel.pipeline.schedules import Schedule, get, names
 from framework.parallel.pipeline.schedules.base import DEFAULT
-from framework.sim.clock import Costs, idle_share, predict, simulate
+from framework.parallel.pipeline.clock import Costs, idle_share, predict, simulate
 from framework.validate.common import suggest
 
 NAMES = ("F", "B", "W", "comm")

@@ -1,7 +1,7 @@
 """Predicted step time, bubble and activation peak of a pipeline layout, from a calibration.
 
 `replay` runs the schedule's real plan (`p2p.comm_plan`: the batches the executor issues)
-through the clock (framework/sim/clock.py) with a `Calibration`'s
+through the clock (framework/parallel/pipeline/clock.py) with a `Calibration`'s
 durations. What it predicts and how each number maps to a measured one:
 - bubble_fraction: mean over pipeline ranks of 1 - busy / window, the measured definition
   (flushing schedules: per step, the window ends at the flush; asynchronous ones: over the
@@ -37,7 +37,7 @@ from framework.report.files import write_atomic
 from framework.parallel.pipeline.check import alive_peak
 from framework.parallel.pipeline.p2p import comm_plan
 from framework.parallel.pipeline.schedules import Schedule
-from framework.sim.clock import Prediction, predict
+from framework.parallel.pipeline.clock import Prediction, predict
 from framework.sim.calibrate import Calibration
 
 ASYNC_STEPS = (4, 8)  # never-flushed runs: simulate this many steps, extrapolate linearly

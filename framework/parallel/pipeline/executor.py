@@ -74,7 +74,7 @@ class PipelinePeers:
     group: object = None
     # pp rank of a neighbour -> the pair's own group (ParallelContext.pp_pairs): a P2POp
     # names its pair's, so a send to one neighbour never queues behind a receive from the
-    # other (sim/matching.py stream_of); a peer without one uses `group`
+    # other (parallel/pipeline/matching.py stream_of); a peer without one uses `group`
     pair_groups: dict = field(default_factory=dict)
 
     @property

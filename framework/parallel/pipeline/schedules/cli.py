@@ -22,7 +22,7 @@ from framework.launch.commands import (MOST_ACTIONS, MOST_CHUNKS, MOST_MICROBATC
                                        Parser, command)
 from framework.parallel.pipeline.check import ScheduleError, check
 from framework.parallel.pipeline.schedules import dump_csv, get, names
-from framework.sim.clock import grid
+from framework.parallel.pipeline.clock import grid
 
 # A schedule's Violation names a config key; here it is this argument.
 ARGUMENTS = {"parallelism.pp": "--pp", "schedule.microbatches": "--microbatches",

@@ -167,7 +167,7 @@ def load_csv(path: str, microbatches: Optional[int] = None) -> tuple[Schedule, d
         return {r: list(acts) for r, acts in lists.items()}
 
     def bubble(p: int, mm: int, v: int = 1, times=None, steps: int = 1) -> float:
-        from framework.sim.clock import simulated_bubble  # simulate imports this package's base
+        from framework.parallel.pipeline.clock import simulated_bubble  # simulate imports this package's base
         return simulated_bubble(generate(p, mm, v), smap, times)
 
     sched = Schedule(name="csv", generate=generate, ops=ops or frozenset({Op.F}), placement=smap.placement,

@@ -37,7 +37,7 @@ def _times(op_times, pp: int) -> tuple[list[OpTimes], float]:
 def _makespan(lists, pp: int, times: list[OpTimes], comm: float) -> float:
     """The step's length on the calibrated clock (the executor's real batches, gloo's rules)."""
     from framework.parallel.pipeline.p2p import comm_plan  # p2p and simulate import this package's base
-    from framework.sim.clock import Costs, predict
+    from framework.parallel.pipeline.clock import Costs, predict
 
     smap = StageMap(pp, 1, "loop")
     compute = {(r, 0, op): getattr(times[r], op) for r in range(pp) for op in "FIW"}

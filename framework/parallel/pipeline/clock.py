@@ -17,7 +17,7 @@ from typing import Optional
 
 from framework.parallel.pipeline.messages import needs, produces, receiver_of, sender_of
 from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap, pair_starts
-from framework.sim.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
+from framework.parallel.pipeline.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
 
 
 def _duration(durations, op: Op) -> float:
