@@ -186,7 +186,8 @@ def test_an_overlap_whose_completion_is_unseen_says_so_on_the_console():
 
 
 DELAY_MS = 15  # debug.tp_delay_ms
-DATA_MS = 30  # debug.data_delay_ms
+DATA_MS = 100  # debug.data_delay_ms: a late wake-up on a loaded host is additive (CI read 30 ms as 51),
+# so the sleep is long enough that HIGH x it leaves room for one
 DP_MS, EP_MS = 40, 20  # debug.dp_delay_ms, debug.ep_delay_ms
 # An injected total (n sleeps of the delay) lands in [LOW, HIGH] x itself over a run's median
 # step: the two ranks' natural difference in the part moves it either way, and a sleep never
