@@ -12,10 +12,16 @@ instead, so the sampler learns from it), and the sweep goes on. Ctrl-C / SIGTERM
 everything: one line, exit 130 / 143. The job's console also goes to its run.log.
 """
 
+import sys
+
+if __name__ == "__main__":  # the ranks' server imports on another core while this process does (below)
+    from framework.launch.forkserver import start_early
+
+    start_early(sys.argv[1:])
+
 import importlib.util
 import math
 import os
-import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

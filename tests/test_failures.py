@@ -337,10 +337,11 @@ def test_a_reused_sweep_directory_never_mixes_two_sweeps(tmp_path):
 
 def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_name(monkeypatch):
     """Ranks fork from a server that holds the environment it started with: a variable set
-    between two jobs restarts it (the ranks must see it), pytest's per-test name does not."""
+    between two jobs restarts it (the ranks must see it), pytest's per-test name does not, nor
+    inductor's cache directory set to its default by torch's imports."""
     import multiprocessing.forkserver as fs
 
-    from framework.launch import local
+    from framework.launch import forkserver
 
     class Server:
         stops = 0
@@ -351,11 +352,20 @@ def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_na
 
     monkeypatch.setattr(fs, "_forkserver", Server())
     monkeypatch.setattr(fs, "set_forkserver_preload", lambda modules: None)
-    local._preload_forkserver()
+    forkserver.prepare()
     assert Server.stops == 1  # first job: started with this environment
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
-    local._preload_forkserver()
+    forkserver.prepare()
     assert Server.stops == 1
     monkeypatch.setenv("WANDB_MODE", "offline-between-jobs")
-    local._preload_forkserver()
+    forkserver.prepare()
     assert Server.stops == 2
+    # torch's imports set inductor's cache directory to its default (the ranks' imports do too)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    forkserver.prepare()
+    assert Server.stops == 2
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    forkserver.prepare()
+    assert Server.stops == 3

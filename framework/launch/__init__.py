@@ -7,6 +7,7 @@
 - commands.py   the argument errors of `python -m framework.simulate / report / schedules`: one
                 `config error:` line, exit 2 (it imports nothing of the framework: the report stays light)
 - local.py      the local launch: the torch elastic agent starts world_size ranks on this node
+- forkserver.py the server the ranks fork from (stdlib only: run.py starts it before its own imports)
 - watchdog.py   the hang watchdog: reads the ranks' flight recorders, ends a stalled job
 - diagnosis.py  how the ranks ended: root cause first, then the consequences, in one block
 - node.py       one node of a multi-node job (`python -m framework.launch.node`): torchrun's agent,

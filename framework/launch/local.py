@@ -23,36 +23,12 @@ from framework.train import flight
 from framework.config import RunConfig
 from framework.train.signals import Stopped
 from framework.train.worker import FAILURES_DIR, rank_main
+from framework.launch import forkserver
 from framework.launch.diagnosis import RankEnd, diagnose, read_records
 from framework.launch.watchdog import Watchdog
 
 # What elastic's start_processes installs handlers for (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-
-# Variables that change between jobs without meaning anything to a rank: elastic's own, and
-# pytest's per-phase test name (else every test of the suite restarts the server: ~4 s each).
-_NOT_FOR_RANKS = ("TORCHELASTIC_", "PYTEST_CURRENT_TEST")
-
-
-def _preload_forkserver() -> None:
-    """Ranks start as forks of one server process that imported torch, transformers and
-    the framework once (about 5 s of imports per rank with `spawn`; a sweep or the test
-    suite starts hundreds of ranks). The server never runs torch ops or touches CUDA, so
-    its forks are as clean as spawned processes: no OpenMP pool, no CUDA context.
-
-    A fork inherits the *server's* environment, plus what elastic sets per rank (RANK,
-    MASTER_ADDR, ...). So the server is restarted whenever this process's environment
-    changed since it started (a W&B or HF variable set between two jobs must reach the
-    ranks, as it would with spawn)."""
-    import multiprocessing.forkserver as fs
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_RANKS)}
-    server = fs._forkserver  # the stdlib's per-process server; _stop is its own reset
-    if getattr(server, "framework_env", None) != env:
-        server._stop()
-        server.framework_env = env
-    fs.set_forkserver_preload(["framework.train.worker", "framework.train.trainer"])
 
 
 def ends_of(err, watchdog: Watchdog, job_dir: str, records: dict[int, dict]) -> dict[int, RankEnd]:
@@ -88,7 +64,7 @@ def run_ranks(config, job_dir: str, info: dict, watchdog: Watchdog) -> dict:
     from torch.distributed.launcher.api import elastic_launch
 
     _quiet_elastic()
-    _preload_forkserver()
+    forkserver.prepare()
     handlers = {s: signal.getsignal(s) for s in ELASTIC_SIGNALS}  # elastic replaces them
     try:
         try:

@@ -1,0 +1,78 @@
+"""The ranks' server: every rank of a local launch is a fork of one process that imported
+torch, transformers and the framework once (about 5 s of imports per rank with `spawn`; a
+sweep or the test suite starts hundreds of ranks). The server never runs torch ops or
+touches CUDA, so its forks are as clean as spawned processes: no OpenMP pool, no CUDA context.
+
+run.py starts it first thing (`start_early`), so its imports (about 8 s on 2 cores) run on
+another core while the launcher imports and validates the config, instead of after. This
+module imports only the standard library: run.py calls it before anything heavy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing.forkserver as fs
+import os
+import signal
+import sys
+
+PRELOAD = ["framework.train.worker", "framework.train.trainer"]
+
+# Variables that change between jobs without meaning anything to a rank: elastic's own, and
+# pytest's per-phase test name (else every test of the suite restarts the server: ~4 s each).
+_NOT_FOR_RANKS = ("TORCHELASTIC_", "PYTEST_CURRENT_TEST")
+
+# Arguments of run.py after which no rank starts here: Hydra's help and config printing, the
+# dry run, the external launcher (torchrun starts the ranks), and a Hydra launcher plugin
+# (submitit runs each job in a process of its own).
+_NO_RANKS_HERE = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc",
+                  "dry_run=true", "launcher=external", "hydra/launcher=")
+
+
+def prepare() -> None:
+    """Before a launch: the ranks fork from a server holding this process's environment.
+
+    A fork inherits the *server's* environment, plus what elastic sets per rank (RANK,
+    MASTER_ADDR, ...). So the server is restarted whenever this process's environment
+    changed since it started (a W&B or HF variable set between two jobs must reach the
+    ranks, as it would with spawn)."""
+    env = _environment()
+    server = fs._forkserver  # the stdlib's per-process server; _stop is its own reset
+    if getattr(server, "framework_env", None) != env:
+        _kill(server)  # a server still importing would finish its imports before _stop returned
+        server._stop()
+        server.framework_env = env
+    fs.set_forkserver_preload(PRELOAD)
+
+
+def _environment() -> dict:
+    """This process's variables that a rank must see. Inductor's cache directory is set by
+    torch's own imports to its default (as each rank's imports set it again): not a change."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_RANKS)}
+    if "TORCHINDUCTOR_CACHE_DIR" in env and "torch" in sys.modules:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        except ImportError:  # torch releases before the function: a restart, as for any variable
+            return env
+        if env["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir()):
+            del env["TORCHINDUCTOR_CACHE_DIR"]
+    return env
+
+
+def start_early(argv: list[str]) -> None:
+    """Start the server now unless `argv` says no rank starts in this process; it is killed
+    when this process exits (a rejected config must not leave it importing on a core)."""
+    if any(a.lower().lstrip("+").startswith(_NO_RANKS_HERE) for a in argv):
+        return
+    prepare()
+    fs.ensure_running()
+    atexit.register(_kill, fs._forkserver)
+
+
+def _kill(server) -> None:
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
