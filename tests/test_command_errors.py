@@ -1,7 +1,7 @@
 """`python -m framework.simulate`, `python -m framework.report` and `python -m
 framework.schedules` turn every bad argument into ONE line on stderr, `config error:
 <argument>=<value>: problem. Fix: ...`, and exit code 2, never a traceback or silence
-(framework/launch/commands.py; docs/failures.md). And a what-if never predicts other work
+(framework/commands.py; docs/failures.md). And a what-if never predicts other work
 than its job measured: a target whose model, micro-batch or sequence length differs is
 refused, in the CLI, the dry run, search.mode=simulate and zb-auto's times (docs/simulator.md)."""
 

@@ -17,7 +17,7 @@ import tracemalloc
 import pytest
 from omegaconf import OmegaConf
 
-from framework.launch.commands import key_of
+from framework.commands import key_of
 from framework.parallel.pipeline.schedules import cli as schedules_cli
 from framework.report import compare as report_cli
 from framework.sim import cli as simulate_cli
@@ -167,7 +167,7 @@ def test_the_fuzz_covers_every_argument():
 def test_the_line_is_config_errors_own_form():
     """commands.message formats without importing framework.config (torch): the same text."""
     from framework.config import ConfigError
-    from framework.launch.commands import message
+    from framework.commands import message
 
     for value, problem in [("x", "no such directory"), (None, "is required"), (3, "no such choice. Did you mean 2?")]:
         assert message("--k", value, problem, "do y") == str(ConfigError("--k", value, problem, "do y"))

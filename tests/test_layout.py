@@ -11,7 +11,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORK = os.path.join(ROOT, "framework")
-POLICIES = {"__init__.py", "topology.py", "precision.py", "device.py"}
+# The cross-cutting policies: rank layout, precision, device, and how a command tells a bad argument.
+POLICIES = {"__init__.py", "topology.py", "precision.py", "device.py", "commands.py"}
 ENTRY_POINTS = {"simulate.py", "schedules.py", "worker.py"}  # `python -m framework.X`, a few lines each
 
 

@@ -4,8 +4,6 @@
 - jobdir.py     what a job writes into its directory; setting an earlier run's files aside
 - plan.py       the dry run (`dry_run=true`): groups, stages, schedule grid, memory estimate
 - search_space.py the layout search's custom_search_space (parallelism.ep for MoE models)
-- commands.py   the argument errors of `python -m framework.simulate / report / schedules`: one
-                `config error:` line, exit 2 (it imports nothing of the framework: the report stays light)
 - local.py      the local launch: the torch elastic agent starts world_size ranks on this node
 - forkserver.py the server the ranks fork from (stdlib only: run.py starts it before its own imports)
 - watchdog.py   the hang watchdog: reads the ranks' flight recorders, ends a stalled job

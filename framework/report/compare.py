@@ -35,7 +35,7 @@ from typing import Optional
 
 import yaml
 
-from framework.launch.commands import Directory, Parser, command, reject
+from framework.commands import Directory, Parser, command, reject
 from framework.report import repeats, simulated
 from framework.report.fairness import LOSS_RTOL, fairness_warnings, same_loss  # noqa: F401 (tests import them here)
 from framework.report.winner import baseline, best, best_line  # noqa: F401 (tests import them here)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import yaml
 
-from framework.launch.commands import reject
+from framework.commands import reject
 from framework.report.fairness import same_loss
 
 # Objectives a larger value of which is better (RunConfig.objective's choices in framework/config/ has them all).

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.device import resolve_device
-from framework.launch.commands import OutputPath, Parser, command, reject
+from framework.commands import OutputPath, Parser, command, reject
 
 DTYPES = {"cuda": ("fp8", "bf16", "fp16", "fp32"), "cpu": ("fp32", "fp64")}  # fp8: compute capability 8.9+ only
 TORCH_DTYPE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,

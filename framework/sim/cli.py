@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import ConfigError, RunConfig, check_overrides, load_config
-from framework.launch.commands import MOST_MICROBATCHES, OutputPath, Parser, command
+from framework.commands import MOST_MICROBATCHES, OutputPath, Parser, command
 from framework.sim.alltoall import A2ACost, cost_of, moe_layers, shift_stages, step_bytes
 from framework.sim.calibrate import Calibration
 from framework.sim.replay import Predicted, breakdown_of, flat_replay, replay, rules_for, timeline_records

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from framework.config import ConfigError
-from framework.launch.commands import MOST_MICROBATCHES, MOST_STAGES, MOST_CHUNKS
+from framework.commands import MOST_MICROBATCHES, MOST_STAGES, MOST_CHUNKS
 from framework.parallel.pipeline.p2p import comm_plan
 from framework.parallel.pipeline.schedules import Schedule, get, names
 from framework.parallel.pipeline.schedules.base import DEFAULT

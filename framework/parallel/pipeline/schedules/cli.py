@@ -8,7 +8,7 @@
 pipeline rank; torch's `_PipelineScheduleRuntime._load_csv` reads it, and
 `schedule=csv schedule.csv=<file>` runs it here). `grid` prints it in unit time.
 
-A bad argument is one `config error:` line and exit code 2 (framework/launch/commands.py):
+A bad argument is one `config error:` line and exit code 2 (framework/commands.py):
 sizes below 1 or too large to prove in seconds, a (pp, m, v) the schedule refuses (its own
 `why_not`, named by the argument), an output file that cannot be written.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 from framework.config import ConfigError
-from framework.launch.commands import (MOST_ACTIONS, MOST_CHUNKS, MOST_MICROBATCHES, MOST_STAGES, Count, OutputPath,
+from framework.commands import (MOST_ACTIONS, MOST_CHUNKS, MOST_MICROBATCHES, MOST_STAGES, Count, OutputPath,
                                        Parser, command)
 from framework.parallel.pipeline.check import ScheduleError, check
 from framework.parallel.pipeline.schedules import dump_csv, get, names
