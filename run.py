@@ -33,7 +33,8 @@ from framework.checkpoint import finished
 from framework.device import share_cores_in_a_sweep
 from framework.launch import repeats
 from framework.launch.job import run_job
-from framework.launch.jobdir import set_aside_previous, write_outcome
+from framework.launch.jobdir import write_outcome
+from framework.report.files import set_aside_previous
 from framework.launch.diagnosis import RankFailure
 from framework.report.progress import console_to_run_log
 from framework.train.signals import StopSignals, Stopped

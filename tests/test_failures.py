@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from framework.train import flight
-from framework.launch.jobdir import set_aside_previous, write_outcome
+from framework.launch.jobdir import write_outcome
+from framework.report.files import set_aside_previous
 from framework.launch.diagnosis import RankEnd, RankFailure, diagnose, read_records
 from framework.report.compare import collect
 

@@ -31,7 +31,6 @@ KNOWN_UPWARD = {
     ("framework/models/moe_routing.py", "framework.parallel.tp_comm"),
     ("framework/models/qwen3_moe.py", "framework.parallel.expert_parallel"),
     ("framework/report/sinks.py", "framework.sim.replay"),
-    ("framework/sim/sweep.py", "framework.launch.jobdir"),
     ("framework/validate/hardware.py", "framework.sim.cost.hardware"),
     ("framework/validate/hardware.py", "framework.sim.cost.price"),
 }

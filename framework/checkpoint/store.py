@@ -27,7 +27,7 @@ MARKER = "COMPLETE"
 META = "meta.json"
 METRICS = "metrics.jsonl"
 DCP_INDEX = ".metadata"  # DCP's index of what the .distcp files hold
-PREVIOUS_DIR = ".previous"  # the job directory's set-aside folder (framework/launch/jobdir.py)
+PREVIOUS_DIR = ".previous"  # the job directory's set-aside folder (framework/report/files.py)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MOE_ARCHS = ("qwen3_moe",)  # model.moe.* means nothing to the others (framework.config.MoEConfig)
 

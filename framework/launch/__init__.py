@@ -1,7 +1,7 @@
 """The Hydra process's side of a job, one module per concern:
 
 - job.py        validate -> dry run or prepare -> launch -> summarise, for one job
-- jobdir.py     what a job writes into its directory; setting an earlier run's files aside
+- jobdir.py     a job's outcome (summary.json of one that did not complete); earlier checkpoints set aside
 - plan.py       the dry run (`dry_run=true`): groups, stages, schedule grid, memory estimate
 - search_space.py the layout search's custom_search_space (parallelism.ep for MoE models)
 - local.py      the local launch: the torch elastic agent starts world_size ranks on this node

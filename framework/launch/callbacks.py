@@ -9,7 +9,7 @@ import sys
 
 from framework.config import ConfigError
 from framework.launch.job import run_job
-from framework.launch.jobdir import set_aside_sweep
+from framework.report.files import set_aside_sweep
 from framework.launch.search_result import applies, install_filter, rewrite_results
 from framework.sim.sweep import finish as finish_simulated_search
 from framework.validate import check_job_dir

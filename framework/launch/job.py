@@ -32,7 +32,8 @@ from framework.models import build_hf_model, fp8, with_pretrained_sizes
 from framework.launch.plan import make_plan, render_plan
 from framework.precision import policy_of
 from framework.report.closing import summary_lines
-from framework.launch.jobdir import completed_summary, set_aside_checkpoints, set_aside_previous, write_outcome
+from framework.launch.jobdir import completed_summary, set_aside_checkpoints, write_outcome
+from framework.report.files import set_aside_previous
 from framework.train.signals import Stopped
 from framework.sim.sweep import predict_job
 from framework.sim.calibrate import read_calibration
