@@ -70,6 +70,12 @@ class Policy:
         return self.master_dtype or self.param_dtype
 
     @property
+    def gemm_dtype(self) -> str:
+        """The cost model's GEMM-table dtype: the MFU column, fp64 for fp64 (precision.fp8
+        prices only the blocks' linears at fp8, framework/sim/cost/ops.py)."""
+        return self.peak_column or "fp64"
+
+    @property
     def mixed(self) -> bool:
         return self.master_dtype is not None
 

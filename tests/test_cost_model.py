@@ -174,7 +174,7 @@ def test_each_hardware_profile_prices_a_run(profile):
 
 def test_bad_hardware_tables_are_told_by_key():
     from framework.config import ConfigError, HardwareConfig
-    from framework.sim.cost.hardware import check_tables
+    from framework.validate.hardware import check_tables
 
     good = dict(name="x", peak_tflops={"bf16": 100.0}, gemm_efficiency={"max": 0.8, "half_dim": 64},
                 links={"intra": {"alpha_us": 1, "GBps": 100}, "inter": {"alpha_us": 5, "GBps": 10}})

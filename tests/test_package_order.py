@@ -31,8 +31,6 @@ KNOWN_UPWARD = {
     ("framework/models/moe_routing.py", "framework.parallel.tp_comm"),
     ("framework/models/qwen3_moe.py", "framework.parallel.expert_parallel"),
     ("framework/report/sinks.py", "framework.sim.replay"),
-    ("framework/validate/hardware.py", "framework.sim.cost.hardware"),
-    ("framework/validate/hardware.py", "framework.sim.cost.price"),
 }
 
 

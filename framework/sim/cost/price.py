@@ -106,19 +106,12 @@ def job_of(run, vocab: int) -> Job:
 
     pol, p, s = policy_of(run), run.parallelism, run.schedule
     lay = Layout(run.trainer.micro_batch_size, run.data.seq_len, p.tp, p.sequence_parallel and p.tp > 1, p.ep,
-                 run.trainer.activation_checkpointing, dtype_of(run), bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
+                 run.trainer.activation_checkpointing, pol.gemm_dtype, bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
                  run.trainer.recompute == "selective", p.cp_balance, pol.fp8, run.trainer.compile == "blocks")
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
                cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe)
-
-
-def dtype_of(run) -> str:
-    """The GEMM table's dtype: the mode's MFU column (precision.fp8 prices only its linears at fp8)."""
-    from framework.precision import policy_of
-
-    return policy_of(run).peak_column or "fp64"
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
