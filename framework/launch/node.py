@@ -27,6 +27,11 @@ more. When every node is done, the last one removes `rank_failures/`, `.flight/`
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the ranks' server imports on another core while this process does (as run.py)
+    from framework.launch.forkserver import start_early
+
+    start_early([])
+
 import json
 import os
 import shutil
