@@ -108,12 +108,13 @@ def test_schedule_presets_set_only_schedule_keys():
     """A layout search picks schedules; it must never change the model (or anything else):
     every schedule preset is a plain group file of the schedule's own keys."""
     keys = {f.name for f in fields(ScheduleConfig)}
+    models = {m: compose(f"model={m}").model for m in ("gpt2-tiny", "gpt2", "llama-tiny")}  # composed once
     for option in GROUPS["schedule"]:
         text = (ROOT / "conf" / "schedule" / f"{option}.yaml").read_text()
         assert "@package" not in text, option
         assert set(yaml.safe_load(text)) <= keys, option
-        for model in ("gpt2-tiny", "gpt2", "llama-tiny"):
-            assert compose(f"schedule={option}", f"model={model}").model == compose(f"model={model}").model, option
+        for model, alone in models.items():
+            assert compose(f"schedule={option}", f"model={model}").model == alone, option
 
 
 BAD = [
