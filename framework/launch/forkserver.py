@@ -65,7 +65,14 @@ def start_early(argv: list[str]) -> None:
     if any(a.lower().lstrip("+").startswith(_NO_RANKS_HERE) for a in argv):
         return
     prepare()
-    fs.ensure_running()
+    # The server inherits an ignored SIGINT: a Ctrl-C in the terminal (the whole process group)
+    # during its imports is this process's to tell, not a KeyboardInterrupt traceback of the
+    # server's (it ignores SIGINT itself once its imports are done; each rank installs its own).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fs.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     atexit.register(_kill, fs._forkserver)
 
 
