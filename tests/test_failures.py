@@ -353,6 +353,7 @@ def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_na
 
     monkeypatch.setattr(fs, "_forkserver", Server())
     monkeypatch.setattr(fs, "set_forkserver_preload", lambda modules: None)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # as in a launcher before torch's imports
     forkserver.prepare()
     assert Server.stops == 1  # first job: started with this environment
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
@@ -370,3 +371,27 @@ def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_na
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     forkserver.prepare()
     assert Server.stops == 3
+
+
+def test_run_py_starts_the_rank_server_early_unless_no_rank_starts_here(monkeypatch):
+    """run.py starts the server before its own imports (framework/launch/forkserver.py), with
+    SIGINT ignored while it starts (a Ctrl-C then is the launcher's to tell), killed at exit;
+    not for Hydra's help or config printing, a dry run, the external launcher or a plugin."""
+    import atexit
+    import multiprocessing.forkserver as fs
+    import signal
+
+    from framework.launch import forkserver
+
+    seen, exits = [], []
+    monkeypatch.setattr(forkserver, "prepare", lambda: None)
+    monkeypatch.setattr(fs, "ensure_running", lambda: seen.append(signal.getsignal(signal.SIGINT)))
+    monkeypatch.setattr(atexit, "register", lambda f, *a: exits.append((f, a)))
+    for argv in (["--help"], ["--cfg", "job"], ["dry_run=true"], ["launcher=external"],
+                 ["hydra/launcher=submitit_local", "-m"], ["++dry_run=True"]):
+        forkserver.start_early(argv)
+    assert seen == [] and exits == []
+    before = signal.getsignal(signal.SIGINT)
+    forkserver.start_early(["parallelism=dp2", "trainer.steps=3"])
+    assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is before
+    assert exits == [(forkserver._kill, (fs._forkserver,))]
