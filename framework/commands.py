@@ -8,13 +8,14 @@ form, as run.py prints it), and exit code 2; never argparse's usage block, never
 - `Count`, `OutputPath`, `Directory`  argument types that say what is wrong with a value
 - `command`     wraps a command's `main(argv) -> int`: a ConfigError raised anywhere inside
                 becomes that line; an exit is returned as its code, never raised
+- `ConfigError` the one error type of a bad value (key, value, problem, fix); `first_line`
 - `reject`      print one such line (the commands' own checks); `message` its text
 - MOST_*        the sizes a command computes in seconds
 
 Why here and not in validate/: importing framework.validate imports the model stack (torch,
 transformers), and `python -m framework.report` reads JSON and YAML only. So this module
-imports nothing of the framework: a ConfigError raised inside a command (whose module
-imported framework.config) is recognised without importing it here.
+imports nothing of the framework, and ConfigError itself lives here, the lowest module, so
+every package can raise it and a command recognises it without importing the schema.
 """
 
 from __future__ import annotations
@@ -40,21 +41,30 @@ def reject(key: str, value: Any, problem: str, fix: str) -> NoReturn:
     raise SystemExit(EXIT_CODE)
 
 
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key, the value and the fix. Here,
+    the lowest module, so that every package can raise it (framework.config re-exports it)."""
+
+    def __init__(self, key: str, value: Any, problem: str, fix: str):
+        self.key, self.value = key, value
+        super().__init__(message(key, value, problem, fix))
+
+
 def message(key: str, value: Any, problem: str, fix: str) -> str:
-    """str(ConfigError(key, value, problem, fix)), without importing framework.config, which
-    imports torch: seconds before a typo's one line (tests/test_command_fuzz.py holds the two equal)."""
-    end = " " if problem.endswith("?") else ". "
+    """str(ConfigError(key, value, problem, fix)): `key=value: problem. Fix: fix`."""
+    end = " " if problem.endswith("?") else ". "  # "no such key. Did you mean x? Fix: ..."
     return f"{key}={value!r}: {problem}{end}Fix: {fix}"
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line (its type's name when it has no text): what one line quotes."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _print(error: Exception | str) -> None:
     line = " ".join(str(error).split("\n"))  # one line, whatever a problem quoted
     print(f"config error: {line}", file=sys.stderr, flush=True)
-
-
-def _is_config_error(e: BaseException) -> bool:
-    config = sys.modules.get("framework.config")  # never imported: nothing raised a ConfigError
-    return config is not None and isinstance(e, config.ConfigError)
 
 
 def command(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
@@ -67,7 +77,7 @@ def command(main: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
         except SystemExit as e:  # argparse's --help (0), reject() (2)
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except ValueError as e:
-            if not _is_config_error(e):
+            if not isinstance(e, ConfigError):
                 raise
             _print(e)
             return EXIT_CODE

@@ -146,10 +146,10 @@ class ParallelContext:
     group_ranks: dict[str, list[int]]
     # framework.train.flight: what this rank last started, for the launcher's hang watchdog
     recorder: Any = field(default_factory=NullRecorder)
-    # framework.metrics.comm_timer.CommTimer: per-dimension communication spans (set by the trainer)
+    # framework.comm.comm_timer.CommTimer: per-dimension communication spans (set by the trainer)
     timer: Any = None
     # pipeline neighbour (pp rank) -> the two ranks' own group: each pair's p2p on its own
-    # communicator (NCCL: its own stream; parallel/pipeline/matching.py stream_of); {} at pp 1
+    # communicator (NCCL: its own stream; framework/schedules/matching.py stream_of); {} at pp 1
     pp_pairs: dict = field(default_factory=dict)
 
     @property
@@ -191,7 +191,7 @@ class ParallelContext:
     def create(cls, dims: ParallelDims, rank: int, device, recorder=None, timeout=None,
                side: bool = False) -> ParallelContext:
         """`side` (parallelism.overlap_dualpipe): a second ep group, "ep_side", the same ranks,
-        for the collectives of a pair's F thread (framework/parallel/side_thread.py)."""
+        for the collectives of a pair's F thread (framework/comm/side_thread.py)."""
         import torch.distributed as dist
 
         groups, members = {}, {}

@@ -46,7 +46,7 @@ from framework.config import RunConfig
 from framework.data import ShardedSampler, TokenData
 from framework.models import SplitLM, build_model
 from framework.optim.build import build_optimizer, lr_at, set_lr
-from framework.parallel.pipeline.schedules import resolve
+from framework.schedules import resolve
 from framework.parallel.grads import clip_grad_norm
 from framework.parallel.pipeline.stage import stage_ranges, stage_state_dict
 

@@ -19,7 +19,7 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.metrics.memory import ActivationTracker
 from framework.models import build_model
-from framework.parallel.pipeline.schedules import StageMap
+from framework.schedules import StageMap
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges
 
 from .distributed import run_ranks

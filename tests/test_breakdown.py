@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from framework.metrics.breakdown import PARTS, busy_s, rank_parts, row, serialise_pairs, split_waits
-from framework.parallel.pipeline.schedules import get
+from framework.schedules import get
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ def test_a_call_without_a_future_is_timed_by_a_watcher_thread():
 
     import torch
 
-    from framework.metrics.comm_timer import CommTimer
+    from framework.comm.comm_timer import CommTimer
 
     timer, work = CommTimer(torch.device("cpu")), _NoFuture()
     timer.begin_step()
@@ -158,7 +158,7 @@ def test_calls_in_flight_together_count_once_and_waits_are_not_hidden():
     in-flight intervals (calls queued behind each other are in flight together), less the
     rank's own waits in that dimension (exposed, counted already). Summing per call, as the
     futures' accounting does, would count 0-4 and 1-5 as 8 s."""
-    from framework.metrics.comm_timer import hidden_s
+    from framework.comm.comm_timer import hidden_s
 
     assert hidden_s([(0.0, 4.0), (1.0, 5.0)], [(3.0, 4.0)]) == 4.0
     assert hidden_s([(0.0, 1.0), (2.0, 2.0), (6.0, 7.0)], [(6.5, 9.0)]) == 1.5
@@ -170,7 +170,7 @@ def test_an_overlap_whose_completion_is_unseen_says_so_on_the_console():
     line says the overlap went unmeasured instead of printing no hidden share at all."""
     import torch
 
-    from framework.metrics.comm_timer import CommTimer
+    from framework.comm.comm_timer import CommTimer
     from framework.report.closing import breakdown_line
 
     timer, work = CommTimer(torch.device("cpu")), _NoFuture()
@@ -314,8 +314,8 @@ def test_the_replay_cuts_its_step_as_the_measurement_does_and_what_ifs_keep_comm
     plus its outside time, the communication inside F leaves compute for `comm_inside`, and
     rank 0's wait for the first gradient (the sender still computing) is bubble. Rescaled
     to gpipe, the what-if keeps the communication inside each op."""
-    from framework.sim.calibrate import Calibration
-    from framework.sim.replay import breakdown_of, replay
+    from framework.metrics.calibrate import Calibration
+    from framework.metrics.replay import breakdown_of, replay
     from framework.sim.whatif import rescale
 
     flush = get("flush")

@@ -1,5 +1,5 @@
 """The schedule's bubble: a closed form where a paper gives one that holds here, else the
-schedule model (its own lists on the unit-time clock, framework/parallel/pipeline/clock.py), and every
+schedule model (its own lists on the unit-time clock, framework/schedules/clock.py), and every
 report says which; a run's `predicted_*` is a replay of its own durations, and reads so.
 
 The closed forms are tested against the schedule model's idle time per rank (the step's
@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import pytest
 
 from framework.metrics.bubble import analytic_label, analytic_source
-from framework.parallel.pipeline.messages import needs, produces
-from framework.parallel.pipeline.schedules import (CLOSED_FORM, SCHEDULE_MODEL, Op, OpTimes, StageMap,
+from framework.schedules.messages import needs, produces
+from framework.schedules import (CLOSED_FORM, SCHEDULE_MODEL, Op, OpTimes, StageMap,
                                                    build_schedule, get, names)
-from framework.parallel.pipeline.schedules.dualpipev import paper_idle as dualpipe_idle
-from framework.parallel.pipeline.schedules.zero_bubble import zbh1_idle, zbh2_idle
-from framework.parallel.pipeline.clock import simulate, simulated_bubble
+from framework.schedules.dualpipev import paper_idle as dualpipe_idle
+from framework.schedules.zero_bubble import zbh1_idle, zbh2_idle
+from framework.schedules.clock import simulate, simulated_bubble
 
 TIMES = [OpTimes(1, 1, 1), OpTimes(1, 1, 0.5), OpTimes(1, 1.5, 0.5), OpTimes(1, 2, 1), OpTimes(2, 2, 1),
          OpTimes(1, 3, 1), OpTimes(0.5, 1, 0.25), OpTimes(1, 1, 2), OpTimes(2, 1, 1), OpTimes(1, 0.5, 1)]
@@ -71,7 +71,7 @@ def test_each_schedule_says_where_its_bubble_comes_from_and_a_closed_form_equals
                     clock = _pair_clock(s.generate(p, m, v, steps), s.stage_map(p, v), t, None)
                     assert model == pytest.approx(_idle_share(clock)), (p, m, v, t, steps)
         calls = []
-        monkeypatch.setattr("framework.parallel.pipeline.clock.simulated_bubble", lambda *a, **k: calls.append(a) or 0.5)
+        monkeypatch.setattr("framework.schedules.clock.simulated_bubble", lambda *a, **k: calls.append(a) or 0.5)
         s.bubble(p, m, v, OpTimes(), 1)
         monkeypatch.undo()
         assert bool(calls) == (source == SCHEDULE_MODEL), (p, m, v, source)
@@ -216,7 +216,7 @@ def test_the_timeline_and_the_dashboard_call_a_runs_own_simulation_a_replay(tmp_
     titles = []
     monkeypatch.setattr(timeline, "render_timeline", lambda recs, path, title, pred, predicted_title, comm: titles.extend(
         [title, predicted_title]))
-    monkeypatch.setattr("framework.sim.replay.timeline_records", lambda prediction: records)
+    monkeypatch.setattr("framework.metrics.replay.timeline_records", lambda prediction: records)
     run = SimpleNamespace(schedule=SimpleNamespace(name="zbv", microbatches=1, virtual_stages=2),
                           parallelism=SimpleNamespace(pp=2))
     summary = {"step_time_s": 0.004, "bubble_fraction": 0.3, "predicted_step_time_s": 0.0041,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from framework.config import ConfigError, to_yaml
-from framework.parallel.pipeline.schedules.cli import main as schedules
+from framework.schedules.cli import main as schedules
 from framework.report.compare import main as report
 from framework.sim.cli import main as simulate
 from framework.sim.cli import what_if

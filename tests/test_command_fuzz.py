@@ -1,6 +1,6 @@
 """Every argument of every command, fuzzed from its own declaration: no list of arguments
 here. For each command's argparse parser (`parser()` of framework/sim/cli.py,
-framework/report/compare.py and framework/parallel/pipeline/schedules/cli.py, and each
+framework/report/compare.py and framework/schedules/cli.py, and each
 subcommand's parser), every action gets bad values derived from its type, choices and nargs;
 `main(argv)` runs in-process on a valid base command line with that one value changed. Each
 case either succeeds (the value is in fact valid) or returns a non-zero code with exactly one
@@ -18,7 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.commands import key_of
-from framework.parallel.pipeline.schedules import cli as schedules_cli
+from framework.schedules import cli as schedules_cli
 from framework.report import compare as report_cli
 from framework.sim import cli as simulate_cli
 

@@ -50,7 +50,7 @@ def test_every_option_composes_and_validates(group, option, monkeypatch, tmp_pat
     # 1f1b / 2bw cannot keep gpt2-tiny's tied embedding, and their presets leave the model alone
     untie = ["model.tie_embeddings=false"] if group == "schedule" and option in ("1f1b", "2bw") else []
     if option == "csv":  # the schedule from a file: one the framework dumps
-        from framework.parallel.pipeline.schedules import build_schedule, dump_csv, get
+        from framework.schedules import build_schedule, dump_csv, get
 
         dump_csv(build_schedule("zbh1", 2, 4), get("zbh1").stage_map(2, 1), str(tmp_path / "s.csv"))
         untie = [f"schedule.csv={tmp_path / 's.csv'}"]

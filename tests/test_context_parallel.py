@@ -177,10 +177,10 @@ def _ring_hidden_share(monkeypatch, overlap: bool, transfer_s: float = 0.001) ->
     from types import SimpleNamespace
 
     from framework.metrics.breakdown import PARTS, row
-    from framework.metrics.comm_timer import CommTimer
+    from framework.comm.comm_timer import CommTimer
     from framework.parallel import ring_attention as ring
     from framework.parallel.context_parallel import ContextParallel
-    from framework.parallel.tp_comm import TPComm
+    from framework.comm.tp_comm import TPComm
 
     class Transfer:  # the "peer" sends back this rank's block: the timing is what is tested
         def __init__(self, sent, out):

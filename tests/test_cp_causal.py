@@ -15,7 +15,7 @@ import torch
 from framework.parallel import context_parallel as cpm
 from framework.parallel import ring_attention as ring
 from framework.parallel import ulysses
-from framework.parallel.tp_comm import TPComm
+from framework.comm.tp_comm import TPComm
 
 B, H, KV, D = 2, 8, 4, 8
 

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 
 from framework.config import ConfigError
-from framework.parallel.pipeline.schedules import build_schedule, csv_schedule, get, names
+from framework.schedules import build_schedule, csv_schedule, get, names
 from framework.validate import validate
 
 from .conftest import compose

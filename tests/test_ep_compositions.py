@@ -62,7 +62,7 @@ def _job(path, *layout):
 
 
 def _dump(name, tmp_path):
-    from framework.parallel.pipeline.schedules import build_schedule, dump_csv, get
+    from framework.schedules import build_schedule, dump_csv, get
 
     path = tmp_path / f"{name}.csv"
     v = get(name).preset_chunks

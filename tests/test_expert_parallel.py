@@ -1,4 +1,4 @@
-"""Expert parallelism (parallelism.ep, framework/parallel/expert_parallel.py) and MoE routing
+"""Expert parallelism (parallelism.ep, framework/comm/expert_parallel.py) and MoE routing
 in training (framework/models/moe_layer.py), docs/moe.md.
 
 Every layout reproduces the single process in fp64 at rtol 1e-9 (losses, gradient norms,
@@ -190,7 +190,7 @@ def _empty_rank(rank, world):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from framework.parallel.expert_parallel import EPComm, run_routed, shard_experts
+    from framework.comm.expert_parallel import EPComm, run_routed, shard_experts
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4)

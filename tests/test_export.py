@@ -95,7 +95,7 @@ def test_each_pipeline_end_exports_its_own_copy_of_the_tied_embedding():
 
     from framework.config import ModelConfig
     from framework.models import build_model
-    from framework.parallel.pipeline.schedules import StageMap
+    from framework.schedules import StageMap
     from framework.parallel.pipeline.stage import build_chunks, stage_ranges, stage_state_dict, tied_weight
     from framework.report.export import _own_tied_copy
 

@@ -94,8 +94,8 @@ def test_an_fp8_linear_equals_the_hand_written_recipe(recipe, kind):
 def test_the_tensor_parallel_layers_multiply_in_fp8(recipe):
     """tp 1 column / row layers with FP8's `mm` equal the converted plain linear bit for bit
     (at tp > 1 each shard is scaled by its own amax: close to, not equal to, tp 1)."""
-    from framework.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from framework.parallel.tp_comm import TPComm
+    from framework.comm.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from framework.comm.tp_comm import TPComm
 
     torch.manual_seed(1)
     x, gy = torch.randn(4, 8, 32, dtype=torch.bfloat16), torch.randn(4, 8, 32, dtype=torch.bfloat16)

@@ -139,8 +139,8 @@ def _attrs_rank(rank: int, world: int, run, info) -> dict:
     gather for export: which parameters carry tp_shard, before (a second, meta model) and after."""
     from framework.models import build_model
     from framework.parallel.fsdp2 import FSDP2 as Backend
-    from framework.parallel.tensor_parallel import is_tp_sharded
-    from framework.parallel.tp_comm import TPComm
+    from framework.comm.tensor_parallel import is_tp_sharded
+    from framework.comm.tp_comm import TPComm
     from framework.topology import ParallelContext, ParallelDims
     from framework.train.trainer import Batches, build_runner, train_step
     from torch.distributed.tensor import DTensor

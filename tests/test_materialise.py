@@ -11,10 +11,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from framework.config import ModelConfig
 from framework.models import ARCHS, build_hf_model, build_model
 from framework.models.materialise import PretrainedWeights
-from framework.parallel.pipeline.schedules import StageMap
+from framework.schedules import StageMap
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges
-from framework.parallel.tensor_parallel import shard_tensor
-from framework.parallel.tp_comm import TPComm
+from framework.comm.tensor_parallel import shard_tensor
+from framework.comm.tp_comm import TPComm
 
 
 CONFIGS = {"gpt2": ModelConfig(arch="gpt2", n_layer=2, n_embd=64, n_head=4, max_positions=32),

@@ -138,7 +138,7 @@ def test_expert_shards_come_from_the_same_values_and_pretrained_slices(tmp_path)
     the reader gets the slice, not the tensor); everything else whole."""
     from framework.models import build_hf_model
     from framework.models.materialise import PretrainedWeights
-    from framework.parallel.expert_parallel import EPComm
+    from framework.comm.expert_parallel import EPComm
 
     whole = build_hf_model(SMALL, 64, seed=2)
     full = dict(whole.named_parameters())
@@ -167,7 +167,7 @@ def test_grouped_gemm_equals_the_per_expert_loop(monkeypatch):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from framework.parallel.expert_parallel import run_routed
+    from framework.comm.expert_parallel import run_routed
 
     torch.manual_seed(0)
     loop = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from framework.parallel.pipeline.schedules import get
+from framework.schedules import get
 from framework.sim.cli import main
 from framework.sim.optimes import bubbles
 

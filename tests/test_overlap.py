@@ -45,7 +45,7 @@ LAYOUTS = {
 }
 SINGLE = ["parallelism=single", "schedule=flush", "schedule.microbatches=4"]
 # What each overlap hid (`comm_hidden_dp`, the summary's median over the 3 steps: a call's
-# time in flight before its wait, framework/metrics/comm_timer.py), above a floor far from
+# time in flight before its wait, framework/comm/comm_timer.py), above a floor far from
 # both ends. Observed on 2 CPU cores: ZeRO's reduce-scatters and the interleaved / V
 # pipelines ~0.4-0.85, the stage-3 prefetch ~0.25-0.4, the one-chunk pipelines (flush, zbh1:
 # only the other stage's cooldown to hide under) ~0.15-0.4; each issue waited for at once
@@ -75,7 +75,7 @@ def test_each_overlap_reproduces_the_single_process(single, layout, tmp_path, da
     assert summary["pp"] == (2 if "parallelism=dp2_pp2" in LAYOUTS[layout] else 1)
     assert_same_training(metrics, params, ref_metrics, ref_params)
     # what is left to wait for is the exposed dp time, measured every step (FSDP2's own
-    # collectives are not seen: framework/metrics/comm_timer.py)
+    # collectives are not seen: framework/comm/comm_timer.py)
     assert "fsdp" in layout or all(r["time_comm_dp_s"] > 0 for r in metrics)
     # beside the exposed time, the whole: overlapped calls add their time in flight before the wait
     assert all(r["comm_total_dp_s"] >= r["time_comm_dp_s"] and 0 <= r["comm_hidden_dp"] < 1 for r in metrics)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from framework.parallel.pipeline.check import ScheduleError, check, nccl_simulate
-from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
-from framework.parallel.pipeline.p2p import P2POp, RankPlan, comm_plan
-from framework.parallel.pipeline.schedules import Action, StageMap, build_schedule
-from framework.parallel.pipeline.clock import simulate
+from framework.schedules.check import ScheduleError, check, nccl_simulate
+from framework.schedules.messages import Message, needs, produces, receiver_of, sender_of
+from framework.schedules.p2p import P2POp, RankPlan, comm_plan
+from framework.schedules import Action, StageMap, build_schedule
+from framework.schedules.clock import simulate
 
 from .conftest import TINY, read_metrics, run_local
 from .distributed import run_ranks
@@ -80,7 +80,7 @@ def test_nccl_mode_rejects_messages_matched_out_of_order():
 
 @pytest.mark.parametrize("name,p,m,v", [("interleaved", 4, 8, 3), ("2bw", 8, 16, 1), ("flush", 8, 3, 1)])
 def test_check_runs_the_nccl_model_on_the_executors_plan(name, p, m, v, monkeypatch):
-    import framework.parallel.pipeline.check as chk
+    import framework.schedules.check as chk
 
     seen = []
     real = chk.nccl_simulate
@@ -107,7 +107,7 @@ def _run_executor(rank, world, name, m, v):
     import torch.distributed as dist
 
     import framework.parallel.pipeline.executor as ex
-    from framework.metrics.timestamps import HostClock
+    from framework.timestamps import HostClock
 
     calls = []
     real = dist.batch_isend_irecv
@@ -146,7 +146,7 @@ def _run_executor(rank, world, name, m, v):
 def test_the_executor_issues_exactly_the_checked_groups():
     """One `batch_isend_irecv` per group of each batch (p2p.py's gating rule) and peer, in
     group order then peer order, each op with its message's tag and on its pair of
-    neighbours' own group (its own communicator, parallel/pipeline/matching.py stream_of). Interleaved at
+    neighbours' own group (its own communicator, framework/schedules/matching.py stream_of). Interleaved at
     p 3, m 6, v 2: nine batches hold several groups, so an executor issuing a whole batch as
     one call fails here."""
     from framework.parallel.pipeline.executor import _tag
@@ -217,7 +217,7 @@ def test_cuda_event_clock_reads_marks_against_the_anchor(monkeypatch):
     """No GPU here: fake events that fire at chosen device times. A mark's time is the
     anchor's host time plus the device time elapsed since the anchor, whatever the host
     was doing when it recorded the mark (on CUDA it only enqueues)."""
-    from framework.metrics import timestamps as clk
+    from framework import timestamps as clk
 
     device_now = iter([100.0, 100.5, 103.0])  # ms on the device: anchor, then two marks
 
@@ -250,7 +250,7 @@ def test_cuda_event_clock_reads_marks_against_the_anchor(monkeypatch):
 
 def test_the_configured_schedule_is_proved_before_launch(monkeypatch):
     """validate() runs the checker (gloo and NCCL rules) on the exact pp, m, v requested."""
-    import framework.parallel.pipeline.check as chk
+    import framework.schedules.check as chk
     from framework.config import ConfigError
     from framework.validate import validate
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from framework.parallel.pipeline.check import check, nccl_simulate
-from framework.parallel.pipeline.p2p import RankPlan, comm_plan
-from framework.parallel.pipeline.schedules import get, names
-from framework.parallel.pipeline.clock import Costs, predict, simulated_bubble
+from framework.schedules.check import check, nccl_simulate
+from framework.schedules.p2p import RankPlan, comm_plan
+from framework.schedules import get, names
+from framework.schedules.clock import Costs, predict, simulated_bubble
 
 TIMES = {"F": 18.522, "I": 18.086, "W": 9.337, "B": 18.086 + 9.337, "U": 0.0}
 
@@ -101,10 +101,10 @@ def test_dualpipe_pairs_run_as_units_and_are_proved_under_nccl():
     group; proved deadlock-free under NCCL's rules for p 2..8. Each receive in a group of its
     own (the plain gating rule) deadlocks the pairs: the two ranks' sends of a pair's results
     wait in one unit for receives the peer posts only in its next."""
-    from framework.parallel.pipeline import p2p
-    from framework.parallel.pipeline.check import ScheduleError
-    from framework.parallel.pipeline.messages import needs
-    from framework.parallel.pipeline.schedules.base import pair_starts
+    from framework.schedules import p2p
+    from framework.schedules.check import ScheduleError
+    from framework.schedules.messages import needs
+    from framework.schedules.base import pair_starts
 
     for pp in range(2, 9):
         for m in (2 * pp, 2 * pp + 1, 3 * pp):
@@ -147,7 +147,7 @@ def test_the_ring_model_finds_a_deadlock_on_one_stream():
     first batch): with every op of a rank on one stream (the world communicator the ring and
     the pipeline shared before their own groups) the ranks deadlock, with and without the
     ring's passes; on the pairs' and the cp group's own streams the same plan is proved."""
-    from framework.parallel.pipeline.check import ScheduleError
+    from framework.schedules.check import ScheduleError
 
     lists, smap = check("interleaved", 3, 3, 2), get("interleaved").stage_map(3, 2)
     plans = comm_plan(lists, smap)

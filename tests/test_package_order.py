@@ -1,8 +1,9 @@
 """The packages of framework/ depend one way (docs/code-map.md, "Package order"): a module
 imports only from its own package and the packages below it. The order is read from the
-code map, so the page and the rule cannot drift apart. The imports that still point up are
-listed below, each by file and module: a new one fails with its file and line, and a listed
-one that is gone fails too, so the list only shrinks (issue 49 empties it)."""
+code map, so the page and the rule cannot drift apart. No import points up (issue 49 moved
+the last 17 down: the schedule model, the layers' collectives, the run's prediction), so any
+new one fails with its file and line; and, whatever the page says, no two packages import
+each other."""
 
 from __future__ import annotations
 
@@ -10,29 +11,9 @@ import ast
 import os
 import re
 
+import pytest
+
 from .test_layout import ROOT, modules
-
-# (importing file, imported framework module) for every import that still goes up the order
-KNOWN_UPWARD = {
-    ("framework/config/load.py", "framework.parallel.pipeline.schedules"),
-    ("framework/config/parallelism.py", "framework.parallel.pipeline.schedules.base"),
-    ("framework/config/rules.py", "framework.parallel.pipeline.schedules.base"),
-    ("framework/metrics/breakdown.py", "framework.parallel.pipeline.messages"),
-    ("framework/metrics/breakdown.py", "framework.parallel.pipeline.schedules"),
-    ("framework/metrics/bubble.py", "framework.parallel.pipeline.schedules"),
-    ("framework/metrics/comm_timer.py", "framework.parallel.side_thread"),
-    ("framework/metrics/model_states.py", "framework.parallel.expert_parallel"),
-    ("framework/metrics/timeline.py", "framework.parallel.pipeline.schedules"),
-    ("framework/metrics/timeline.py", "framework.sim.replay"),
-    ("framework/models/__init__.py", "framework.parallel.tensor_parallel"),
-    ("framework/models/materialise.py", "framework.parallel.expert_parallel"),
-    ("framework/models/materialise.py", "framework.parallel.tensor_parallel"),
-    ("framework/models/moe_layer.py", "framework.parallel.expert_parallel"),
-    ("framework/models/moe_routing.py", "framework.parallel.tp_comm"),
-    ("framework/models/qwen3_moe.py", "framework.parallel.expert_parallel"),
-    ("framework/report/sinks.py", "framework.sim.replay"),
-}
-
 
 def package_order() -> list[str]:
     text = open(os.path.join(ROOT, "docs", "code-map.md")).read()
@@ -82,16 +63,20 @@ def test_every_package_has_its_place_in_the_order():
     assert len(order) == len(set(order))
 
 
-def test_no_new_import_goes_up_the_package_order():
-    new = [f"{rel}:{line} imports {target} ({a} below {b} in docs/code-map.md's order)"
-           for rel, line, target, a, b in upward(package_order()) if (rel, target) not in KNOWN_UPWARD]
-    assert not new, "imports up the package order (import downward, or move what both need lower):\n" + "\n".join(new)
+def test_no_import_goes_up_the_package_order():
+    found = [f"{rel}:{line} imports {target} ({a} below {b} in docs/code-map.md's order)"
+             for rel, line, target, a, b in upward(package_order())]
+    assert not found, "imports up the package order (import downward, or move what both need lower):\n" + "\n".join(found)
 
 
-def test_the_list_of_upward_imports_only_shrinks():
-    found = {(rel, target) for rel, _, target, _, _ in upward(package_order())}
-    gone = sorted(KNOWN_UPWARD - found)
-    assert not gone, f"no longer upward (remove from KNOWN_UPWARD in tests/test_package_order.py): {gone}"
+def test_no_two_packages_import_each_other():
+    edges: dict[tuple[str, str], str] = {}
+    for rel, m, line, target in imports(modules()):
+        a, b = package_of(m), package_of(target)
+        if a != b:
+            edges.setdefault((a, b), f"{rel}:{line}")
+    pairs = sorted(f"{a} <-> {b} ({edges[a, b]}, {edges[b, a]})" for a, b in edges if (b, a) in edges and a < b)
+    assert not pairs, "packages that import each other:\n" + "\n".join(pairs)
 
 
 def test_the_order_check_finds_an_upward_import(tmp_path, monkeypatch):
@@ -106,3 +91,5 @@ def test_the_order_check_finds_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr("tests.test_package_order.modules", lambda: fake)
     rel = os.path.relpath(str(path), ROOT).replace(os.sep, "/")
     assert (rel, 1, "framework.train.trainer", "config", "train") in upward(order)
+    with pytest.raises(AssertionError, match="config <-> train"):  # train imports config: a pair
+        test_no_two_packages_import_each_other()

@@ -6,7 +6,7 @@ from torch import nn
 from framework.config import ModelConfig
 from framework.models import build_model
 from framework.parallel.pipeline.partition import PartitionError, balanced, partition, uniform
-from framework.parallel.pipeline.schedules import StageMap
+from framework.schedules import StageMap
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges
 
 

@@ -17,7 +17,7 @@ from framework.launch.job import run_info
 from framework.launch.diagnosis import RankFailure
 from .pipeline_reference import derived_versions, double_buffer_versions, pipedream_versions
 from .pipeline_reference import run_async_reference
-from framework.parallel.pipeline.schedules import get, names
+from framework.schedules import get, names
 
 from .conftest import FP64, FP64_TOL, TINY, compose, final_params, read_metrics, run_local
 

@@ -6,10 +6,12 @@ import io
 import tokenize
 from pathlib import Path
 
-from framework.parallel.pipeline.schedules import names
+from framework.schedules import names
 
 ROOT = Path(__file__).resolve().parents[1]
-REGISTRY = ROOT / "framework" / "parallel" / "pipeline" / "schedules"
+REGISTRY = ROOT / "framework" / "schedules"
+# the schedule model beside the registry in that package: not the registry, so checked too
+MODEL = {"messages.py", "clock.py", "matching.py", "check.py", "p2p.py", "tiling.py", "__main__.py"}
 
 
 def _named(path: Path) -> list[tuple[int, str]]:
@@ -21,7 +23,7 @@ def _named(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_schedule_name_outside_the_registry():
-    files = [p for p in (ROOT / "framework").rglob("*.py") if REGISTRY not in p.parents] + [ROOT / "run.py"]
+    files = [p for p in (ROOT / "framework").rglob("*.py") if REGISTRY not in p.parents or p.name in MODEL] + [ROOT / "run.py"]
     found = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in files for line, text in _named(p)]
     assert len(files) > 40 and not found, found
 

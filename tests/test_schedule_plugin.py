@@ -9,7 +9,7 @@ run reproduces the single process in fp64 like every built-in schedule.
 Top-level imports are absolute on purpose: the ranks import this file by its path.
 """
 
-from framework.parallel.pipeline.schedules import Action, Op, Schedule, register
+from framework.schedules import Action, Op, Schedule, register
 
 NAME = "lifo"
 
@@ -27,7 +27,7 @@ register(Schedule(name=NAME, generate=lifo, ops=frozenset({Op.F, Op.B}), doc="GP
 def test_a_schedule_defined_in_a_test_file_is_checked_executed_and_equal_to_the_single_process(tmp_path, data_cache):
     from tests.conftest import FP64, TINY, assert_same_training, final_params, read_metrics, run_local
 
-    from framework.parallel.pipeline.check import check
+    from framework.schedules.check import check
 
     assert [str(a) for a in check(NAME, 2, 3)[1]] == ["F0", "F1", "F2", "B2", "B1", "B0"]  # proved in-process too
     common = [*TINY, "model.n_layer=4", "data=pycode", "data.max_files=20", f"data.cache_dir={data_cache}",

@@ -8,10 +8,10 @@ import logging
 import pytest
 
 from framework.metrics.bubble import analytic_bubble
-from framework.parallel.pipeline.check import ScheduleError, alive_peak, check, prove
-from framework.parallel.pipeline.schedules import Action, Op, OpTimes, StageMap, build_schedule, get, names
-from framework.parallel.pipeline.schedules.pipedream import version_1f1b, version_2bw
-from framework.parallel.pipeline.clock import grid, simulate, simulated_bubble
+from framework.schedules.check import ScheduleError, alive_peak, check, prove
+from framework.schedules import Action, Op, OpTimes, StageMap, build_schedule, get, names
+from framework.schedules.pipedream import version_1f1b, version_2bw
+from framework.schedules.clock import grid, simulate, simulated_bubble
 
 
 def _chunks(s):

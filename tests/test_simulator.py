@@ -9,10 +9,10 @@ import statistics
 import pytest
 
 from framework.config import ConfigError
-from framework.sim.calibrate import Sample
-from framework.parallel.pipeline.p2p import comm_plan
-from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.clock import Costs, predict
+from framework.metrics.calibrate import Sample
+from framework.schedules.p2p import comm_plan
+from framework.schedules import get
+from framework.schedules.clock import Costs, predict
 
 from .conftest import assert_config_error, read_metrics, run_cli, run_local
 

@@ -12,7 +12,7 @@ import pytest
 
 from framework.config import ConfigError
 from framework.sim.alltoall import A2ACost, cost_of, layer_bytes, shift_stages, step_bytes
-from framework.sim.calibrate import Calibration
+from framework.metrics.calibrate import Calibration
 
 from .conftest import TINY, compose, read_metrics, run_cli, run_local
 

@@ -4,10 +4,10 @@ proves the design to build (the F thread on a stream of its own) for every pair 
 makes at p 2..8, with ep 2..4."""
 import time
 
-from framework.parallel.pipeline.check import check
-from framework.parallel.pipeline.p2p import comm_plan
-from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.schedules.base import pair_starts
+from framework.schedules.check import check
+from framework.schedules.p2p import comm_plan
+from framework.schedules import get
+from framework.schedules.base import pair_starts
 from framework.parallel.pipeline.streams import COLLECTIVE, READ, find_deadlock, pair_programs
 
 

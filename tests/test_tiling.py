@@ -1,13 +1,13 @@
-"""Asynchronous schedules at constant start-up (framework/parallel/pipeline/tiling.py): the
+"""Asynchronous schedules at constant start-up (framework/schedules/tiling.py): the
 plan of a never-flushed run is a proved template, tiled. Tiled and directly built plans
 agree op for op (actions and p2p batches, every rank, every step), and building a
 10,000-step run's plan does the work a 10-step one does (counted, not timed)."""
 
 import pytest
 
-from framework.parallel.pipeline.p2p import comm_plan
-from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.tiling import TiledPlan, _segments, fill_segments
+from framework.schedules.p2p import comm_plan
+from framework.schedules import get
+from framework.schedules.tiling import TiledPlan, _segments, fill_segments
 
 
 def _cases():
@@ -37,7 +37,7 @@ def test_start_up_does_not_grow_with_the_run(monkeypatch):
     what a 10-step run's does. Counted where the cost is: the actions the unit-time lockstep
     (`comm_plan`) and NCCL's proof (`nccl_simulate`) run, and the segments shifted; a plan
     that built or proved the whole run, or tiled every step ahead, would count 1,000x more."""
-    import framework.parallel.pipeline.tiling as tiling
+    import framework.schedules.tiling as tiling
 
     sched, p, m = get("1f1b"), 4, 4
     counts: dict = {}

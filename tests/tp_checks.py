@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from framework.parallel import tp_comm as C
-from framework.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from framework.comm import tp_comm as C
+from framework.comm.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                 VocabParallelHead, column_index, full_tensor, padded_vocab)
-from framework.parallel.tp_comm import TPComm
+from framework.comm.tp_comm import TPComm
 
 B, T, H = 2, 8, 12
 

@@ -36,10 +36,10 @@ def run(tree: Path, job: Path, args: list[str]) -> dict:
 
 def predicted(job: Path, name: str, v: int) -> tuple[float, float]:
     """(one Work per batch, groups): the clock at this run's mean op times, no link cost."""
-    from framework.parallel.pipeline.p2p import RankPlan, comm_plan
-    from framework.parallel.pipeline.schedules import get
-    from framework.sim.calibrate import Calibration
-    from framework.parallel.pipeline.clock import Costs, predict
+    from framework.schedules.p2p import RankPlan, comm_plan
+    from framework.schedules import get
+    from framework.metrics.calibrate import Calibration
+    from framework.schedules.clock import Costs, predict
 
     cal = Calibration.from_json(json.loads((job / "calibration.json").read_text()))
     sched = get(name)

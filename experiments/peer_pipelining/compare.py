@@ -51,7 +51,7 @@ def _peer_worker(rank: int, schedule: str, port: int, result_path: str) -> None:
     from framework.data import ShardedSampler, TokenData
     from framework.models import build_model, lm_loss
     from framework.optim.build import build_optimizer, lr_at, set_lr
-    from framework.parallel.pipeline.schedules import get
+    from framework.schedules import get
     from framework.parallel.pipeline.stage import build_chunks, stage_ranges
     from tests.conftest import compose
 

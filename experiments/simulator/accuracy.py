@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from framework.parallel.pipeline.schedules import get, names  # noqa: E402
+from framework.schedules import get, names  # noqa: E402
 from framework.sim.cli import what_if  # noqa: E402
 
 BASE = ["data=synthetic", "logger=none", "trainer.steps=20", "metrics.skip_first=3", "trainer.micro_batch_size=8",

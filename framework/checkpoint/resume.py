@@ -19,7 +19,7 @@ from framework.checkpoint.store import (CHECKPOINTS_DIR, DCP_INDEX, MARKER, META
                                         flat_keys, is_complete, latest)
 from framework.config import ConfigError, ModelConfig, RunConfig
 from framework.validate.common import first_line
-from framework.validate.paths import read_json
+from framework.files import read_json
 
 MAX_META_BYTES = 4 << 20  # a meta.json is a few KiB
 

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from framework.config import RunConfig
-from framework.report.files import write_atomic
+from framework.files import write_atomic
 from framework.metrics.memory import RssSampler, current_rss_bytes
 from framework.checkpoint.shards import SavePlanner, rank_parts
 from framework.checkpoint.store import CHECKPOINTS_DIR, MARKER, META, METRICS, is_complete, prune, step_dir

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from framework.optim.master import MasterOptimizer, master_of
-from framework.parallel.expert_parallel import is_expert, shard_spec
+from framework.comm.expert_parallel import is_expert, shard_spec
 from framework.parallel.fsdp2 import chunk_start, local
 from framework.parallel.zero_unit import FlatUnit
 

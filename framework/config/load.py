@@ -90,7 +90,7 @@ def derive_layout(run: RunConfig) -> None:
 def _sizes_from_csv(s: ScheduleConfig) -> None:
     """schedule=csv: micro-batches and chunks left null are the file's (a file that cannot be
     read is left for framework.validate to name)."""
-    from framework.parallel.pipeline.schedules import CSV, csv_schedule
+    from framework.schedules import CSV, csv_schedule
 
     if s.name != CSV or not s.csv or (s.microbatches is not None and s.virtual_stages is not None):
         return

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from framework.config.rules import _CP, _LABEL, _ZB_AUTO, MAX_MICROBATCHES, MAX_RANKS, PAIRED, key
-from framework.parallel.pipeline.schedules.base import DEFAULT as DEFAULT_SCHEDULE
-from framework.parallel.pipeline.schedules.base import pairs_forward_backward
+from framework.schedules.base import DEFAULT as DEFAULT_SCHEDULE
+from framework.schedules.base import pairs_forward_backward
 
 
 @dataclass
@@ -60,14 +60,14 @@ class ParallelismConfig:
 
 @dataclass
 class ScheduleConfig:
-    # a name in the schedule registry (framework/parallel/pipeline/schedules/)
+    # a name in the schedule registry (framework/schedules/)
     name: str = key(DEFAULT_SCHEDULE, free="the registry's names: framework/validate/schedule.py")
     # per step per dp rank; with pp = 1 accumulation steps (csv: null = the file's)
     microbatches: Optional[int] = key(1, ge=1, le=MAX_MICROBATCHES)
     # model chunks per pipeline rank (as the schedule declares; csv: null = file's)
     virtual_stages: Optional[int] = key(1, ge=1, le=1 << 10)
     # name=csv: a schedule in torch's compute-only CSV format (one row per pp rank)
-    csv: Optional[str] = key(None, nonempty=True, free="a file: read by framework/parallel/pipeline/schedules/"
+    csv: Optional[str] = key(None, nonempty=True, free="a file: read by framework/schedules/"
                              "csv_format.py", when=lambda r: r.schedule.name == "csv", when_text="schedule=csv",
                              base=("schedule=csv",))
     # Python files / modules that register more schedules

@@ -6,17 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from framework.parallel.pipeline.schedules.base import AUTO as AUTO_SCHEDULE
-from framework.parallel.pipeline.schedules.base import REGISTRY
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key, the value and the fix."""
-
-    def __init__(self, key: str, value: Any, problem: str, fix: str):
-        self.key, self.value = key, value
-        end = " " if problem.endswith("?") else ". "  # "no such key. Did you mean x? Fix: ..."
-        super().__init__(f"{key}={value!r}: {problem}{end}Fix: {fix}")
+from framework.commands import ConfigError  # noqa: F401  (the schema's error; defined lowest)
+from framework.schedules.base import AUTO as AUTO_SCHEDULE
+from framework.schedules.base import REGISTRY
 
 
 @dataclass(frozen=True)

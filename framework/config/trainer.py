@@ -89,7 +89,7 @@ class DebugConfig:
     # that the step-time breakdown counts that wait as comm_tp, not compute)
     tp_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.tp > 1, when_text="parallelism.tp > 1")
     # the same for dp rank 0 before each dp span and ep rank 0 before each ep span (the
-    # timer's: framework/metrics/comm_timer.py), one key per dimension so one run can slow both
+    # timer's: framework/comm/comm_timer.py), one key per dimension so one run can slow both
     dp_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.replicas > 1,
                              when_text="parallelism.dp x parallelism.cp > 1", base=("parallelism=dp2_pp2",))
     ep_delay_ms: float = key(0.0, ge=0, le=600_000, when=lambda r: r.parallelism.ep > 1,

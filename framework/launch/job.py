@@ -25,7 +25,7 @@ from framework.launch.diagnosis import RankFailure
 from framework.launch.local import launch_local
 from framework.report.records import RunInfo
 from framework.metrics.bubble import analytic_bubble, analytic_source
-from framework.parallel.pipeline.schedules import resolve
+from framework.schedules import resolve
 from framework.metrics.flops import active_expert_params, flops_per_token, matmul_params
 from framework.metrics.peak import NO_UNIT, PENDING, device_peak, fixed_peak
 from framework.models import build_hf_model, fp8, with_pretrained_sizes
@@ -36,7 +36,7 @@ from framework.launch.jobdir import completed_summary, set_aside_checkpoints, wr
 from framework.report.files import set_aside_previous
 from framework.train.signals import Stopped
 from framework.sim.sweep import predict_job
-from framework.sim.calibrate import read_calibration
+from framework.metrics.calibrate import read_calibration
 from framework.sim.cli import describe, fill_measured_times, what_if
 from framework.sim.source import predicts
 from framework.validate import check_job_dir, validate, validate_model

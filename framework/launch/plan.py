@@ -22,9 +22,9 @@ from framework.config import RunConfig
 from framework.metrics.bubble import analytic_bubble, analytic_label, analytic_source
 from framework.models import ARCHS
 from framework.metrics.model_states import config_model_states, optimizer_state_ratio, paper_form, zero_model_states
-from framework.parallel.tensor_parallel import shard_numels
-from framework.parallel.pipeline.schedules import resolve
-from framework.parallel.pipeline.clock import grid
+from framework.comm.tensor_parallel import shard_numels
+from framework.schedules import resolve
+from framework.schedules.clock import grid
 from framework.precision import bytes_of, policy_of
 from framework.topology import Coords, ParallelDims
 

@@ -2,7 +2,7 @@
 names `expert_parallel` as the Optuna sweeper's `custom_search_space`, which the sweeper calls
 for every trial after drawing the preset's `params`).
 
-`parallelism.ep` (expert parallelism, framework/parallel/expert_parallel.py) is searched for
+`parallelism.ep` (expert parallelism, framework/comm/expert_parallel.py) is searched for
 MoE models only (`model.arch=qwen3_moe`); a dense model's trials draw exactly what they drew
 without it. Its choices are the divisors of gcd(model.moe.experts, world size): ep must divide
 the experts and dp, and dp divides the world size. They are fixed for the whole search

@@ -9,7 +9,7 @@ Parts (seconds per rank and step; metrics.jsonl, summary.json and W&B key `time_
              norm's scalar all-reduces, the update, ZeRO's slice bookkeeping; the gradient
              reductions' spans taken out
   comm_dp, comm_tp, comm_pp, comm_ep, comm_cp   exposed communication: the rank's spans
-             inside that dimension's calls (framework/metrics/comm_timer.py), and for pp the
+             inside that dimension's calls (framework/comm/comm_timer.py), and for pp the
              part of each receive wait after its message was sent
   bubble     pipelines: idle waiting for a pipeline neighbour: the part of each receive wait
              before its message was sent (the sender still computing), the step's send waits
@@ -43,9 +43,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from framework.metrics.comm_timer import DIMS
-from framework.parallel.pipeline.messages import needs, produces, sender_of
-from framework.parallel.pipeline.schedules import Action
+from framework.comm.comm_timer import DIMS
+from framework.schedules.messages import needs, produces, sender_of
+from framework.schedules import Action
 
 OPS = ("F", "B", "I", "W", "U")
 PARTS = ("data", "compute", "optimizer", *(f"comm_{d}" for d in DIMS), "bubble", "host")

@@ -1,14 +1,14 @@
 """Pipeline bubble: the schedule's declared share of idle time, beside the measured one.
 
 Convention: bubble = idle / step time per pipeline rank. Each schedule declares its bubble
-in the registry (framework/parallel/pipeline/schedules/) as a function of p, m, v and the
+in the registry (framework/schedules/) as a function of p, m, v and the
 op times T_F, T_I, T_W (T_B = T_I + T_W), and where it comes from (`bubble_source`):
 - a closed form (CLOSED_FORM) where a paper gives one that holds here (GPipe and 1F1B:
   (p-1)/(m+p-1); interleaved 1F1B: (p-1)/(v·m+p-1); ZB-H1 / ZB-H2 for m >= p / 2p-1: the
   zero-bubble paper's idle time, floored by the flush's fill), reported as "analytic";
 - else the schedule model (SCHEDULE_MODEL): the idle share of the schedule's own
   dependency graph run with those op times and no communication cost
-  (framework/parallel/pipeline/clock.py), a simulation, reported as "schedule model" (interleaved-zb,
+  (framework/schedules/clock.py), a simulation, reported as "schedule model" (interleaved-zb,
   zbv, dualpipev, zb-auto, a CSV file's schedule).
 The key stays `bubble_fraction_analytic`; `bubble_analytic_source` says which it is.
 docs/schedules.md lists them. A run reports it for its own measured op times
@@ -16,7 +16,7 @@ docs/schedules.md lists them. A run reports it for its own measured op times
 
 The measured counterpart, per rank and step, is 1 - busy / window
 (framework/train/pipeline_runner.py), with per-action marks from
-framework/metrics/timestamps.py:
+framework/timestamps.py:
 - busy: the sum of the rank's compute (F, B, I, W; for the asynchronous schedules also
   the updates), each from the moment its input was received to the end of its compute. The
   receive wait and the issuing of sends are outside it.
@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from framework.parallel.pipeline.schedules import CLOSED_FORM, Action, OpTimes, get
+from framework.schedules import CLOSED_FORM, Action, OpTimes, get
 
 
 def analytic_bubble(schedule, pp: int, microbatches: int, virtual_stages: int = 1, steps: int = 1,

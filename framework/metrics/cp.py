@@ -9,7 +9,7 @@
   rank_cp_attention_s  the per-rank values it is computed from (cp > 1 only)
 
 Host seconds: on CUDA the compute stream is synchronised around each collective and stamp
-(framework/metrics/timestamps.py's `now`), which costs time the run without cp does not pay.
+(framework/timestamps.py's `now`), which costs time the run without cp does not pay.
 """
 
 from __future__ import annotations

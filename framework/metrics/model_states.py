@@ -87,7 +87,7 @@ def stepped_numels(runner, experts: bool = False) -> list[int]:
     """The element counts `config_model_states` takes: ZeRO's flat units, else the parameters
     the optimizer steps; `experts`: only the expert-parallel ones (ZeRO shards them over edp),
     else only the others."""
-    from framework.parallel.expert_parallel import is_expert
+    from framework.comm.expert_parallel import is_expert
 
     zero = getattr(runner, "zero", None)
     if zero is not None and hasattr(zero, "flat"):
@@ -104,7 +104,7 @@ def _added(a: dict, b: dict) -> dict:
 def formula_report(runner, run) -> dict:
     """summary.json's formula keys for one rank: psi (its tp / pp part's parameters), this
     configuration's exact formula (in all and by component) and the paper's two forms."""
-    from framework.parallel.expert_parallel import is_expert
+    from framework.comm.expert_parallel import is_expert
     from framework.precision import policy_of
 
     p = run.parallelism

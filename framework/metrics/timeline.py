@@ -12,7 +12,7 @@ import json
 from typing import Optional
 
 from framework.metrics.bubble import analytic_label
-from framework.parallel.pipeline.schedules import CLOSED_FORM, Action
+from framework.schedules import CLOSED_FORM, Action
 
 Record = tuple[str, float, float, float]  # action, start, compute_start, end
 
@@ -30,7 +30,7 @@ def kept_steps(first: int, last: int, measured_from: int, limit: int) -> set[int
 
 def chrome_trace(steps: dict[int, list[list[Record]]], comm: Optional[dict] = None) -> dict:
     """`comm`: step -> per-rank (dim, what, start, end) communication spans
-    (framework/metrics/comm_timer.py), drawn as slices of category dim (`a2a` for ep's
+    (framework/comm/comm_timer.py), drawn as slices of category dim (`a2a` for ep's
     all-to-alls) on the rank's row of their own process (pid 1), so they never hide the
     compute they run inside of."""
     comm = comm or {}
@@ -150,7 +150,7 @@ def write_run_timeline(run, job_dir: str, actions: dict, measured: list[dict], s
     warm-up. Sets summary["timeline_step"]."""
     import os
 
-    from framework.sim.replay import timeline_records
+    from framework.metrics.replay import timeline_records
 
     write_trace(actions, os.path.join(job_dir, "trace.json"), comm)
     measured = [r for r in measured if r["step"] in actions]

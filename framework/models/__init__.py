@@ -109,7 +109,7 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     made here. Otherwise every parameter gets its values. `whole_first`: every parameter
     gets its values before tp sharding (debug.materialise_whole: the old start-up).
     `ep_comm` (an EPComm of size > 1): the experts of every MoE layer are split over it
-    (framework/parallel/expert_parallel.py) before anything is materialised."""
+    (framework/comm/expert_parallel.py) before anything is materialised."""
     arch = ARCHS[m.arch]
     hf = meta_hf_model(m, vocab_size, precision)
     # Train mode only matters for dropout; from_pretrained returns eval mode, random init train.
@@ -125,7 +125,7 @@ def build_model(m: ModelConfig, vocab_size: int, seed: int, device="cpu", checkp
     if tp_comm is None or tp_comm.size == 1:
         model = arch.split(hf, checkpoint_blocks)
     else:
-        from framework.parallel.tensor_parallel import apply_plan
+        from framework.comm.tensor_parallel import apply_plan
 
         check_tp_sizes(arch.tp_sizes(hf.config), tp_comm.size)  # validated on the meta model; cheap to repeat
         apply_plan(hf, arch.TP_PLAN, tp_comm, sequence_parallel, arch.localize_heads)  # meta shards

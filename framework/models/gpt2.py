@@ -76,7 +76,7 @@ def init_module(hf: GPT2LMHeadModel, path: str, module: nn.Module) -> None:
         c = hf.config
         torch.nn.init.normal_(module.weight, mean=0.0, std=c.initializer_range / math.sqrt(2 * c.n_layer))
 
-# Tensor-parallel plan (styles in framework/parallel/tensor_parallel.py). `c_attn` is the fused
+# Tensor-parallel plan (styles in framework/comm/tensor_parallel.py). `c_attn` is the fused
 # [q | k | v] projection: split per head in each third, so a rank holds whole heads of all three.
 # c_attn and c_fc are the only readers of their region's input, so they enter it themselves
 # (with sequence parallelism they then keep only the input's shard for backward).

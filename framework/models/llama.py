@@ -78,7 +78,7 @@ def split(model: LlamaForCausalLM, checkpoint_blocks: bool = False) -> SplitLM:
 
 MODEL_CLASS = LlamaForCausalLM
 
-# Tensor-parallel plan (styles in framework/parallel/tensor_parallel.py). Heads are contiguous
+# Tensor-parallel plan (styles in framework/comm/tensor_parallel.py). Heads are contiguous
 # in q / k / v, so a plain column split gives each rank n_head/tp query heads and the
 # n_kv_head/tp key-value heads they attend with (the grouped-query ratio is unchanged).
 TP_PLAN = {

@@ -33,8 +33,8 @@ def _seed_of(seed: int, name: str) -> int:
 
 
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    from framework.parallel.expert_parallel import shard_spec
-    from framework.parallel.tensor_parallel import shard_tensor
+    from framework.comm.expert_parallel import shard_spec
+    from framework.comm.tensor_parallel import shard_tensor
 
     spec = shard_spec(p)
     return shard_tensor(full, spec) if spec is not None else full
@@ -94,7 +94,7 @@ class PretrainedWeights:
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
         from safetensors import safe_open
 
-        from framework.parallel.expert_parallel import shard_spec
+        from framework.comm.expert_parallel import shard_spec
 
         if name.endswith(FUSED_EXPERTS) and not any(k in self.files for k in (name, name.removeprefix(self.prefix))):
             return self._per_expert(name, p)

@@ -1,6 +1,6 @@
 """The sparse MoE block's forward as this framework runs it, in every layout: route
 (framework/models/moe_routing.py), run the experts here or over the ep group
-(framework/parallel/expert_parallel.py), hang the auxiliary losses on the output (their
+(framework/comm/expert_parallel.py), hang the auxiliary losses on the output (their
 gradient enters backward scaled as the LM loss's), and count what the router did.
 
 `MoERuntime` is one per model (built in `framework.models.build_model`, held as
@@ -24,7 +24,7 @@ from torch import nn
 
 from framework.config import MoEConfig
 from framework.device import to_host
-from framework.parallel.expert_parallel import EPComm, run_routed
+from framework.comm.expert_parallel import EPComm, run_routed
 from framework.models.moe_routing import AuxLossScale, attach_aux_loss, route, updated_bias
 
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from framework.config import MoEConfig
-from framework.parallel.tp_comm import all_gather_single
+from framework.comm.tp_comm import all_gather_single
 
 SCORES = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")

@@ -10,7 +10,7 @@ embedding | norm + lm_head.
 
 Every sparse block runs framework/models/moe_layer.py's forward (`install_moe`): the routing
 options of `model.moe`, aux losses, statistics, and with expert parallelism its experts split
-over the ep group, tokens dispatched and combined by framework/parallel/expert_parallel.py. Tensor
+over the ep group, tokens dispatched and combined by framework/comm/expert_parallel.py. Tensor
 parallelism splits attention as Llama's plan does; the MoE block is not split over tp (its
 experts and router are replicated over tp, like the norms).
 """
@@ -27,7 +27,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeRMSNorm, Q
                                                                Qwen3MoeTopKRouter)
 
 from framework.config import ModelConfig, MoEConfig
-from framework.parallel.expert_parallel import shard_experts
+from framework.comm.expert_parallel import shard_experts
 from framework.models.moe_layer import MoERuntime
 from framework.models.llama import TP_PLAN as LLAMA_TP_PLAN
 from framework.models.llama import _rms_norm

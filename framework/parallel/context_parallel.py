@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from framework.metrics.timestamps import clock_for
+from framework.timestamps import clock_for
 from framework.parallel.ring_attention import ring_attention
-from framework.parallel.tp_comm import TPComm, gather_from_sequence_parallel_region
+from framework.comm.tp_comm import TPComm, gather_from_sequence_parallel_region
 from framework.parallel.ulysses import repeat_kv, ulysses_attention
 
 ATTENTION = "framework_context_parallel"

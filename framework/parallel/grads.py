@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from framework.optim.master import flat_views
-from framework.parallel.expert_parallel import expert_params, is_expert
-from framework.parallel.tensor_parallel import is_tp_sharded
+from framework.comm.expert_parallel import expert_params, is_expert
+from framework.comm.tensor_parallel import is_tp_sharded
 
 
 BUCKET_ELEMENTS = 2 ** 24  # per all-reduce when widened (precision.reduce_dtype): 64 MiB of fp32

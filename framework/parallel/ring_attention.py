@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from framework.metrics.comm_timer import watch
+from framework.comm.comm_timer import watch
 
 
 class _Pass(torch.autograd.Function):

@@ -5,7 +5,7 @@ the head) are flattened into one buffer padded to a multiple of dp; dp rank r ow
 r-th contiguous slice. Stage 1 keeps the optimizer states of that slice only; stage 2 also
 only its gradient; stage 3 also only its parameters between uses. Tensor-parallel shards
 and replicated parameters go to separate buffers, so the global norm can count each once.
-Expert-parallel experts (framework/parallel/expert_parallel.py) go to a buffer of their own
+Expert-parallel experts (framework/comm/expert_parallel.py) go to a buffer of their own
 sharded over the expert data parallel group (edp: the replicas of those experts), not dp.
 
 Collectives over the dp group, per stage:
@@ -25,7 +25,7 @@ Collectives over the dp group, per stage:
 
 Overlaps (each off by default; the values are the same either way, only when a collective
 is waited for moves; the unit's collectives themselves are zero_unit.py's, and what each
-overlap hid reads as `comm_hidden_dp`, framework/metrics/comm_timer.py):
+overlap hid reads as `comm_hidden_dp`, framework/comm/comm_timer.py):
 - `parallelism.overlap_grad_reduce`: each unit's reduce-scatter is issued without waiting
   as soon as its gradients are complete (stage 1: in the step's last micro-batch, from the
   same post-accumulate-grad hooks), and all are waited for when the micro-batch's backward
@@ -60,8 +60,8 @@ from torch import nn
 
 from framework.optim.master import build as build_master
 from framework.metrics.memory import tensor_bytes
-from framework.parallel.expert_parallel import is_expert
-from framework.parallel.tensor_parallel import is_tp_sharded
+from framework.comm.expert_parallel import is_expert
+from framework.comm.tensor_parallel import is_tp_sharded
 from framework.parallel.zero_unit import FlatUnit, open_grads_on_backward
 
 

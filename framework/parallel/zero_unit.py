@@ -7,7 +7,7 @@ step) and a reduce-scatter of the flat gradient to the slices' owners (the dp me
 can be issued without waiting (`start_gather`, `start_reduce`), the overlaps of
 `parallelism.overlap_param_gather` and `parallelism.overlap_grad_reduce`: the buffers a
 collective reads or writes are held, untouched, until its wait, and the span the step-time
-breakdown counts as dp (framework/metrics/comm_timer.py) is then the wait alone; its whole
+breakdown counts as dp (framework/comm/comm_timer.py) is then the wait alone; its whole
 time adds the part before that wait (`watch`: a watcher thread stamps the completion; gloo's
 reduce-scatter Work has no future), so `comm_hidden_dp` reads the share the backward (or the
 previous unit) hid.
@@ -20,12 +20,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from framework.metrics.comm_timer import timed, watch
+from framework.comm.comm_timer import timed, watch
 from framework.optim.master import flat_views
-from framework.parallel.expert_parallel import is_expert
-from framework.parallel.tensor_parallel import is_tp_sharded
-from framework.parallel.tp_comm import all_gather_single as _all_gather_single
-from framework.parallel.tp_comm import reduce_scatter_single as _reduce_scatter_single
+from framework.comm.expert_parallel import is_expert
+from framework.comm.tensor_parallel import is_tp_sharded
+from framework.comm.tp_comm import all_gather_single as _all_gather_single
+from framework.comm.tp_comm import reduce_scatter_single as _reduce_scatter_single
 
 
 class FlatUnit:

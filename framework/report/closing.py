@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Optional
 
 from framework.metrics.breakdown import PARTS
-from framework.metrics.comm_timer import DIMS
+from framework.comm.comm_timer import DIMS
 from framework.metrics.moe import line as moe_line
 from framework.metrics.model_states import paper_form
 from framework.metrics.noise import line as noise_line
 from framework.metrics.bubble import analytic_label
-from framework.parallel.pipeline.schedules import CLOSED_FORM
+from framework.schedules import CLOSED_FORM
 
 
 def summary_lines(summary: dict) -> str:
@@ -65,7 +65,7 @@ def breakdown_line(summary: dict) -> str:
                f"is not visible on this device: comm_hidden counts their wait as exposed)" if unseen else ""))
 
 
-# (label, the replay's part, the measured parts it compares with): framework/sim/replay.py
+# (label, the replay's part, the measured parts it compares with): framework/metrics/replay.py
 REPLAYED = (("compute", "compute", ("compute",)), ("comm tp/ep/cp", "comm_inside", ("comm_tp", "comm_ep", "comm_cp")),
             ("comm pp", "comm_pp", ("comm_pp",)), ("bubble", "bubble", ("bubble",)))
 

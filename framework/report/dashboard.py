@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from framework.metrics.bubble import analytic_label
-from framework.parallel.pipeline.schedules import CLOSED_FORM, SCHEDULE_MODEL
+from framework.schedules import CLOSED_FORM, SCHEDULE_MODEL
 from framework.report.dashboard_compare import (breakdown_figure, interval_text, labels_above, pareto_figure,
                                                 repeats_figure, steps_figure, throughput_error)
 from framework.report.dashboard_checks import CHECKS
@@ -277,7 +277,7 @@ def render(sweep: Path, rows: list[dict], notes: list[str]) -> str:
 def write_dashboard(sweep: Path, rows: list[dict], notes: list[str]) -> Path:
     """Write <sweep>/report.html (atomically: a half-written page never looks like a report).
     `notes`: the lines above the table (framework.report.compare's headline: its warnings, the best job)."""
-    from framework.report.files import write_atomic
+    from framework.files import write_atomic
 
     path = Path(sweep) / PAGE
     write_atomic(str(path), render(Path(sweep), rows, list(notes)))

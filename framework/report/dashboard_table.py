@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from framework.parallel.pipeline.schedules import SCHEDULE_MODEL
+from framework.schedules import SCHEDULE_MODEL
 from framework.report.dashboard_compare import tensor_memory
 from framework.report.dashboard_parts import Job, fmt_bytes, fmt_number, fmt_percent
 

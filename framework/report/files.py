@@ -10,23 +10,9 @@ import tempfile
 import time
 from typing import Optional
 
+from framework.files import write_atomic
 from framework.report.progress import RUN_LOG
 
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write to `path.tmp`, then rename over `path` (raises OSError on failure)."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_report(path: str, text: str, who: str = "") -> bool:

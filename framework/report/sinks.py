@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from framework.config import RunConfig
-from framework.report.files import write_atomic
+from framework.files import write_atomic
 from framework.metrics import breakdown, compiles, noise
 from framework.metrics.noise import median_or_none
 from framework.metrics.bubble import analytic_at_measured, analytic_label
@@ -37,8 +37,8 @@ from framework.metrics.flops import executed_flops_per_token, mfu
 from framework.metrics.memory import memory_summary
 from framework.metrics.moe import step_metrics
 from framework.metrics.moe import summary as moe_summary
-from framework.sim.replay import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
-from framework.parallel.pipeline.schedules import resolve
+from framework.metrics.replay import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
+from framework.schedules import resolve
 from framework.metrics.timeline import kept_steps, write_run_timeline, write_trace
 from framework.precision import policy_of
 from framework.report.progress import Progress, grad_field

@@ -1,7 +1,7 @@
 """Expert parallelism's all-to-all in the simulator (`parallelism.ep` what-ifs,
 framework/sim/cli.py): how many bytes a rank sends per step, and what that costs.
 
-Volume: what framework/parallel/expert_parallel.py counts (bytes a rank sends to the other
+Volume: what framework/comm/expert_parallel.py counts (bytes a rank sends to the other
 ranks of its ep group), per MoE layer on the rank and per micro-batch:
 - the count exchange, in forward only: (ep - 1) x E / ep int64s;
 - the tokens: each of the N x k (token, expert) assignments of the rank's N tokens is a row
@@ -36,7 +36,7 @@ from typing import Optional
 
 from framework.config import ConfigError, RunConfig
 from framework.precision import bytes_of, policy_of
-from framework.sim.calibrate import Calibration
+from framework.metrics.calibrate import Calibration
 
 CALLS = {"F": 3, "B": 2}  # all-to-alls per MoE layer and micro-batch: counts, dispatch, combine | their conjugates
 COUNT_BYTES = 8  # the exchanged counts are int64 (torch.bincount)

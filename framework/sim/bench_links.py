@@ -1,7 +1,7 @@
 """The local link between ranks, measured for a hardware profile (`python -m framework.sim.bench
 --links N`): N processes on this node, on the backend a run here uses (gloo on a CPU, NCCL
 on GPUs), time an all-reduce, a reduce-scatter and an all-gather over message sizes, through
-the calls the framework makes (framework/parallel/tp_comm.py's single-tensor forms), and
+the calls the framework makes (framework/comm/tp_comm.py's single-tensor forms), and
 the cost model's alpha-beta (framework/sim/cost/collectives.py) is fitted to the all-reduce:
 - alpha_us: a 1-element all-reduce's time over its ring's 2 (n-1) steps (n = 2: a p2p's);
 - GBps: the largest all-reduce's bus bandwidth, 2 (n-1)/n x bytes over its time less alpha.
@@ -60,7 +60,7 @@ def _rank(rank: int, world: int, port: int, device_type: str, threads: int, size
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        from framework.parallel.tp_comm import all_gather_single, reduce_scatter_single
+        from framework.comm.tp_comm import all_gather_single, reduce_scatter_single
 
         times = []
         for kind in KINDS:

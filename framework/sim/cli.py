@@ -7,9 +7,9 @@ With no job: `--op-times F=..,B=..,W=..[,comm=..] schedule=NAME parallelism.pp=P
 schedule.microbatches=M` (sim/optimes.py), or `hardware=PROFILE [run.py's overrides]` (sim/cost/plan.py).
 
 The job's calibration.json (every pipeline run writes it: per-stage op durations, host gap,
-link latency, time outside the pipeline, activation bytes; framework/sim/calibrate.py)
+link latency, time outside the pipeline, activation bytes; framework/metrics/calibrate.py)
 is rescaled to the target partition (framework/sim/whatif.py) and the target schedule's
-real plan is run through the clock (framework/parallel/pipeline/clock.py). Prints the
+real plan is run through the clock (framework/schedules/clock.py). Prints the
 predicted step time, bubble and activation peak per rank; `--png` draws the predicted
 Gantt chart. With no override it replays the job itself (`replay: true`: its own durations
 on its own layout, beside its measurement; a prediction is of a layout not run).
@@ -44,12 +44,12 @@ from omegaconf.errors import OmegaConfBaseException
 from framework.config import ConfigError, RunConfig, check_overrides, load_config
 from framework.commands import MOST_MICROBATCHES, OutputPath, Parser, command
 from framework.sim.alltoall import A2ACost, cost_of, moe_layers, shift_stages, step_bytes
-from framework.sim.calibrate import Calibration
-from framework.sim.replay import Predicted, breakdown_of, flat_replay, replay, rules_for, timeline_records
+from framework.metrics.calibrate import Calibration
+from framework.metrics.replay import Predicted, breakdown_of, flat_replay, replay, rules_for, timeline_records
 from framework.sim.source import UNSCALED, check_same_work, load_job, other_work
 from framework.sim.whatif import rescale
 from framework.models import meta_hf_model
-from framework.parallel.pipeline.schedules import get, load_modules, names, resolve
+from framework.schedules import get, load_modules, names, resolve
 from framework.validate import validate_model
 from framework.validate.common import suggest
 from framework.validate.ranges import check_ranges

@@ -26,10 +26,10 @@ import json
 
 from framework.config import ConfigError
 from framework.commands import MOST_MICROBATCHES, MOST_STAGES, MOST_CHUNKS
-from framework.parallel.pipeline.p2p import comm_plan
-from framework.parallel.pipeline.schedules import Schedule, get, names
-from framework.parallel.pipeline.schedules.base import DEFAULT
-from framework.parallel.pipeline.clock import Costs, idle_share, predict, simulate
+from framework.schedules.p2p import comm_plan
+from framework.schedules import Schedule, get, names
+from framework.schedules.base import DEFAULT
+from framework.schedules.clock import Costs, idle_share, predict, simulate
 from framework.validate.common import suggest
 
 NAMES = ("F", "B", "W", "comm")

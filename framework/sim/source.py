@@ -22,8 +22,8 @@ import yaml
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import ConfigError, RunConfig, read_config
-from framework.sim.calibrate import Calibration, read_calibration
-from framework.validate.paths import read_json
+from framework.metrics.calibrate import Calibration, read_calibration
+from framework.files import read_json
 
 # What a measured duration depends on that `rescale` does not model: every model.* key (moe.*
 # included) but its label and where its weights come from (its sizes are the other keys); the

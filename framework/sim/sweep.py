@@ -35,7 +35,7 @@ from typing import Optional
 
 from framework.config import ConfigError, RunConfig, read_config, to_yaml
 from framework.report.files import set_aside_previous
-from framework.report.files import write_atomic
+from framework.files import write_atomic
 from framework.report.progress import RUN_LOG
 
 PREDICTION = "prediction.json"

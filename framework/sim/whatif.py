@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import statistics
 
-from framework.parallel.pipeline.schedules import Schedule
-from framework.sim.calibrate import Calibration
+from framework.schedules import Schedule
+from framework.metrics.calibrate import Calibration
 
 
 def fit_blocks(values: dict[int, float], blocks: list[int]) -> tuple[float, float, float]:

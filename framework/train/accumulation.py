@@ -14,16 +14,16 @@ import torch
 from framework.optim import master
 from framework.config import RunConfig
 from framework.device import to_host
-from framework.metrics.comm_timer import timed
-from framework.metrics.timestamps import now
+from framework.comm.comm_timer import timed
+from framework.timestamps import now
 from framework.metrics.memory import master_bytes, model_state_bytes
 from framework.parallel import data_parallel
 from framework.models.moe_layer import moe_step
-from framework.parallel.expert_parallel import expert_params
+from framework.comm.expert_parallel import expert_params
 from framework.parallel.fsdp2 import FSDP2
 from framework.parallel.grads import clip_grad_norm, reduce_expert_grads
-from framework.parallel.tensor_parallel import sync_replicated_grads
-from framework.parallel.tp_comm import TPComm
+from framework.comm.tensor_parallel import sync_replicated_grads
+from framework.comm.tp_comm import TPComm
 from framework.parallel.zero import Zero
 from framework.precision import autocast_context, policy_of
 from framework.report.records import StateBytes, StepResult

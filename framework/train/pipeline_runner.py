@@ -34,15 +34,15 @@ from framework.optim.master import build as build_master
 from framework.train.update import Update
 from framework.report.records import StateBytes, StepResult
 from framework.topology import ParallelContext
-from framework.metrics.comm_timer import timed, watch
+from framework.comm.comm_timer import timed, watch
 from framework.parallel.pipeline.executor import ActionRecord, PipelineExecutor, PipelinePeers
-from framework.parallel.pipeline.p2p import RankPlan, comm_plan
-from framework.parallel.pipeline.tiling import TiledPlan
-from framework.parallel.pipeline.schedules import resolve
+from framework.schedules.p2p import RankPlan, comm_plan
+from framework.schedules.tiling import TiledPlan
+from framework.schedules import resolve
 from framework.models.moe_layer import moe_step
-from framework.parallel.expert_parallel import is_expert
+from framework.comm.expert_parallel import is_expert
 from framework.parallel.grads import GradBuffer, clip_grad_norm, finish_all_reduce, reduce_expert_grads
-from framework.parallel.tensor_parallel import sync_replicated_grads
+from framework.comm.tensor_parallel import sync_replicated_grads
 from framework.precision import policy_of
 from framework.parallel.pipeline.stage import build_chunks, stage_ranges, sum_tied_grad, tied_weight
 from framework.parallel.zero import Zero

@@ -30,25 +30,25 @@ from framework.data import ShardedSampler, TokenData
 from framework.train.evaluate import HeldOut, evaluate
 from framework.report.export import save_final_model, transformers_tokenizer
 from framework.report.sinks import RunLogger
-from framework.metrics.timestamps import now
+from framework.timestamps import now
 from framework.metrics.comm_ledger import CommLedger, ledger_path
 from framework.metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
 from framework.metrics.model_states import formula_report
 from framework.metrics.peak import resolve_rank_peak
 from framework.models import build_model
 from framework.optim.build import lr_at
-from framework.parallel.expert_parallel import EPComm
+from framework.comm.expert_parallel import EPComm
 from framework.train.pipeline_runner import PipelineRunner
-from framework.parallel.pipeline.schedules import Op
+from framework.schedules import Op
 from framework.models import recompute
 from framework.metrics.compiles import compiled_frames
 from framework.models.compile import compile_blocks
 from framework.models import fp8
 from framework.parallel import context_parallel
-from framework.parallel.tp_comm import TPComm
+from framework.comm.tp_comm import TPComm
 from framework.metrics.breakdown import busy_s, rank_parts, serialise_pairs
 from framework.metrics.noise import CpuClock
-from framework.metrics.comm_timer import CommTimer
+from framework.comm.comm_timer import CommTimer
 from framework.precision import autocast_context
 from framework.report.records import RunInfo, StepRecord, StepResult
 from framework.train.signals import Stopped, StopSignals

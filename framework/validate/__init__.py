@@ -15,7 +15,7 @@ import os
 
 from framework.config import ConfigError, DataConfig, RunConfig, check_overrides, load_config
 from framework.parallel.pipeline.partition import PartitionError
-from framework.parallel.pipeline.schedules import never_flushes
+from framework.schedules import never_flushes
 from framework.validate.common import first_line
 from framework.validate.compile import check_compile
 from framework.validate.expert import check_expert_parallel, check_moe

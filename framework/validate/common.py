@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from framework.commands import first_line  # noqa: F401  (the checks quote an error's first line)
 from framework.config import ConfigError
 
 
@@ -27,11 +28,6 @@ def number(key: str, value: Any, ok: Callable[[float], bool], problem: str, fix:
     """A finite number (not a bool) for which `ok` holds; else `key=value: problem`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ConfigError(key, value, problem, fix)
-
-
-def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def suggest(word: str, names: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ rejected here is proved equal to the single process in fp64 (tests/test_context_
 from __future__ import annotations
 
 from framework.config import ConfigError, RunConfig
-from framework.parallel.pipeline.schedules import never_flushes
+from framework.schedules import never_flushes
 
 
 def check_context_parallel(run: RunConfig) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from framework.config import ConfigError, RunConfig
-from framework.parallel.pipeline.schedules import never_flushes
+from framework.schedules import never_flushes
 from framework.models.moe_routing import AUX_LOSSES, DROP_POLICIES, SCORES
 from framework.validate.common import number, positive
 

@@ -9,7 +9,7 @@ documents training leaves out, and that must not depend on evaluation being on.
 from __future__ import annotations
 
 from framework.config import ConfigError, RunConfig
-from framework.parallel.pipeline.schedules import get, names, never_flushes
+from framework.schedules import get, names, never_flushes
 
 
 

@@ -14,6 +14,7 @@ import zipfile
 from typing import Any, Optional
 
 from framework.config import ConfigError, RunConfig
+from framework.files import read_json
 from framework.models.checks import check_model_type
 from framework.validate.common import first_line
 
@@ -59,24 +60,6 @@ def _directory(key: str, name: str, fix: str) -> str:
     if not os.listdir(path):
         raise ConfigError(key, name, "is an empty directory", fix)
     return path
-
-
-def read_json(key: str, name: Any, path: str, fix: str, max_bytes: Optional[int] = None) -> Any:
-    """The JSON file at `path`, or a ConfigError naming `key`: unreadable, over `max_bytes`
-    (None: no limit), not UTF-8, not JSON or nested past the parser's depth. Its shape is the
-    caller's to check."""
-    label = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
-    except OSError as e:
-        raise ConfigError(key, name, f"{label} is not readable ({e.strerror or e})", fix) from None
-    if max_bytes is not None and len(data) > max_bytes:
-        raise ConfigError(key, name, f"{label} is over {max_bytes >> 20} MiB: not the file this expects", fix)
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; '[[[[...' past the depth
-        raise ConfigError(key, name, f"{label} is not valid JSON ({first_line(e)})", fix) from None
 
 
 def _pretrained(run: RunConfig) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from framework.config import ConfigError, RunConfig
-from framework.parallel.pipeline.schedules import never_flushes
+from framework.schedules import never_flushes
 from framework.precision import PRECISIONS, REDUCE_DTYPES, policy_of
 from framework.validate.common import choice, number, positive
 
@@ -99,7 +99,7 @@ def _fp8(run: RunConfig) -> None:
         raise ConfigError("precision.fp8", c.fp8, "with a MoE model: the experts' grouped GEMMs have no FP8 path "
                           "here (torchao's MoE training is another API)", f"use a dense model, {off}")
     if run.parallelism.pp > 1:
-        from framework.parallel.pipeline.schedules.base import REGISTRY
+        from framework.schedules.base import REGISTRY
 
         sched = REGISTRY.get(run.schedule.name)
         if sched is not None and sched.splits_backward:
@@ -167,7 +167,7 @@ def check_fp8_widths(run: RunConfig, hf_model, plan: dict) -> None:
     this rank's in and out features multiples of 16 (its tp shard's). `hf_model`: the meta
     model, whose linears outside the blocks are the LM head alone (never converted)."""
     from framework.models.fp8 import ALIGN, linears, widths
-    from framework.parallel.tensor_parallel import style_of
+    from framework.comm.tensor_parallel import style_of
 
     tp = run.parallelism.tp
     for name, module, _ in linears(hf_model):

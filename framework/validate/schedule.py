@@ -10,7 +10,7 @@ import re
 
 from framework.config import ConfigError, RunConfig
 from framework.parallel.pipeline.partition import uniform
-from framework.parallel.pipeline.schedules import CSV, CsvError, csv_schedule, get, load_modules, names, resolve
+from framework.schedules import CSV, CsvError, csv_schedule, get, load_modules, names, resolve
 from framework.validate.common import choice, positive
 
 
@@ -23,7 +23,7 @@ def load_schedule_modules(run: RunConfig) -> None:
             raise ConfigError("schedule.modules", list(run.schedule.modules),
                               f"importing {name} failed ({type(e).__name__}: {e})",
                               "give a Python file (path ending .py) or an importable module that calls "
-                              "framework.parallel.pipeline.schedules.register") from None
+                              "framework.schedules.register") from None
 
 
 def check_schedule(run: RunConfig) -> None:
@@ -131,7 +131,7 @@ def _prove(run: RunConfig, sched, where) -> None:
     """The exact (pp, m, v) the ranks will run, proved under gloo's and NCCL's rules before
     launch (tests cover pp <= 8, m <= 16; this covers whatever a user asks for). Two steps
     show an asynchronous schedule's steady state across a step boundary."""
-    from framework.parallel.pipeline.check import ScheduleError, prove
+    from framework.schedules.check import ScheduleError, prove
 
     s, pp = run.schedule, run.parallelism.pp
     steps = min(2, run.trainer.steps) if not sched.flushes else 1

@@ -20,10 +20,10 @@ Sends are waited for at the end of a flushing step (every receive has run by the
 
 DualPipe's pairs (`parallelism.overlap_dualpipe`, a schedule registered with `pairs`): an F
 followed at once by a B of the other chunk runs as one unit (`_pair`): both receives waited
-for, the F on a second thread (framework/parallel/side_thread.py: its ep all-to-alls on a
+for, the F on a second thread (framework/comm/side_thread.py: its ep all-to-alls on a
 group of their own) beside the B on this one, both results sent after (p2p.py's `_pair`).
 
-Timing (framework/metrics/timestamps.py): per action a mark before the receive wait, one after
+Timing (framework/timestamps.py): per action a mark before the receive wait, one after
 it (compute starts) and one after the compute; host time on CPU, CUDA events on GPUs,
 read after the step, so the measured bubble is step time minus compute, never time spent
 inside a receive (which mixes transfer and waiting).
@@ -41,11 +41,11 @@ from torch import nn
 
 from framework.topology import NullRecorder
 from framework.metrics.memory import tensor_bytes
-from framework.parallel.pipeline.messages import Message, needs, produces
-from framework.parallel.pipeline.p2p import RankPlan
+from framework.schedules.messages import Message, needs, produces
+from framework.schedules.p2p import RankPlan
 from framework.parallel.pipeline.p2p_work import BatchWork, batch_isend_irecv
-from framework.parallel.pipeline.schedules.base import Action, Op, StageMap, pair_starts
-from framework.parallel.side_thread import SideThread
+from framework.schedules.base import Action, Op, StageMap, pair_starts
+from framework.comm.side_thread import SideThread
 from framework.parallel.pipeline.split_backward import PendingWeight, backward_input, backward_weight
 
 
@@ -74,7 +74,7 @@ class PipelinePeers:
     group: object = None
     # pp rank of a neighbour -> the pair's own group (ParallelContext.pp_pairs): a P2POp
     # names its pair's, so a send to one neighbour never queues behind a receive from the
-    # other (parallel/pipeline/matching.py stream_of); a peer without one uses `group`
+    # other (framework/schedules/matching.py stream_of); a peer without one uses `group`
     pair_groups: dict = field(default_factory=dict)
 
     @property

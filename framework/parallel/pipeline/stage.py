@@ -77,7 +77,7 @@ def stage_state_dict(full: SplitLM, chunks: list[SplitLM], tp_comm=None, ep_comm
     """This rank's parameters under their transformers names and shapes (for the merged
     checkpoint). Tensor-parallel shards are gathered over tp (every tp rank must call it),
     expert-parallel experts over ep (every ep rank must call it)."""
-    from framework.parallel.tensor_parallel import full_tensor
+    from framework.comm.tensor_parallel import full_tensor
 
     owned = {id(p) for ch in chunks for p in ch.parameters()}
     out = {}

@@ -1,7 +1,7 @@
 """DualPipe's overlap under NCCL's stream rules: can a pair's two threads deadlock the ranks?
 
 `parallelism.overlap_dualpipe` runs each steady-state pair's F on a second thread beside its
-B (framework/parallel/side_thread.py); the F thread's all-to-alls go to the `ep_side` group,
+B (framework/comm/side_thread.py); the F thread's all-to-alls go to the `ep_side` group,
 the B thread's to `ep`. gloo cannot show what NCCL would do with that, so it is modelled
 here (issue 47), beside check.py's model of the pipeline's p2p batches.
 
@@ -94,7 +94,7 @@ def _complete(state: tuple) -> tuple:
 
 def pair_programs(moe_layers_f: int, moe_layers_b: int, reads: bool = True) -> dict[str, list[str]]:
     """A pair's two threads: per MoE layer, F reads its routing counts on the host (one read,
-    framework/parallel/expert_parallel.py) and runs the dispatch and combine all-to-alls; B
+    framework/comm/expert_parallel.py) and runs the dispatch and combine all-to-alls; B
     runs their two backward all-to-alls."""
     f = ([READ] if reads else []) + [COLLECTIVE, COLLECTIVE]
     return {"F": f * moe_layers_f, "B": [COLLECTIVE, COLLECTIVE] * moe_layers_b}

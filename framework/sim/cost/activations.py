@@ -4,7 +4,7 @@ per (micro-batch, chunk) on one rank, and the peak over the schedule's real acti
 What is counted is what the framework's ActivationTracker (metrics/memory.py) measures: each
 tensor saved for backward, storages counted once, parameters excluded. The terms are read off
 the framework's own models (transformers' blocks under SDPA's flash path; the tp layers of
-parallel/tensor_parallel.py), per token of the micro-batch; `t` the micro-batch's tokens, `tn`
+framework/comm/tensor_parallel.py), per token of the micro-batch; `t` the micro-batch's tokens, `tn`
 the tokens of norms and residuals (t / tp under sequence parallelism), `a` the activation dtype:
 - GPT-2: LayerNorm saves its input and mean / rstd; c_attn its input (the norm's output, or
   under SP its sequence shard: _SequenceGatherLinear gathers again in backward); SDPA q, k, v
@@ -43,8 +43,8 @@ from typing import Optional
 
 from framework.parallel.context_parallel import causal_parts, token_pieces
 from framework.parallel.pipeline.partition import uniform
-from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.schedules.base import Op
+from framework.schedules import get
+from framework.schedules.base import Op
 from framework.sim.cost.shapes import Layout, ModelShape
 
 INDEX = 8  # int64 ids, labels and routing indices

@@ -27,8 +27,8 @@ and is set on a Job in code, as experiments/cluster_model does for published sys
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.schedules.base import Op
+from framework.schedules import get
+from framework.schedules.base import Op
 from framework.sim.cost.collectives import collective_s, group_link
 from framework.sim.cost.ops import block_ops
 from framework.sim.cost.traffic import after_pipeline, dense_reduction, pass_collectives, rank_units

@@ -15,7 +15,7 @@ side_thread.py), so a GPU run with the key gets less than priced here (not measu
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import pair_starts
+from framework.schedules.base import pair_starts
 
 
 def paired_costs(compute: dict, ep: dict, p: int) -> dict:

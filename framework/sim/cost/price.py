@@ -37,11 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.parallel.pipeline.p2p import comm_plan
+from framework.schedules.p2p import comm_plan
 from framework.parallel.pipeline.partition import uniform
-from framework.parallel.pipeline.schedules import get
-from framework.parallel.pipeline.schedules.base import DEFAULT
-from framework.parallel.pipeline.clock import Costs, predict
+from framework.schedules import get
+from framework.schedules.base import DEFAULT
+from framework.schedules.clock import Costs, predict
 from framework.sim.cost.pairs import hidden_s, paired_costs
 from framework.sim.cost.activations import peak_bytes, recompute_transient
 from framework.sim.cost.collectives import group_link

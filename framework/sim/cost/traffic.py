@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.parallel.pipeline.partition import uniform
-from framework.parallel.tensor_parallel import padded_vocab  # the vocab-parallel rows, as the layers pad them
-from framework.parallel.pipeline.schedules import get
+from framework.comm.tensor_parallel import padded_vocab  # the vocab-parallel rows, as the layers pad them
+from framework.schedules import get
 from framework.sim.cost.shapes import ModelShape
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from framework.parallel.pipeline.schedules.base import AUTO, Op, OpTimes, Schedule, StageMap, modelled, register
-from framework.parallel.pipeline.schedules.zero_bubble import greedy, simulated, zbh1
+from framework.schedules.base import AUTO, Op, OpTimes, Schedule, StageMap, modelled, register
+from framework.schedules.zero_bubble import greedy, simulated, zbh1
 
 
 def _times(op_times, pp: int) -> tuple[list[OpTimes], float]:
@@ -36,8 +36,8 @@ def _times(op_times, pp: int) -> tuple[list[OpTimes], float]:
 
 def _makespan(lists, pp: int, times: list[OpTimes], comm: float) -> float:
     """The step's length on the calibrated clock (the executor's real batches, gloo's rules)."""
-    from framework.parallel.pipeline.p2p import comm_plan  # p2p and simulate import this package's base
-    from framework.parallel.pipeline.clock import Costs, predict
+    from framework.schedules.p2p import comm_plan  # p2p and simulate import this package's base
+    from framework.schedules.clock import Costs, predict
 
     smap = StageMap(pp, 1, "loop")
     compute = {(r, 0, op): getattr(times[r], op) for r in range(pp) for op in "FIW"}

@@ -7,7 +7,7 @@ synchronous update (not an action). Chunk c of rank r is stage c*pp + r (loop pl
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, register
+from framework.schedules.base import Action, Op, Schedule, Violation, register
 
 
 def _flat(p: int, m: int, v: int, times=None, steps: int = 1) -> float:

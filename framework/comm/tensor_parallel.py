@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from framework.parallel.tp_comm import TPComm, enter_tp_region, exit_tp_region
+from framework.comm.tp_comm import TPComm, enter_tp_region, exit_tp_region
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from framework.parallel.pipeline.schedules.base import Action, Op, StageMap
+from framework.schedules.base import Action, Op, StageMap
 
 
 @dataclass(frozen=True)

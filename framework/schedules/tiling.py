@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from framework.parallel.pipeline.check import ScheduleError, nccl_simulate
-from framework.parallel.pipeline.messages import Message
-from framework.parallel.pipeline.p2p import P2POp, RankPlan, comm_plan
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap
+from framework.schedules.check import ScheduleError, nccl_simulate
+from framework.schedules.messages import Message
+from framework.schedules.p2p import P2POp, RankPlan, comm_plan
+from framework.schedules.base import Action, Op, Schedule, StageMap
 
 
 def cut(actions: list[Action], m: int) -> list[range]:

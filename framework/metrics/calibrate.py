@@ -52,10 +52,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from framework.config import ConfigError
-from framework.parallel.pipeline.messages import needs, produces, receiver_of
-from framework.parallel.pipeline.schedules import Action, Op, StageMap
-from framework.parallel.pipeline.clock import Costs
-from framework.validate.paths import read_json
+from framework.schedules.messages import needs, produces, receiver_of
+from framework.schedules import Action, Op, StageMap
+from framework.schedules.clock import Costs
+from framework.files import read_json
 
 WAITED_S = 2e-4  # a receive wait longer than this: the message was not there yet
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, Schedule, Violation, modelled, register
-from framework.parallel.pipeline.schedules.zero_bubble import simulated
+from framework.schedules.base import Action, Op, OpTimes, Schedule, Violation, modelled, register
+from framework.schedules.zero_bubble import simulated
 
 
 def _rank(pp: int, m: int, r: int) -> list[Action]:

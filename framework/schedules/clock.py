@@ -15,9 +15,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from framework.parallel.pipeline.messages import needs, produces, receiver_of, sender_of
-from framework.parallel.pipeline.schedules.base import Action, Op, OpTimes, StageMap, pair_starts
-from framework.parallel.pipeline.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
+from framework.schedules.messages import needs, produces, receiver_of, sender_of
+from framework.schedules.base import Action, Op, OpTimes, StageMap, pair_starts
+from framework.schedules.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
 
 
 def _duration(durations, op: Op) -> float:

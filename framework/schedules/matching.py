@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from framework.parallel.pipeline.messages import needs, sender_of
-from framework.parallel.pipeline.schedules.base import StageMap
+from framework.schedules.messages import needs, sender_of
+from framework.schedules.base import StageMap
 
 
 class ScheduleError(ValueError):

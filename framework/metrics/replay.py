@@ -1,7 +1,7 @@
 """Predicted step time, bubble and activation peak of a pipeline layout, from a calibration.
 
 `replay` runs the schedule's real plan (`p2p.comm_plan`: the batches the executor issues)
-through the clock (framework/parallel/pipeline/clock.py) with a `Calibration`'s
+through the clock (framework/schedules/clock.py) with a `Calibration`'s
 durations. What it predicts and how each number maps to a measured one:
 - bubble_fraction: mean over pipeline ranks of 1 - busy / window, the measured definition
   (flushing schedules: per step, the window ends at the flush; asynchronous ones: over the
@@ -33,12 +33,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from framework.report.files import write_atomic
-from framework.parallel.pipeline.check import alive_peak
-from framework.parallel.pipeline.p2p import comm_plan
-from framework.parallel.pipeline.schedules import Schedule
-from framework.parallel.pipeline.clock import Prediction, predict
-from framework.sim.calibrate import Calibration
+from framework.files import write_atomic
+from framework.schedules.check import alive_peak
+from framework.schedules.p2p import comm_plan
+from framework.schedules import Schedule
+from framework.schedules.clock import Prediction, predict
+from framework.metrics.calibrate import Calibration
 
 ASYNC_STEPS = (4, 8)  # never-flushed runs: simulate this many steps, extrapolate linearly
 
@@ -145,7 +145,7 @@ class RunPredictor:
     def __init__(self, schedule: Schedule, p: int, m: int, v: int, steps: int, coords: list,
                  message_bytes: int, device_type: str, measured_from: int):
         """`coords[i]`: global rank i's coordinates (.pp, .dp, .tp)."""
-        from framework.sim.calibrate import RunningCalibration
+        from framework.metrics.calibrate import RunningCalibration
 
         self.schedule, self.p, self.m, self.v, self.steps = schedule, p, m, v, steps
         self.rules, self.measured_from = rules_for(device_type), measured_from
@@ -194,7 +194,7 @@ class FlatPredictor(RunPredictor):
     `flat_replay`."""
 
     def __init__(self, measured_from: int):  # not RunPredictor's: no schedule plans or pipelines at pp = 1
-        from framework.sim.calibrate import RunningCalibration
+        from framework.metrics.calibrate import RunningCalibration
 
         self.measured_from, self.alive = measured_from, {0: 1}  # one micro-batch alive at a time
         self._new = lambda: RunningCalibration(None, [], 0, True)

@@ -25,7 +25,7 @@ import io
 import re
 from typing import Optional
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap, modelled
+from framework.schedules.base import Action, Op, Schedule, StageMap, modelled
 
 _CELL = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _PAIR = re.compile(r"^\((.*)\)OVERLAP_F_B$")
@@ -167,7 +167,7 @@ def load_csv(path: str, microbatches: Optional[int] = None) -> tuple[Schedule, d
         return {r: list(acts) for r, acts in lists.items()}
 
     def bubble(p: int, mm: int, v: int = 1, times=None, steps: int = 1) -> float:
-        from framework.parallel.pipeline.clock import simulated_bubble  # simulate imports this package's base
+        from framework.schedules.clock import simulated_bubble  # simulate imports this package's base
         return simulated_bubble(generate(p, mm, v), smap, times)
 
     sched = Schedule(name="csv", generate=generate, ops=ops or frozenset({Op.F}), placement=smap.placement,

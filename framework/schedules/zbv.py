@@ -7,8 +7,8 @@ T_F = T_I = T_W.
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, modelled, register
-from framework.parallel.pipeline.schedules.zero_bubble import simulated
+from framework.schedules.base import Action, Op, Schedule, modelled, register
+from framework.schedules.zero_bubble import simulated
 
 
 def _rank(pp: int, m: int, r: int) -> list[Action]:

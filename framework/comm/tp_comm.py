@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from framework.metrics.comm_timer import timed
+from framework.comm.comm_timer import timed
 
 
 # torch 2.13 renamed the tensor-in / tensor-out collectives; 2.6-2.12 have the older names.
@@ -38,7 +38,7 @@ class TPComm:
     def __init__(self, group, size: int, rank: int, timer=None, dim: str = "tp"):
         self.group, self.size, self.rank = group, size, rank
         self.bytes_sent = 0
-        # the step-time breakdown's per-dimension spans (framework/metrics/comm_timer.py)
+        # the step-time breakdown's per-dimension spans (framework/comm/comm_timer.py)
         self.timer, self.dim = timer, dim
         self.delay_s = 0.0  # debug.tp_delay_ms: rank 0 sleeps before each collective
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from framework.parallel.pipeline.schedules.base import (CLOSED_FORM, SCHEDULE_MODEL, Action, Op, OpTimes, Schedule,
+from framework.schedules.base import (CLOSED_FORM, SCHEDULE_MODEL, Action, Op, OpTimes, Schedule,
                                                       StageMap, register)
 
 
@@ -118,7 +118,7 @@ def simulated(generate, placement: str = "loop"):
     on the unit-time clock with the given op times and no communication cost. A simulation,
     not a formula: a schedule using it declares `bubble_source=modelled` (SCHEDULE_MODEL)."""
     def bubble(p: int, m: int, v: int = 1, times: OpTimes = OpTimes(), steps: int = 1) -> float:
-        from framework.parallel.pipeline.clock import simulated_bubble  # simulate imports this package's base
+        from framework.schedules.clock import simulated_bubble  # simulate imports this package's base
         return simulated_bubble(generate(p, m, v, steps), StageMap(p, v, placement), times) if p > 1 else 0.0
     return bubble
 

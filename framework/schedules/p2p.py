@@ -8,7 +8,7 @@ one stage), so the executor sends exactly the tensor the plan names, and `check.
 simulates exactly the batches the executor issues, under gloo's rules and under NCCL's.
 
 Why the placement matters: under NCCL a rank's p2p ops on one communicator (here one per
-pair of neighbours, parallel/pipeline/matching.py) run in issue order on its stream, a
+pair of neighbours, framework/schedules/matching.py) run in issue order on its stream, a
 send completes only when the peer's matching receive runs, and a pair's messages match in
 issue order (tags are ignored). Posting each receive with the *receiver's* next action (the
 executor's first design, Megatron's send_forward_recv_backward pairing) deadlocks
@@ -40,9 +40,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
-from framework.parallel.pipeline.messages import Message, needs, produces, receiver_of, sender_of
-from framework.parallel.pipeline.schedules.base import Action, StageMap, pair_starts
-from framework.parallel.pipeline.clock import simulate
+from framework.schedules.messages import Message, needs, produces, receiver_of, sender_of
+from framework.schedules.base import Action, StageMap, pair_starts
+from framework.schedules.clock import simulate
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """`python -m framework.schedules list | dump | grid ...`: the schedule registry's CLI
-(framework/parallel/pipeline/schedules/cli.py)."""
+(framework/schedules/cli.py)."""
 
 import sys
 
-from framework.parallel.pipeline.schedules.cli import main
+from framework.schedules.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -18,8 +18,8 @@ import os
 import sys
 from typing import Optional
 
-from framework.parallel.pipeline.schedules.base import REGISTRY, Schedule, get
-from framework.parallel.pipeline.schedules.csv_format import load_csv
+from framework.schedules.base import REGISTRY, Schedule, get
+from framework.schedules.csv_format import load_csv
 
 CSV = "csv"  # the name that reads schedule.csv instead of the registry
 _csv_cache: dict[tuple, tuple] = {}

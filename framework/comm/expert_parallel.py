@@ -39,16 +39,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.device import to_host
-from framework.metrics.comm_timer import timed
-from framework.parallel.side_thread import on_side
-from framework.parallel.tensor_parallel import TPShard
-from framework.parallel.tp_comm import TPComm
+from framework.comm.comm_timer import timed
+from framework.comm.side_thread import on_side
+from framework.comm.tensor_parallel import TPShard
+from framework.comm.tp_comm import TPComm
 
 
 class EPComm(TPComm):
     """One rank's ep group: TPComm's all-gather (the export) plus the all-to-alls, with the
     bytes this rank sends to other ranks and the time spent in them. With a `timer` (runs),
-    each call is a span of the step-time breakdown's (framework/metrics/comm_timer.py: CUDA
+    each call is a span of the step-time breakdown's (framework/comm/comm_timer.py: CUDA
     events read after the step, no host sync per call) and `take_a2a`'s seconds and spans
     come from those; without one (direct use) nothing is timed."""
 

@@ -52,8 +52,8 @@ from typing import Optional
 
 import torch
 
-from framework.metrics.timestamps import clock_for
-from framework.parallel.side_thread import on_side
+from framework.timestamps import clock_for
+from framework.comm.side_thread import on_side
 
 DIMS = ("dp", "tp", "pp", "ep", "cp")
 

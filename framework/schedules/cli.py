@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import sys
 
-from framework.config import ConfigError
+from framework.commands import ConfigError
 from framework.commands import (MOST_ACTIONS, MOST_CHUNKS, MOST_MICROBATCHES, MOST_STAGES, Count, OutputPath,
                                        Parser, command)
-from framework.parallel.pipeline.check import ScheduleError, check
-from framework.parallel.pipeline.schedules import dump_csv, get, names
-from framework.parallel.pipeline.clock import grid
+from framework.schedules.check import ScheduleError, check
+from framework.schedules import dump_csv, get, names
+from framework.schedules.clock import grid
 
 # A schedule's Violation names a config key; here it is this argument.
 ARGUMENTS = {"parallelism.pp": "--pp", "schedule.microbatches": "--microbatches",

@@ -6,7 +6,7 @@
    forward, only the ops the schedule declares appear, and no rank holds more activations
    at once than the schedule's declared bound (F to its B or W).
 2. The lists run together in a simulation where a send never blocks and a receive waits
-   for its message (gloo's behaviour, `framework/parallel/pipeline/clock.py`): ScheduleError when the ranks
+   for its message (gloo's behaviour, `framework/schedules/clock.py`): ScheduleError when the ranks
    deadlock, a channel's messages are consumed in another order than sent, or an
    asynchronous schedule runs a forward before the weight version it needs exists.
 3. The batches the executor really issues (`p2p.comm_plan`, the one shared description)
@@ -24,10 +24,10 @@
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.p2p import RankPlan, comm_plan
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, StageMap, get
-from framework.parallel.pipeline.clock import simulate
-from framework.parallel.pipeline.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
+from framework.schedules.p2p import RankPlan, comm_plan
+from framework.schedules.base import Action, Op, Schedule, StageMap, get
+from framework.schedules.clock import simulate
+from framework.schedules.matching import ScheduleError, match_pairs, recv_units, stream_prev, units
 
 __all__ = ["ScheduleError", "check", "prove", "nccl_simulate", "alive_peak"]
 

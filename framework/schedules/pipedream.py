@@ -8,7 +8,7 @@ accumulated over a step's m micro-batches, one update per step, two weight versi
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import Action, AsyncRule, Op, Schedule, Violation, register
+from framework.schedules.base import Action, AsyncRule, Op, Schedule, Violation, register
 
 
 def _async(pp: int, m: int, steps: int, update_after) -> dict[int, list[Action]]:

@@ -8,8 +8,8 @@ max(1, m // p) rounds). Loop placement: chunk c of rank r is stage c*p + r.
 
 from __future__ import annotations
 
-from framework.parallel.pipeline.schedules.base import Action, Op, Schedule, Violation, modelled, register
-from framework.parallel.pipeline.schedules.zero_bubble import simulated
+from framework.schedules.base import Action, Op, Schedule, Violation, modelled, register
+from framework.schedules.zero_bubble import simulated
 
 
 def _rounds(pp: int, m: int) -> tuple[int, int]:

@@ -115,7 +115,7 @@ class OpTimes:
 
 # Where a schedule's declared bubble comes from (`Schedule.bubble_source`), as reports label it.
 CLOSED_FORM = "closed form"  # a formula in p, m, v and the op times (`Schedule.bubble_formula`: which, whose)
-SCHEDULE_MODEL = "schedule model"  # the schedule's own lists run on the unit-time clock (framework/parallel/pipeline/clock.py)
+SCHEDULE_MODEL = "schedule model"  # the schedule's own lists run on the unit-time clock (framework/schedules/clock.py)
 
 
 def modelled(pp: int, m: int, v: int) -> str:
