@@ -371,6 +371,15 @@ def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_na
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     forkserver.prepare()
     assert Server.stops == 3
+    # run.py under a process that imported torch (this suite): the server starts before torch's
+    # imports with the inherited default, and the launch after them is no change
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, "torch")
+        forkserver.prepare()
+    assert Server.stops == 4
+    forkserver.prepare()
+    assert Server.stops == 4
 
 
 def test_run_py_starts_the_rank_server_early_unless_no_rank_starts_here(monkeypatch):

@@ -36,19 +36,24 @@ def prepare() -> None:
     MASTER_ADDR, ...). So the server is restarted whenever this process's environment
     changed since it started (a W&B or HF variable set between two jobs must reach the
     ranks, as it would with spawn)."""
-    env = _environment()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_RANKS)}
     server = fs._forkserver  # the stdlib's per-process server; _stop is its own reset
-    if getattr(server, "framework_env", None) != env:
+    started = getattr(server, "framework_env", None)
+    # Both compared as they are now: a server started before torch's imports (run.py's early
+    # start) holds the inductor directory this process inherited, which is its default once
+    # torch is imported here, so it is no change (else every run.py under a process that had
+    # imported torch, the test suite's, restarted its server halfway through its imports).
+    if started is None or _for_ranks(started) != _for_ranks(env):
         _kill(server)  # a server still importing would finish its imports before _stop returned
         server._stop()
         server.framework_env = env
     fs.set_forkserver_preload(PRELOAD)
 
 
-def _environment() -> dict:
-    """This process's variables that a rank must see. Inductor's cache directory is set by
+def _for_ranks(env: dict) -> dict:
+    """The variables of `env` that a rank must see. Inductor's cache directory is set by
     torch's own imports to its default (as each rank's imports set it again): not a change."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_RANKS)}
+    env = dict(env)
     if "TORCHINDUCTOR_CACHE_DIR" in env and "torch" in sys.modules:
         try:
             from torch._inductor.runtime.cache_dir_utils import default_cache_dir
