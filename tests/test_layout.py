@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,16 @@ def test_every_module_imports_first():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_serial_test_named_in_conftest_exists():
+    """tests/conftest.py's SERIAL names the tests that run alone; a renamed one would silently
+    run beside another worker. Each must name a file and a test function defined in it."""
+    from .conftest import GROUPS, SERIAL
+
+    for prefix in SERIAL:
+        path, _, rest = prefix.partition("::")
+        text = open(os.path.join(ROOT, path)).read()
+        name = rest.split("[")[0]
+        assert not name or re.search(rf"^def {re.escape(name)}\w*\(", text, re.M), prefix
+    assert all(os.path.isfile(os.path.join(ROOT, "tests", f)) for f in GROUPS)
