@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 
 # README's command runs the suite in two passes: every test but these on two pytest-xdist
-# workers (`-n 2 --dist loadgroup -m "not serial"`), then these alone (`-m serial`). Each
+# workers (`-n 2 -m "not serial"`, one file per unit of work: below), then these alone (`-m serial`). Each
 # asserts on wall-clock time measured in its own run, which a second worker on this 2-core
 # machine would slow by up to 2x, or one rank of it: injected costs landing in their part of
 # the step, hidden shares of overlapped communication, replay within 6 % of the measured
@@ -58,13 +58,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "serial: asserts on its own wall-clock time; README's command runs it alone")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid.startswith(SERIAL):
-            item.add_marker(pytest.mark.serial)
-        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(GROUPS.get(name, name)))
+def pytest_itemcollected(item):
+    if item.nodeid.startswith(SERIAL):
+        item.add_marker(pytest.mark.serial)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist: each file (or GROUPS' set of files) is one unit of work, so a
+    module fixture's launches run once, on one worker. (xdist's own `--dist loadgroup` did
+    not keep a group on one worker here, and its `load` splits a file between workers: every
+    module fixture then ran on both, ~25 % more work on a saturated CPU.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return GROUPS.get(path.rsplit("/", 1)[-1], path)
+
+    return FileGroups(config, log)
+
 
 # A model small enough for many multi-process runs on 2 CPU cores.
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=32", "logger=none",
