@@ -54,6 +54,16 @@ GROUPS = {
 }
 
 
+# The slowest files (fresh-clone durations, 2 cores), handed out first under xdist: a worker
+# left at the end with one of them alone leaves the other core idle (xdist's own order is
+# the number of tests a file has, which put the one-test 60 s files last). A stale list only
+# costs time.
+SLOWEST_FIRST = ("test_failures.py", "test_compile.py", "test_fp8.py", "test_mixed_memory.py", "test_run.py",
+                 "test_multinode.py", "test_checkpoint.py", "test_context_parallel.py", "test_zero_bubble.py",
+                 "test_pipeline.py", "test_ep_compositions.py", "test_checkpoint_io.py", "test_schema_fuzz.py",
+                 "test_mixed_precision.py", "test_recompute.py", "test_expert_parallel.py", "test_gpu_multi_check.py")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "serial: asserts on its own wall-clock time; README's command runs it alone")
 
@@ -75,7 +85,14 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::")[0]
             return GROUPS.get(path.rsplit("/", 1)[-1], path)
 
+    config.option.loadscopereorder = False  # the collection's order: SLOWEST_FIRST first
     return FileGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the same order on every worker; alone, unchanged
+        rank = {f: i for i, f in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1], len(rank)))
 
 
 # A model small enough for many multi-process runs on 2 CPU cores.

@@ -136,11 +136,11 @@ def test_every_module_imports_first():
 def test_every_serial_test_named_in_conftest_exists():
     """tests/conftest.py's SERIAL names the tests that run alone; a renamed one would silently
     run beside another worker. Each must name a file and a test function defined in it."""
-    from .conftest import GROUPS, SERIAL
+    from .conftest import GROUPS, SERIAL, SLOWEST_FIRST
 
     for prefix in SERIAL:
         path, _, rest = prefix.partition("::")
         text = open(os.path.join(ROOT, path)).read()
         name = rest.split("[")[0]
         assert not name or re.search(rf"^def {re.escape(name)}\w*\(", text, re.M), prefix
-    assert all(os.path.isfile(os.path.join(ROOT, "tests", f)) for f in GROUPS)
+    assert all(os.path.isfile(os.path.join(ROOT, "tests", f)) for f in (*GROUPS, *SLOWEST_FIRST))
