@@ -38,3 +38,20 @@ def test_a_schedule_defined_in_a_test_file_is_checked_executed_and_equal_to_the_
     assert summary["schedule"] == NAME and summary["pp"] == 2
     assert_same_training(read_metrics(tmp_path / "lifo"), final_params(tmp_path / "lifo"),
                          read_metrics(tmp_path / "single"), final_params(tmp_path / "single"))
+
+
+def test_a_schedule_module_written_against_the_old_path_still_registers():
+    """Schedule modules of users import the registry; it moved to framework.schedules (issue
+    49), and the old path gives the same objects, with a warning that says where it went."""
+    import importlib
+    import sys
+
+    import pytest
+
+    import framework.schedules as new
+
+    sys.modules.pop("framework.parallel.pipeline.schedules", None)
+    with pytest.warns(DeprecationWarning, match="moved to framework.schedules"):
+        old = importlib.import_module("framework.parallel.pipeline.schedules")
+    assert old.register is new.register and old.Schedule is new.Schedule and old.REGISTRY is new.REGISTRY
+    assert set(old.__all__) == set(new.__all__) and all(getattr(old, n) is getattr(new, n) for n in new.__all__)
