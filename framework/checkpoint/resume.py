@@ -18,7 +18,7 @@ from typing import Optional
 from framework.checkpoint.store import (CHECKPOINTS_DIR, DCP_INDEX, MARKER, META, MOE_ARCHS, STEP_DIR, checkpoints,
                                         flat_keys, is_complete, latest)
 from framework.config import ConfigError, ModelConfig, RunConfig
-from framework.validate.common import first_line
+from framework.commands import first_line
 from framework.files import read_json
 
 MAX_META_BYTES = 4 << 20  # a meta.json is a few KiB

@@ -10,7 +10,7 @@ and fuzzed key by key by tests/test_schema_fuzz.py; the checks a rule cannot say
 
 One module per part of the schema, imported here so `from framework.config import X` is the
 one way in:
-- rules.py        ConfigError, Rule, key(), rule_of, the count bounds, the conditions keys act under
+- rules.py        Rule, key(), rule_of, the count bounds, the conditions keys act under
 - model.py        model (model.moe), data
 - parallelism.py  parallelism, schedule
 - trainer.py      trainer, logger, metrics, debug, precision (precision.loss_scale)
@@ -21,7 +21,8 @@ one way in:
 from framework.config.load import check_overrides, derive_layout, load_config, read_config, to_yaml
 from framework.config.model import DataConfig, ModelConfig, MoEConfig
 from framework.config.parallelism import ParallelismConfig, ScheduleConfig
-from framework.config.rules import (MAX_COUNT, MAX_GLOBAL_BATCH, MAX_MICROBATCHES, MAX_RANKS, MAX_WIDTH, ConfigError,
+from framework.commands import ConfigError
+from framework.config.rules import (MAX_COUNT, MAX_GLOBAL_BATCH, MAX_MICROBATCHES, MAX_RANKS, MAX_WIDTH,
                                     Rule, key, rule_of)
 from framework.config.run import HardwareConfig, RunConfig, SearchConfig, SimConfig, SweepConfig
 from framework.config.trainer import (DebugConfig, LoggerConfig, LossScaleConfig, MetricsConfig, PrecisionConfig,

@@ -10,7 +10,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config.parallelism import ScheduleConfig
-from framework.config.rules import MAX_GLOBAL_BATCH, MAX_MICROBATCHES, ConfigError
+from framework.commands import ConfigError
+from framework.config.rules import MAX_GLOBAL_BATCH, MAX_MICROBATCHES
 from framework.config.run import RunConfig
 
 

@@ -1,4 +1,4 @@
-"""The schema's vocabulary: ConfigError, a key's Rule and `key(...)`, the bounds every count
+"""The schema's vocabulary (its error, ConfigError, is framework/commands.py's): a key's Rule and `key(...)`, the bounds every count
 shares, and the conditions under which groups of keys act (framework/config/__init__.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from framework.commands import ConfigError  # noqa: F401  (the schema's error; defined lowest)
 from framework.schedules.base import AUTO as AUTO_SCHEDULE
 from framework.schedules.base import REGISTRY
 

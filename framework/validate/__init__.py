@@ -16,7 +16,7 @@ import os
 from framework.config import ConfigError, DataConfig, RunConfig, check_overrides, load_config
 from framework.parallel.pipeline.partition import PartitionError
 from framework.schedules import never_flushes
-from framework.validate.common import first_line
+from framework.commands import first_line
 from framework.validate.compile import check_compile
 from framework.validate.expert import check_expert_parallel, check_moe
 from framework.validate.context import check_context_parallel

@@ -9,7 +9,6 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from framework.commands import first_line  # noqa: F401  (the checks quote an error's first line)
 from framework.config import ConfigError
 
 

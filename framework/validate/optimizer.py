@@ -10,7 +10,8 @@ import warnings
 from typing import Any, Optional
 
 from framework.config import ConfigError, RunConfig
-from framework.validate.common import first_line, number
+from framework.commands import first_line
+from framework.validate.common import number
 
 
 def check_optimizer(run: RunConfig) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from framework.config import ConfigError, RunConfig
 from framework.files import read_json
 from framework.models.checks import check_model_type
-from framework.validate.common import first_line
+from framework.commands import first_line
 
 PRETRAINED_FIX = ("use a local directory with config.json and weights (as save_pretrained writes it), "
                   "or a hub name with network access or in the HF cache (huggingface-cli download <name>)")
