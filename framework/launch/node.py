@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     nodes = config.max_nodes
     watchdog = Watchdog(job_dir, run.world_size, run.trainer.hang_timeout_s, nodes=nodes).start()
     try:
-        results = run_ranks(config, job_dir, info, watchdog)
+        results = run_ranks(config, job_dir, info, watchdog, run)
     except ChildFailedError as e:
         failure = tell_failure(job_dir, e, watchdog, nodes)
         print(str(failure), file=sys.stderr, flush=True)
