@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,8 @@ from hydra import initialize_config_dir
 
 from framework.config import RunConfig, load_config
 from framework.launch.job import run_job
+
+from .run_py import run_py
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -106,9 +108,17 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("data_cache"))
 
 
+_COMPOSED: dict = {}
+
+
 def compose(*overrides: str) -> RunConfig:
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return load_config(hydra_compose("config", overrides=list(overrides)))
+    """What run.py composes from these overrides, typed. Hydra's composition (~0.25 s here)
+    depends only on conf/ and the overrides, so each list is composed once per session and
+    copied; the typed load runs every time (sim.from reads a job's files)."""
+    if overrides not in _COMPOSED:
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            _COMPOSED[overrides] = hydra_compose("config", overrides=list(overrides))
+    return load_config(copy.deepcopy(_COMPOSED[overrides]))
 
 
 def assert_config_error(overrides: list[str], head: str, problem: str) -> None:
@@ -258,8 +268,9 @@ def pipeline_job_files(tmp_path_factory) -> Path:
 
 
 def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """`python run.py *args`: its exit code, stdout and stderr (tests/run_py.py: in a fork of the
+    rank server, without a fresh interpreter's imports)."""
+    return run_py(args, timeout, env)
 
 
 def modelled_activation_peak(job_dir) -> float:

@@ -7,8 +7,6 @@ slowed rank's sleep where it slept, its peer's wait in that dimension's comm par
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 from framework.metrics.breakdown import PARTS, busy_s, rank_parts, row, serialise_pairs, split_waits
 from framework.schedules import get
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import run_cli
 
 
 def test_parts_tile_the_step_and_spans_leave_the_compute_that_holds_them():
@@ -202,9 +200,8 @@ TOL = 1 - LOW  # of the smallest injected total: the most any other part may dif
 def _launch(job: Path, *overrides: str):
     """A run's rows, summary, console and, from trace.json, its communication calls a
     step per (rank, dim): how many sleeps a delayed rank took (one before each)."""
-    r = subprocess.run([sys.executable, str(ROOT / "run.py"), "trainer.steps=4", "metrics.skip_first=1",
-                        "trainer.micro_batch_size=2", "logger=none", *overrides, f"hydra.run.dir={job}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = run_cli(["trainer.steps=4", "metrics.skip_first=1", "trainer.micro_batch_size=2", "logger=none",
+                 *overrides, f"hydra.run.dir={job}"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
     spans = [e for e in json.loads((job / "trace.json").read_text())["traceEvents"]

@@ -20,7 +20,7 @@ from framework.config import ConfigError
 from framework.launch.job import run_job
 from framework.launch.diagnosis import RankFailure
 
-from .conftest import ROOT, TINY, compose, final_params, read_metrics, run_local
+from .conftest import ROOT, TINY, compose, final_params, read_metrics, run_cli, run_local
 from .test_checkpoint import _base
 
 
@@ -153,8 +153,7 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, data_c
 
     # resume=auto on the finished job: told so, nothing runs, nothing is set aside
     before = sorted(p.name for p in (job / ".previous").iterdir())
-    out = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "trainer.resume=auto", f"hydra.run.dir={job}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_cli([*args, "trainer.resume=auto", f"hydra.run.dir={job}"], timeout=120)
     assert out.returncode == 0 and "finished already (4 of trainer.steps=4 steps" in out.stdout, out.stdout + out.stderr
     assert sorted(p.name for p in (job / ".previous").iterdir()) == before
     assert [m["step"] for m in read_metrics(job)] == [1, 2, 3, 4]
