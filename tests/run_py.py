@@ -7,8 +7,12 @@ the other core (~14 core-seconds for a config error, ~19 for a 2-step dp2 job, m
 server (framework/launch/forkserver.py: those modules imported, no thread started, no torch
 op run) runs run.py's `__main__` as the interpreter would, in its own process: its own
 environment, working directory, argv, stdout and stderr, signal handlers, rank server and exit
-code. It skips the interpreter's start and the parent's imports only. Tests that signal the
-process or read its environment from /proc start a real interpreter (subprocess.Popen).
+code. It skips the interpreter's start and the parent's imports only; and its rank server is
+a fork of it made before run.py starts (modules imported, no thread: what the server's own
+imports would give) instead of a fresh interpreter importing them again. A run given extra
+variables (`env`) starts its server as run.py does: a test that passes them finds its ranks
+by them in /proc/<pid>/environ, which holds a process's variables as exec'd, not as forked.
+Tests that signal the process start a real interpreter (subprocess.Popen).
 """
 
 from __future__ import annotations
@@ -21,7 +25,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _main(argv: list[str], env: dict, out: str, err: str) -> None:
+def _fork_a_rank_server(env: dict) -> None:
+    """This process's forkserver (the stdlib's, as ForkServer.ensure_running makes it) forked
+    from this process instead of spawned; framework.launch.forkserver.prepare() keeps it while
+    the environment is `env` (and replaces it, as usual, if run.py changes the environment)."""
+    import socket
+    from multiprocessing import connection
+    from multiprocessing import forkserver as fs
+
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has exited
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        try:
+            fs.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server = fs._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    server.framework_env = dict(env)
+
+
+def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool) -> None:
     """In the fork: become `python run.py *argv` and exit as it would."""
     import atexit
     import runpy
@@ -35,6 +67,8 @@ def _main(argv: list[str], env: dict, out: str, err: str) -> None:
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
         os.close(f)
+    if fork_server:
+        _fork_a_rank_server(env)
     sys.argv = [str(ROOT / "run.py"), *argv]
     code = 0
     try:
@@ -67,7 +101,7 @@ def run_py(args: list[str], timeout: float = 300, env: dict | None = None) -> su
     ctx = mp.get_context("forkserver")
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        p = ctx.Process(target=_main, args=(list(args), {**os.environ, **(env or {})}, out, err))
+        p = ctx.Process(target=_main, args=(list(args), {**os.environ, **(env or {})}, out, err, not env))
         p.start()
         p.join(timeout)
         timed_out = p.exitcode is None
