@@ -215,8 +215,9 @@ def test_a_crashing_rank_ends_the_job_with_its_traceback(tmp_path):
 
 def test_a_local_launch_names_elastics_events_without_reading_the_stack(tmp_path, monkeypatch):
     """Elastic's rendezvous named each event after its caller with inspect.stack(), which reads
-    the source of every frame: 0.6 s of the launcher's CPU per launch under pytest, about half
-    of a short job's. framework/launch/local.py reads the same name from the frame."""
+    the source of every frame: 0.3-0.5 s of the launcher's CPU per launch under pytest, about half
+    of a short job's (experiments/launch_overhead). framework/launch/local.py reads the same
+    name from the frame."""
     import inspect
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous

@@ -59,10 +59,11 @@ def _quiet_elastic() -> None:
 def _event_names_from_the_frame() -> None:
     """Elastic's rendezvous names each of its events after the calling method with
     `inspect.stack()`, twice per event, before it looks whether anyone records events (no one
-    does unless a handler is configured). inspect.stack() reads the source of every frame on
-    the stack: ~0.2 s of the launcher's CPU per launch from run.py, 0.6 s under a deep stack
-    (a test runner, a notebook), against ~1 s for a whole short local job. The same name, read
-    from the frame itself (as the stdlib's own logging does)."""
+    does unless a handler is configured). inspect.stack() reads the source and the module of
+    every frame on the stack, 12 walks a launch: 0.3-0.5 s of the launcher's CPU per launch inside
+    pytest (33 frames, 3,400 modules: experiments/launch_overhead), against ~1 s for a whole short
+    local job; little from a script's shallow stack. The same name, read from the frame itself
+    (as the stdlib's own logging does)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     def get_method_name(depth: int = 2) -> str:
