@@ -53,6 +53,15 @@ def _fork_a_rank_server(env: dict) -> None:
     server.framework_env = dict(env)
 
 
+def _server_forks() -> bool:
+    """Whether _fork_a_rank_server knows this Python's forkserver: 3.11-3.13's four fields.
+    Python 3.14's adds an authentication key; there the run spawns its server as run.py does."""
+    import inspect
+    from multiprocessing import forkserver as fs
+
+    return "authkey_r" not in inspect.signature(fs.main).parameters
+
+
 def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool) -> None:
     """In the fork: become `python run.py *argv` and exit as it would."""
     import atexit
@@ -101,7 +110,8 @@ def run_py(args: list[str], timeout: float = 300, env: dict | None = None) -> su
     ctx = mp.get_context("forkserver")
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        p = ctx.Process(target=_main, args=(list(args), {**os.environ, **(env or {})}, out, err, not env))
+        fork_server = not env and _server_forks()
+        p = ctx.Process(target=_main, args=(list(args), {**os.environ, **(env or {})}, out, err, fork_server))
         p.start()
         p.join(timeout)
         timed_out = p.exitcode is None

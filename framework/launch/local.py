@@ -56,6 +56,14 @@ def _quiet_elastic() -> None:
             _logging.getLogger(name).setLevel(_logging.CRITICAL)
 
 
+def _frame_method_name(depth: int = 2) -> str:
+    """Elastic's get_method_name, from the frame: the name of the method `depth` frames up."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # a stack shallower than depth, as elastic's own fallback says
+        return "no_method_name"
+
+
 def _event_names_from_the_frame() -> None:
     """Elastic's rendezvous names each of its events after the calling method with
     `inspect.stack()`, twice per event, before it looks whether anyone records events (no one
@@ -66,14 +74,8 @@ def _event_names_from_the_frame() -> None:
     (as the stdlib's own logging does)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    def get_method_name(depth: int = 2) -> str:
-        try:
-            return sys._getframe(depth).f_code.co_name
-        except ValueError:  # a stack shallower than depth, as elastic's own fallback says
-            return "no_method_name"
-
-    if hasattr(dynamic_rendezvous, "get_method_name"):
-        dynamic_rendezvous.get_method_name = get_method_name
+    if hasattr(dynamic_rendezvous, "get_method_name"):  # a torch without it names events otherwise
+        dynamic_rendezvous.get_method_name = _frame_method_name
 
 
 def run_ranks(config, job_dir: str, info: dict, watchdog: Watchdog, run: RunConfig) -> dict:
