@@ -16,6 +16,7 @@ one way in:
 - trainer.py      trainer, logger, metrics, debug, precision (precision.loss_scale)
 - run.py          search, sweep, sim, hardware and RunConfig, the whole schema
 - load.py         load_config, derive_layout, check_overrides, to_yaml, read_config
+- typed.py        plain_object: a composed config as the dataclasses without OmegaConf, when no value needs it
 """
 
 from framework.config.load import check_overrides, derive_layout, load_config, read_config, to_yaml
