@@ -16,7 +16,10 @@ import os
 import signal
 import sys
 
-PRELOAD = ["framework.train.worker", "framework.train.trainer"]
+# matplotlib.pyplot: rank 0 of every pipeline job draws timeline.png; importing it in that
+# rank was ~1 s of a tiny pp 2 job's ~2 core-s (experiments/launch_overhead), here ~0.7 s once
+# per server. It picks no backend on import (timeline.py selects Agg before drawing).
+PRELOAD = ["framework.train.worker", "framework.train.trainer", "matplotlib.pyplot"]
 
 # Variables that change between jobs without meaning anything to a rank: elastic's own, and
 # pytest's per-phase test name (else every test of the suite restarts the server: ~4 s each).
