@@ -267,10 +267,11 @@ def pipeline_job_files(tmp_path_factory) -> Path:
     return job
 
 
-def run_cli(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], timeout: float = 300, env: dict | None = None,
+            unset: tuple = ()) -> subprocess.CompletedProcess:
     """`python run.py *args`: its exit code, stdout and stderr (tests/run_py.py: in a fork of the
-    rank server, without a fresh interpreter's imports)."""
-    return run_py(args, timeout, env)
+    rank server, without a fresh interpreter's imports); `env` added to os.environ, `unset` removed."""
+    return run_py(args, timeout, env, unset)
 
 
 def modelled_activation_peak(job_dir) -> float:

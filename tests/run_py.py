@@ -12,7 +12,11 @@ a fork of it made before run.py starts (modules imported, no thread: what the se
 imports would give) instead of a fresh interpreter importing them again. A run given extra
 variables (`env`) starts its server as run.py does: a test that passes them finds its ranks
 by them in /proc/<pid>/environ, which holds a process's variables as exec'd, not as forked.
-Tests that signal the process start a real interpreter (subprocess.Popen).
+`start_run_py` is the same process as a handle (or `python -m module`: the node agents of
+tests/test_multinode.py), for the tests that signal it mid-run
+(Popen's pid, poll, send_signal, communicate, returncode; a new session if asked, as
+Popen's start_new_session): its signal dispositions are a fresh interpreter's (the server
+restores its own, Python's defaults, in each fork) and run.py installs its handlers itself.
 """
 
 from __future__ import annotations
@@ -62,26 +66,34 @@ def _server_forks() -> bool:
     return "authkey_r" not in inspect.signature(fs.main).parameters
 
 
-def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool) -> None:
-    """In the fork: become `python run.py *argv` and exit as it would."""
+def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool, new_session: bool = False,
+          module: str | None = None) -> None:
+    """In the fork: become `python run.py *argv` (`python -m module *argv`) and exit as it
+    would. `err` == `out`: one file for both (Popen's stderr=STDOUT)."""
     import atexit
     import runpy
     import traceback
 
+    if new_session:
+        os.setsid()
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
     for stream, path, fd in ((sys.stdout, out, 1), (sys.stderr, err, 2)):
         stream.flush()
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fd == 1 else 0))
         os.dup2(f, fd)
         os.close(f)
     if fork_server:
         _fork_a_rank_server(env)
-    sys.argv = [str(ROOT / "run.py"), *argv]
     code = 0
     try:
-        runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+        if module is None:
+            sys.argv = [str(ROOT / "run.py"), *argv]
+            runpy.run_path(str(ROOT / "run.py"), run_name="__main__")
+        else:
+            sys.argv = [module, *argv]  # run_module sets argv[0] to the module's file, as -m does
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:  # as the interpreter reads sys.exit's argument
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -97,29 +109,82 @@ def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool) -> 
     os._exit(code)
 
 
-def run_py(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """What `subprocess.run([python, "run.py", *args], capture_output=True, text=True)` returns,
-    with os.environ and `env` as the process's environment."""
-    import tempfile
+class RunPy:
+    """`subprocess.Popen([python, "run.py", *args], stdout=PIPE, stderr=PIPE or STDOUT,
+    text=True)` as far as the tests use it, for a fork running run.py (`_main`)."""
 
-    import multiprocessing as mp
+    def __init__(self, args: list[str], env: dict | None = None, merge_stderr: bool = False,
+                 new_session: bool = False, module: str | None = None, unset: tuple = ()):
+        import tempfile
 
-    from framework.launch import forkserver
+        import multiprocessing as mp
 
-    forkserver.prepare()  # this process's environment: the fork starts from it
-    ctx = mp.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        from framework.launch import forkserver
+
+        forkserver.prepare()  # this process's environment: the fork starts from it
+        self.args = [sys.executable, *(["-m", module] if module else [str(ROOT / "run.py")]), *args]
+        self._tmp = tempfile.TemporaryDirectory()
+        self._out = os.path.join(self._tmp.name, "stdout")
+        self._err = self._out if merge_stderr else os.path.join(self._tmp.name, "stderr")
         fork_server = not env and _server_forks()
-        p = ctx.Process(target=_main, args=(list(args), {**os.environ, **(env or {})}, out, err, fork_server))
-        p.start()
-        p.join(timeout)
-        timed_out = p.exitcode is None
-        if timed_out:
-            p.kill()
-            p.join()
-        stdout, stderr = Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace")
-    cmd = [sys.executable, str(ROOT / "run.py"), *args]
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(cmd, p.exitcode, stdout, stderr)
+        self._p = mp.get_context("forkserver").Process(
+            target=_main, args=(list(args), {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset},
+                                self._out, self._err, fork_server, new_session, module))
+        self._p.start()
+        self.pid = self._p.pid
+        self.returncode = None
+
+    def poll(self):
+        if self._p.exitcode is not None:
+            self.returncode = self._p.exitcode
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self._p.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """(stdout, stderr) once the process has exited; stderr None when merged into stdout."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            e.stdout, e.stderr = self._read()
+            raise
+        out = self._read()
+        self._tmp.cleanup()
+        return out
+
+    def _read(self) -> tuple[str, str | None]:
+        out = Path(self._out).read_text(errors="replace")
+        return out, None if self._err == self._out else Path(self._err).read_text(errors="replace")
+
+
+def start_run_py(args: list[str], env: dict | None = None, merge_stderr: bool = False,
+                 new_session: bool = False, module: str | None = None, unset: tuple = ()) -> RunPy:
+    """`python run.py *args` (`python -m module *args`) started, with os.environ and `env` as
+    its environment, less the variables named in `unset`."""
+    return RunPy(args, env, merge_stderr, new_session, module, unset)
+
+
+def run_py(args: list[str], timeout: float = 300, env: dict | None = None,
+           unset: tuple = ()) -> subprocess.CompletedProcess:
+    """What `subprocess.run([python, "run.py", *args], capture_output=True, text=True)` returns,
+    with os.environ and `env` as the process's environment, less the variables in `unset`."""
+    p = start_run_py(args, env, unset=unset)
+    try:
+        stdout, stderr = p.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        stdout, stderr = p._read()
+        p._tmp.cleanup()
+        raise subprocess.TimeoutExpired(p.args, timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)

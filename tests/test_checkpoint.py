@@ -7,8 +7,6 @@ rejected before any rank starts."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,6 +19,7 @@ from framework.launch.job import run_job
 from framework.launch.diagnosis import RankFailure
 
 from .conftest import FP64, ROOT, TINY, assert_same_training, compose, final_params, read_metrics, run_local
+from .run_py import start_run_py
 
 
 def _base(data_cache, steps: int) -> list[str]:
@@ -175,8 +174,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path, data_cache):
     job = tmp_path / "job"
     args = [*_base(data_cache, 400), "parallelism=dp2", "schedule.microbatches=2", "trainer.log_interval=1",
             "trainer.checkpoint_interval=1000", f"hydra.run.dir={job}"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_run_py(args, merge_stderr=True)  # python run.py, stderr into stdout
     partial = job / "metrics.jsonl.partial"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (partial.exists() and len(partial.read_text().splitlines()) >= 2):

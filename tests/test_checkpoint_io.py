@@ -6,8 +6,6 @@ import json
 import math
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,8 @@ from framework.config import ConfigError
 from framework.launch.job import run_job
 from framework.launch.diagnosis import RankFailure
 
-from .conftest import ROOT, TINY, compose, final_params, read_metrics, run_cli, run_local
+from .conftest import TINY, compose, final_params, read_metrics, run_cli, run_local
+from .run_py import start_run_py
 from .test_checkpoint import _base
 
 
@@ -174,8 +173,7 @@ def test_a_stop_at_the_last_step_finishes_the_job(tmp_path, data_cache):
     args = [*_base(data_cache, steps), "parallelism=pp2", "schedule.microbatches=2", "trainer.log_interval=1",
             "trainer.checkpoint_interval=100", "debug.stage_delay_ms=500", "debug.delay_pp_rank=0",
             f"hydra.run.dir={job}"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_run_py(args, merge_stderr=True)  # python run.py, stderr into stdout
     def in_last_step(r: int) -> bool:  # its flight recorder: the last step started (step 2's agreement done)
         f = flight.read(str(job), r)
         return f is not None and any(n.text == f"step {steps}" for n in f.notes)

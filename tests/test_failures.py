@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -20,7 +19,8 @@ from framework.report.files import set_aside_previous
 from framework.launch.diagnosis import RankEnd, RankFailure, diagnose, read_records
 from framework.report.compare import collect
 
-from .conftest import ROOT, TINY, run_cli, run_local
+from .conftest import TINY, run_cli, run_local
+from .run_py import RunPy, start_run_py
 from .test_run import _processes_with
 
 PP2 = [*TINY, "data=synthetic", "parallelism=pp2", "schedule.microbatches=2"]
@@ -55,7 +55,7 @@ def test_fault_in_a_3d_layout_names_the_failing_rank(tmp_path, attempt):
     assert str(e).count("Traceback") == 1  # one block: the cause's traceback, consequences named only
 
 
-def _wait_for_steps(job: Path, rank: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+def _wait_for_steps(job: Path, rank: int, proc: RunPy, timeout: float = 120) -> int:
     """The rank's pid once it has run a few pipeline actions (its flight recorder says so)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -67,11 +67,11 @@ def _wait_for_steps(job: Path, rank: int, proc: subprocess.Popen, timeout: float
     raise AssertionError("the rank never started its steps")
 
 
-def _start(job: Path, *overrides: str, marker: str) -> subprocess.Popen:
+def _start(job: Path, *overrides: str, marker: str) -> RunPy:
+    """`python run.py` in a session of its own (a terminal's job), its variables marked: its
+    rank server is started from them, so every rank carries the marker in /proc/<pid>/environ."""
     key, value = marker.split("=")
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={job}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, key: value}, start_new_session=True)
+    return start_run_py([*overrides, f"hydra.run.dir={job}"], env={key: value}, new_session=True)
 
 
 @pytest.mark.parametrize("attempt", range(2))

@@ -28,11 +28,11 @@ SUMMARY_KEYS = {"loss", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction",
 
 @pytest.fixture(scope="module")
 def main_job(tmp_path_factory):
-    """`python run.py` exactly as the README's first command runs it (plus where to write)."""
+    """`python run.py` as the README's first command runs it (plus where to write), its
+    `__main__` in a fork of the rank server (tests/run_py.py; test_repeats and the gpu check
+    script start run.py in a fresh interpreter)."""
     job = tmp_path_factory.mktemp("main_job")
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}  # auto -> offline
-    r = subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={job}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = run_cli([f"hydra.run.dir={job}"], timeout=600, unset=("WANDB_API_KEY",))  # logger auto -> offline
     assert r.returncode == 0, r.stderr[-3000:]
     return job, r
 
