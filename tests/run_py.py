@@ -29,13 +29,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _fork_a_rank_server(env: dict) -> None:
+def _fork_a_rank_server(env: dict) -> int:
     """This process's forkserver (the stdlib's, as ForkServer.ensure_running makes it) forked
     from this process instead of spawned; framework.launch.forkserver.prepare() keeps it while
-    the environment is `env` (and replaces it, as usual, if run.py changes the environment)."""
+    the environment is `env` (and replaces it, as usual, if run.py changes the environment).
+    Returns its pid."""
     import socket
     from multiprocessing import connection
     from multiprocessing import forkserver as fs
+
+    from framework.launch import forkserver
 
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
@@ -54,7 +57,10 @@ def _fork_a_rank_server(env: dict) -> None:
     listener.close()
     server = fs._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    server.framework_env = dict(env)
+    # compared by prepare() as it compares its own: less pytest's test name and elastic's
+    # variables (kept, every run.py under pytest restarted this server: ~7 core-s of imports)
+    server.framework_env = forkserver.ranks_environment(env)
+    return pid
 
 
 def _server_forks() -> bool:
@@ -84,8 +90,7 @@ def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool, new
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fd == 1 else 0))
         os.dup2(f, fd)
         os.close(f)
-    if fork_server:
-        _fork_a_rank_server(env)
+    forked = _fork_a_rank_server(env) if fork_server else None
     code = 0
     try:
         if module is None:
@@ -103,6 +108,10 @@ def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool, new
     except BaseException:  # noqa: BLE001 - an uncaught exception: its traceback, exit 1
         traceback.print_exc()
         code = 1
+    from multiprocessing import forkserver as fs
+
+    with open(out + ".server", "w") as f:  # whether run.py kept the forked server (RunPy.server_kept)
+        f.write(str(forked is not None and fs._forkserver._forkserver_pid == forked))
     atexit._run_exitfuncs()  # run.py's: its own rank server is killed at exit
     sys.stdout.flush()
     sys.stderr.flush()
@@ -133,6 +142,7 @@ class RunPy:
         self._p.start()
         self.pid = self._p.pid
         self.returncode = None
+        self.server_kept = None
 
     def poll(self):
         if self._p.exitcode is not None:
@@ -159,6 +169,10 @@ class RunPy:
             e.stdout, e.stderr = self._read()
             raise
         out = self._read()
+        flag = Path(self._out + ".server")
+        # whether run.py kept the rank server forked for it (not a fresh one started): None when
+        # the fork ended before it could tell (a signal)
+        self.server_kept = flag.read_text() == "True" if flag.exists() else None
         self._tmp.cleanup()
         return out
 
@@ -187,4 +201,6 @@ def run_py(args: list[str], timeout: float = 300, env: dict | None = None,
         stdout, stderr = p._read()
         p._tmp.cleanup()
         raise subprocess.TimeoutExpired(p.args, timeout, stdout, stderr) from None
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    done = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    done.server_kept = p.server_kept
+    return done

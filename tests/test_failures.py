@@ -336,6 +336,17 @@ def test_a_reused_sweep_directory_never_mixes_two_sweeps(tmp_path):
     assert sorted(p.name for p in aside.iterdir()) == ["0", "1", "2", "multirun.yaml"]
 
 
+def test_a_run_py_fork_runs_its_ranks_from_the_server_forked_for_it(tmp_path):
+    """tests/run_py.py forks run.py a rank server instead of spawning one (~7 core-s of
+    imports): under pytest (PYTEST_CURRENT_TEST set) run.py's prepare() must keep it. Its
+    environment was once recorded with pytest's test name in it, so every run.py under pytest
+    threw the fork away and spawned a fresh server."""
+    assert os.environ.get("PYTEST_CURRENT_TEST")
+    r = run_cli([*FAST, "trainer.steps=1", "metrics.skip_first=0", f"hydra.run.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.server_kept is True
+
+
 def test_the_rank_server_restarts_for_a_new_variable_but_not_for_pytests_test_name(monkeypatch):
     """Ranks fork from a server that holds the environment it started with: a variable set
     between two jobs restarts it (the ranks must see it), pytest's per-test name does not, nor

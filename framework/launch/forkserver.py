@@ -39,7 +39,7 @@ def prepare() -> None:
     MASTER_ADDR, ...). So the server is restarted whenever this process's environment
     changed since it started (a W&B or HF variable set between two jobs must reach the
     ranks, as it would with spawn)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_FOR_RANKS)}
+    env = ranks_environment(os.environ)
     server = fs._forkserver  # the stdlib's per-process server; _stop is its own reset
     started = getattr(server, "framework_env", None)
     # Both compared as they are now: a server started before torch's imports (run.py's early
@@ -51,6 +51,12 @@ def prepare() -> None:
         server._stop()
         server.framework_env = env
     fs.set_forkserver_preload(PRELOAD)
+
+
+def ranks_environment(environ) -> dict:
+    """The variables a server is started with and compared by: `environ` less those that
+    change between jobs without meaning anything to a rank (_NOT_FOR_RANKS)."""
+    return {k: v for k, v in environ.items() if not k.startswith(_NOT_FOR_RANKS)}
 
 
 def _for_ranks(env: dict) -> dict:
