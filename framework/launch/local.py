@@ -29,6 +29,10 @@ from framework.launch import forkserver
 from framework.launch.diagnosis import RankEnd, diagnose, read_records
 from framework.launch.watchdog import Watchdog
 
+# The agent looks at its ranks every MONITOR_INTERVAL_S: a job's end is seen that much later
+# (0.2 s made a short job ~0.1 s longer on average); a look costs microseconds.
+MONITOR_INTERVAL_S = 0.05
+
 # What elastic's start_processes installs handlers for (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -137,9 +141,7 @@ def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=run.world_size, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, as torchrun --standalone
-        # The agent looks at its ranks every monitor_interval: a job's end is seen that much later
-        # (0.2 s made a short job ~0.1 s longer on average); a look costs microseconds.
-        max_restarts=0, monitor_interval=0.05, start_method="forkserver",
+        max_restarts=0, monitor_interval=MONITOR_INTERVAL_S, start_method="forkserver",
     )
     watchdog = Watchdog(job_dir, run.world_size, run.trainer.hang_timeout_s).start()
     try:
