@@ -17,8 +17,9 @@ import signal
 import sys
 
 # matplotlib.pyplot: rank 0 of every pipeline job draws timeline.png; importing it in that
-# rank was ~1 s of a tiny pp 2 job's ~2 core-s (experiments/launch_overhead), here ~0.7 s once
-# per server. It picks no backend on import (timeline.py selects Agg before drawing).
+# rank was 0.6 s of wall time and 0.56-0.76 core-s of a tiny pipeline launch's 1.1-2.3
+# (experiments/launch_overhead, second round), now ~0.7 s once per server. It picks no backend
+# on import (timeline.py selects Agg before drawing).
 PRELOAD = ["framework.train.worker", "framework.train.trainer", "matplotlib.pyplot"]
 
 # Variables that change between jobs without meaning anything to a rank: elastic's own, and
