@@ -22,8 +22,10 @@ restores its own, Python's defaults, in each fork) and run.py installs its handl
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +107,9 @@ def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool, new
         else:
             print(e.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # as the interpreter ends on one: its traceback, then SIGINT's default
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 - an uncaught exception: its traceback, exit 1
         traceback.print_exc()
         code = 1
@@ -115,6 +120,9 @@ def _main(argv: list[str], env: dict, out: str, err: str, fork_server: bool, new
     atexit._run_exitfuncs()  # run.py's: its own rank server is killed at exit
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
@@ -141,8 +149,18 @@ class RunPy:
                                 self._out, self._err, fork_server, new_session, module))
         self._p.start()
         self.pid = self._p.pid
+        if new_session:  # as Popen returns: the child already leads its own process group
+            deadline = time.monotonic() + 30
+            while self._pgid() != self.pid and self._p.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.001)
         self.returncode = None
         self.server_kept = None
+
+    def _pgid(self) -> int | None:
+        try:
+            return os.getpgid(self.pid)
+        except ProcessLookupError:
+            return None
 
     def poll(self):
         if self._p.exitcode is not None:
@@ -150,7 +168,8 @@ class RunPy:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
+        if self.poll() is None:  # as Popen: never a pid the system may have given to another process
+            os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self._p.kill()

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from framework.config import RunConfig, load_config
+from framework.config import RunConfig, derive_layout, load_config
 from framework.config.load import _omegaconf_object, _sim_from
 from framework.config.typed import plain_object
 
@@ -51,6 +51,23 @@ def _leaves(obj) -> list:
     return [obj]
 
 
+def _written_and_read(run: RunConfig, tmp_path: Path) -> RunConfig:
+    """config.yaml as launches write it, equal to OmegaConf's text, and read back."""
+    from framework.config import read_config, to_yaml
+
+    text = to_yaml(run)
+    assert text == OmegaConf.to_yaml(OmegaConf.structured(run))
+    (tmp_path / "config.yaml").write_text(text)
+    assert yaml.load(text, Loader=_omegaconf_loader()) == yaml.safe_load(text)  # OmegaConf.load's values
+    return read_config(str(tmp_path / "config.yaml"))
+
+
+def _omegaconf_loader():
+    from omegaconf._utils import get_yaml_loader
+
+    return get_yaml_loader()
+
+
 def _options():
     for group in sorted(p for p in Path(CONF).iterdir() if p.is_dir()):
         for option in sorted(group.glob("*.yaml")):
@@ -58,10 +75,11 @@ def _options():
 
 
 @pytest.mark.parametrize("group", sorted(p.name for p in Path(CONF).iterdir() if p.is_dir()))
-def test_every_option_of_a_group_builds_the_same_config(default, group):
+def test_every_option_of_a_group_builds_the_same_config(default, group, tmp_path):
     """Each option's YAML over the default composition; the direct path must take every
     option that only sets plain values (all of them today but the hyperparameter search,
-    which configures Hydra's sweeper)."""
+    which configures Hydra's sweeper). Its config.yaml is OmegaConf's text and reads back
+    to the same config."""
     taken, declined = [], []
     for _, path in (o for o in _options() if o[0] == group):
         text = path.read_text()
@@ -69,6 +87,9 @@ def test_every_option_of_a_group_builds_the_same_config(default, group):
         where = content if text.startswith("# @package _global_") else {group: content}
         cfg = OmegaConf.to_container(OmegaConf.merge(default, where))
         (taken if _same(cfg) else declined).append(path.stem)
+        run = _omegaconf_object(copy.deepcopy(cfg))
+        derive_layout(run)  # what a launch writes: the sizes derived
+        assert _written_and_read(run, tmp_path) == run
     assert taken and declined == [], (taken, declined)
 
 
@@ -94,7 +115,7 @@ def _with_each_leaf(cfg: dict, change) -> dict:
     return out
 
 
-def test_each_kind_of_value_builds_the_same_config(default):
+def test_each_kind_of_value_builds_the_same_config(default, tmp_path):
     assert _same(default)
     # every float given as an int (as `trainer.hang_timeout_s=300` is typed): converted as OmegaConf does
     as_ints = _with_each_leaf(default, lambda h, v: int(v) if h is float and float(v).is_integer() else KEEP)
@@ -111,6 +132,12 @@ def test_each_kind_of_value_builds_the_same_config(default):
     merged["model"]["moe"] = {"aux_losses": [{"name": "load_balance", "coef": 0.01}]}  # the rest: defaults
     assert _same(merged)
     run = plain_object(RunConfig, copy.deepcopy(merged))
+    # strings YAML would read as something else, in every string field: config.yaml quotes them
+    tricky = iter(["true", "1e-3", "null", "~", "", "0x10", "1_000", "yes", ": x", "- a", "'q'", "#c", "1.5"] * 20)
+    strings = _with_each_leaf(merged, lambda h, v: next(tricky) if h is str else KEEP)
+    assert _same(strings)
+    run = _omegaconf_object(copy.deepcopy(strings))
+    assert _written_and_read(run, tmp_path) == run
     schema_default = RunConfig.__dataclass_fields__["optimizer"].default_factory()  # the merge's base
     assert run.optimizer == {"_target_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9, 0.95], "extra": {"a": {"b": 1}}}
     assert list(run.optimizer)[0] == list(schema_default)[0] == "_target_"

@@ -164,10 +164,14 @@ def check_overrides(run: RunConfig, overrides: list[str]) -> None:
 
 
 def to_yaml(run: RunConfig) -> str:
-    """config.yaml's text: what `OmegaConf.to_yaml(OmegaConf.structured(run))` writes (the
-    same container, dumper and options; tests/test_config_yaml.py holds them equal), built
-    from the dataclass directly and emitted by libyaml where PyYAML has it: 3 ms instead of
-    55 ms a launch here (building the OmegaConf tree was 45 of them)."""
+    """config.yaml's text: OmegaConf's container, representers and options, built from the
+    dataclass directly and emitted by libyaml where PyYAML has it: 3 ms instead of 55 ms a
+    launch here (building the OmegaConf tree was 45 of them). The text is OmegaConf's for the
+    schema's configs and reads back to the same values in every case
+    (tests/test_config_typed.py); libyaml escapes characters outside the Basic Multilingual
+    Plane where OmegaConf's Python emitter writes them raw. The types are checked when the
+    file is read (read_config: a local launch reads it back before any rank starts), no
+    longer while it is written."""
     import yaml
 
     return yaml.dump(_container(run), Dumper=_yaml_classes()[1], default_flow_style=False, allow_unicode=True,

@@ -88,7 +88,7 @@ def _value(hint, value, default) -> tuple[bool, Any]:
     if hint is dict or origin is dict:
         if not isinstance(value, dict) or not _plain(value):
             return False, None
-        if args and args[1] is not Any:
+        if args and (args[0] is not str or args[1] is not Any):
             return False, None
         return True, _merged(default if isinstance(default, dict) else {}, value)
     if hint is list or origin is list:
