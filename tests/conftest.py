@@ -12,6 +12,7 @@ import pytest
 import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from omegaconf import OmegaConf
 
 from framework.config import RunConfig, load_config
 from framework.launch.job import run_job
@@ -114,10 +115,11 @@ _COMPOSED: dict = {}
 def compose(*overrides: str) -> RunConfig:
     """What run.py composes from these overrides, typed. Hydra's composition (~0.25 s here)
     depends only on conf/ and the overrides, so each list is composed once per session and
-    copied; the typed load runs every time (sim.from reads a job's files)."""
+    kept as plain containers (load_config reads those; a copy of them is cheaper than of the
+    DictConfig); the typed load runs every time (sim.from reads a job's files)."""
     if overrides not in _COMPOSED:
         with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-            _COMPOSED[overrides] = hydra_compose("config", overrides=list(overrides))
+            _COMPOSED[overrides] = OmegaConf.to_container(hydra_compose("config", overrides=list(overrides)))
     return load_config(copy.deepcopy(_COMPOSED[overrides]))
 
 

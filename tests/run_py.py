@@ -200,11 +200,9 @@ class RunPy:
         return out, None if self._err == self._out else Path(self._err).read_text(errors="replace")
 
 
-def start_run_py(args: list[str], env: dict | None = None, merge_stderr: bool = False,
-                 new_session: bool = False, module: str | None = None, unset: tuple = ()) -> RunPy:
-    """`python run.py *args` (`python -m module *args`) started, with os.environ and `env` as
-    its environment, less the variables named in `unset`."""
-    return RunPy(args, env, merge_stderr, new_session, module, unset)
+# `python run.py *args` (`python -m module *args`) started, with os.environ and `env` as its
+# environment, less the variables named in `unset`: the handle's constructor is the call.
+start_run_py = RunPy
 
 
 def run_py(args: list[str], timeout: float = 300, env: dict | None = None,

@@ -26,7 +26,7 @@ from .conftest import CONF, _COMPOSED, compose
 @pytest.fixture(scope="module")
 def default() -> dict:
     compose()  # the default composition, as every launch starts from it
-    return _sim_from(OmegaConf.to_container(_COMPOSED[()]))
+    return _sim_from(copy.deepcopy(_COMPOSED[()]))
 
 
 def _same(cfg: dict) -> bool:
@@ -58,14 +58,8 @@ def _written_and_read(run: RunConfig, tmp_path: Path) -> RunConfig:
     text = to_yaml(run)
     assert text == OmegaConf.to_yaml(OmegaConf.structured(run))
     (tmp_path / "config.yaml").write_text(text)
-    assert yaml.load(text, Loader=_omegaconf_loader()) == yaml.safe_load(text)  # OmegaConf.load's values
+    assert OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml")) == yaml.safe_load(text)
     return read_config(str(tmp_path / "config.yaml"))
-
-
-def _omegaconf_loader():
-    from omegaconf._utils import get_yaml_loader
-
-    return get_yaml_loader()
 
 
 def _options():
