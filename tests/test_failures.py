@@ -18,8 +18,9 @@ from framework.launch.jobdir import write_outcome
 from framework.report.files import set_aside_previous
 from framework.launch.diagnosis import RankEnd, RankFailure, diagnose, read_records
 from framework.report.compare import collect
+from framework.report.records import RunInfo
 
-from .conftest import TINY, run_cli, run_local
+from .conftest import TINY, compose, run_cli, run_local
 from .run_py import RunPy, start_run_py
 from .test_run import _processes_with
 
@@ -415,3 +416,28 @@ def test_run_py_starts_the_rank_server_early_unless_no_rank_starts_here(monkeypa
     forkserver.start_early(["parallelism=dp2", "trainer.steps=3"])
     assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is before
     assert exits == [(forkserver._kill, (fs._forkserver,))]
+
+
+
+@pytest.mark.parametrize("device,method", [("cuda", "spawn"), ("cpu", "forkserver")])
+def test_cuda_ranks_are_spawned_and_cpu_ranks_forked_from_the_rank_server(tmp_path, monkeypatch, device, method):
+    """A fork of a process in which any import asked CUDA for its devices cannot use CUDA
+    (every forked rank failed so on an H200, torchao installed): a local launch spawns CUDA
+    ranks and forks CPU ones from the server that imported the framework once."""
+    from framework.launch import local
+
+    seen = []
+
+    def capture(config, job_dir, info, watchdog, run):
+        watchdog.stop()
+        seen.append(config.start_method)
+        return {0: {}}
+
+    monkeypatch.setattr(local, "run_ranks", capture)
+    monkeypatch.setattr(local, "resolve_device", lambda requested: device)
+    (tmp_path / "config.yaml").write_text("")
+    monkeypatch.setattr(local, "read_config", lambda path: None)
+    run = compose(*TINY)
+    info = RunInfo(None, 256, 8, 1.0, None, "none", 0.0)
+    assert local.launch_local(run, str(tmp_path), info) == {}
+    assert seen == [method]

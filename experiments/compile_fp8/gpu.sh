@@ -14,7 +14,7 @@ O=$(realpath -m "${1:?outdir}"); DEV=${2:-cuda}; mkdir -p "$O"; T0=$(date +%s); 
 if [ "$DEV" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -2  # hydra, omegaconf, torchao
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$O/gpu.txt"
-  PY=python3; STEPS=10; SEQ=1024; MB=4; SIZES="gpt2 llama-1b"; BACKEND=inductor
+  PY=python3; STEPS=10; SEQ=1024; MB=4; SIZES=${SIZES:-"gpt2 llama-1b"}; BACKEND=inductor
 else
   PY=$(pwd)/.venv/bin/python; STEPS=4; SEQ=64; MB=2; SIZES="gpt2-tiny"; BACKEND=aot_eager
 fi

@@ -15,7 +15,7 @@ O=$(realpath -m "${1:?outdir}"); DEV=${2:-cuda}; BEFORE=${3:-}; mkdir -p "$O"
 if [ "$DEV" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -2
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$O/gpu.txt"
-  PY=python3; STEPS=12; SEQ=1024; MB=4; SIZES="gpt2 gpt2-medium llama-1b"; HW=h200; PASSES="1 2"
+  PY=python3; STEPS=12; SEQ=1024; MB=4; SIZES=${SIZES:-"gpt2 gpt2-medium llama-1b"}; HW=h200; PASSES=${PASSES:-"1 2"}
 else
   PY=$(pwd)/.venv/bin/python; STEPS=4; SEQ=64; MB=2; SIZES="gpt2-tiny"; PASSES="1"
   HW="cpu-local +hardware.peak_tflops.bf16=0.1"  # the profile has no bf16 peak (only the plan reads it)

@@ -1,7 +1,9 @@
 """The ranks' server: every rank of a local launch is a fork of one process that imported
 torch, transformers and the framework once (about 5 s of imports per rank with `spawn`; a
-sweep or the test suite starts hundreds of ranks). The server never runs torch ops or
-touches CUDA, so its forks are as clean as spawned processes: no OpenMP pool, no CUDA context.
+sweep or the test suite starts hundreds of ranks). The server never runs torch ops, so
+its forks are as clean as spawned processes on a CPU: no OpenMP pool. CUDA ranks are spawned
+(`start_method`): a fork of a process in which anything asked CUDA for its devices fails its
+first CUDA call.
 
 run.py starts it first thing (`start_early`), so its imports (about 8 s on 2 cores) run on
 another core while the launcher imports and validates the config, instead of after. This
@@ -31,6 +33,17 @@ _NOT_FOR_RANKS = ("TORCHELASTIC_", "PYTEST_CURRENT_TEST")
 # (submitit runs each job in a process of its own).
 _NO_RANKS_HERE = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc",
                   "dry_run=true", "launcher=external", "hydra/launcher=")
+
+
+def start_method(device: str) -> str:
+    """How ranks on `device` (resolved: "cpu" or "cuda") start. CUDA ranks are spawned:
+    `torch.cuda.is_available()` or `device_count()` in a process poisons its forks ("Cannot
+    re-initialize CUDA in forked subprocess"), and libraries ask at import: with torchao
+    installed, transformers' import reaches three such calls. On an H200 (2026-11-29) every
+    forked rank failed so, and answering those calls through NVML during the server's imports
+    (PYTORCH_NVML_BASED_CUDA_CHECK) did not cure it. A spawned rank imports the framework
+    itself (~5 s), small beside a GPU job."""
+    return "spawn" if device == "cuda" else "forkserver"
 
 
 def prepare() -> None:

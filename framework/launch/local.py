@@ -23,6 +23,7 @@ from typing import Optional
 
 from framework.train import flight
 from framework.config import RunConfig, read_config
+from framework.device import resolve_device
 from framework.train.signals import Stopped
 from framework.train.worker import FAILURES_DIR, rank_main
 from framework.launch import forkserver
@@ -141,7 +142,8 @@ def launch_local(run: RunConfig, job_dir: str, info) -> Optional[dict]:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=run.world_size, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # port 0: a free port, as torchrun --standalone
-        max_restarts=0, monitor_interval=MONITOR_INTERVAL_S, start_method="forkserver",
+        max_restarts=0, monitor_interval=MONITOR_INTERVAL_S,
+        start_method=forkserver.start_method(resolve_device(run.device)),
     )
     watchdog = Watchdog(job_dir, run.world_size, run.trainer.hang_timeout_s).start()
     try:

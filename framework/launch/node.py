@@ -42,6 +42,8 @@ import uuid
 
 from framework.train import flight
 from framework.config import read_config
+from framework.device import resolve_device
+from framework.launch import forkserver
 from framework.report.files import write_report
 from framework.launch.jobdir import completed_summary, write_outcome
 from framework.train.signals import Stopped
@@ -72,7 +74,6 @@ def launch_config(argv: list[str]):
     if args.master_port is None:
         args.master_port = 29500
     config, _, _ = config_from_args(args)
-    config.start_method = "forkserver"  # the ranks fork from a server that imported the framework once
     return config, args.training_script
 
 
@@ -100,6 +101,8 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(job_dir, "run_info.json")) as f:
         info = json.load(f)
     check_node(config, job_dir, run.world_size)
+    # CPU ranks fork from a server that imported the framework once; CUDA ranks are spawned
+    config.start_method = forkserver.start_method(resolve_device(run.device))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     nodes = config.max_nodes
