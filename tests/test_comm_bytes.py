@@ -30,6 +30,8 @@ LAYOUTS = {
     "tp2": ["parallelism=tp2"],
     "tp2_sp_recompute": ["parallelism=tp2", "parallelism.sequence_parallel=true",
                          "trainer.activation_checkpointing=true"],
+    # ZeRO-R's Pa: each block input all-gathered in backward, the whole block recomputed
+    "tp2_recompute_pa": ["parallelism=tp2", "trainer.recompute=full", "trainer.partition_activations=true"],
     "pp2": ["parallelism=pp2", "schedule=flush"],
     "tp2_pp2_sp_interleaved": ["parallelism=tp2_pp2", "parallelism.sequence_parallel=true", "schedule=interleaved",
                                "schedule.virtual_stages=2", "model.n_layer=4"],

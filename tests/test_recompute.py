@@ -30,6 +30,12 @@ RUNS = {
     "llama_none": [*LLAMA, "parallelism=single", "schedule.microbatches=4"],
     "llama_selective_tp2_sp": [*LLAMA, "parallelism=tp2", SP, "schedule.microbatches=4", "trainer.recompute=selective"],
     "llama_full_tp2": [*LLAMA, "parallelism=tp2", "schedule.microbatches=4", "trainer.recompute=full"],
+    # ZeRO-R's Pa (1/tp of each block input kept) and Pa+cpu (in host memory), the latter in a pipeline
+    "llama_full_tp2_pa": [*LLAMA, "parallelism=tp2", "schedule.microbatches=4", "trainer.recompute=full",
+                          "trainer.partition_activations=true"],
+    "gpt2_full_tp2_pp2_pa_cpu": [*GPT2, "parallelism=tp2_pp2", "schedule=flush", "schedule.microbatches=4",
+                                 "trainer.recompute=full", "trainer.partition_activations=true",
+                                 "trainer.cpu_checkpointing=true"],
 }
 REFERENCE = {k: ("llama_none" if k.startswith("llama") else "gpt2_none") for k in RUNS if not k.endswith("_none")}
 
@@ -62,6 +68,19 @@ def test_recomputation_keeps_less(runs):
     assert peak["gpt2_full_old_key"] < peak["gpt2_selective"] < peak["gpt2_none"]
     assert peak["gpt2_cp2_ring_selective"] < peak["gpt2_cp2_ring"]
     assert runs["gpt2_full_old_key"][0]["ranks"][0]["rank"] == 0
+    # Pa keeps half of each block input per tp rank, Pa+cpu none of it: measured, in bytes
+    blocks, inputs = 4, 2 * 32 * 32 * 8  # a rank's micro-batch tokens x h x fp64 per block
+    assert peak["llama_full_tp2"] - peak["llama_full_tp2_pa"] == blocks * inputs // 2
+
+
+def test_partitioned_checkpoints_gather_each_block_input_once_in_backward(runs):
+    """tp_comm_bytes: Pa adds one all-gather of each block's input per micro-batch, and its
+    recomputation repeats both of a block's exit all-reduces (torch's checkpoint stops after
+    the attention's)."""
+    tp_bytes = {k: runs[k][1][-1]["tp_comm_bytes"] for k in ("llama_full_tp2", "llama_full_tp2_pa")}
+    blocks, microbatches, act = 4, 4, 2 * 32 * 32 * 8
+    gather, mlp_exit = act // 2, 2 * act // 2  # (tp-1)/tp of the gathered input; an all-reduce's 2(tp-1)/tp
+    assert tp_bytes["llama_full_tp2_pa"] - tp_bytes["llama_full_tp2"] == blocks * microbatches * (gather + mlp_exit)
 
 
 def test_the_old_key_is_full_recomputation_and_cannot_contradict_the_new_one():
@@ -70,3 +89,23 @@ def test_the_old_key_is_full_recomputation_and_cannot_contradict_the_new_one():
     assert compose("trainer.recompute=selective").trainer.activation_checkpointing is False
     with pytest.raises(ConfigError, match="trainer.activation_checkpointing=True: is the old name"):
         compose("trainer.activation_checkpointing=true", "trainer.recompute=selective")
+
+
+PA = ["trainer.recompute=full", "parallelism=tp2", "trainer.partition_activations=true"]
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["trainer.partition_activations=true"], "acts only with trainer.recompute=full and parallelism.tp > 1"),
+    (["trainer.recompute=full", "parallelism=tp2", "trainer.cpu_checkpointing=true"],
+     "acts only with trainer.partition_activations=true"),
+    ([*PA, "parallelism.sequence_parallel=true"], "already 1/tp=2 of the sequence"),
+    ([*PA, "parallelism=tp2_pp2", "schedule=zbh1"], "splits each backward into input and weight gradients"),
+    ([*PA, "trainer.compile=blocks"], "not yet verified with compiled blocks"),
+], ids=["no_tp", "cpu_without_pa", "sp", "zbh1", "compile"])
+def test_partitioned_checkpoints_are_refused_where_unverified_or_void(args, problem, tmp_path):
+    from .prelaunch import prelaunch
+
+    with pytest.raises(ConfigError) as e:
+        prelaunch(["data=synthetic", "logger=none", "launcher=external", "metrics.peak_tflops=1", *args[:-1]],
+                  args[-1], str(tmp_path / "job"))
+    assert problem in str(e.value) and "Fix: " in str(e.value), str(e.value)

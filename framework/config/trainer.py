@@ -10,6 +10,10 @@ from framework.config.rules import (_CHECKPOINTS, _FP8, _FP16, _LABEL, _WANDB, M
                                     key)
 from framework.precision import PRECISIONS
 
+_PA = dict(when=lambda r: r.trainer.recompute == "full" and r.parallelism.tp > 1,
+           when_text="trainer.recompute=full and parallelism.tp > 1",
+           base=("trainer.recompute=full", "parallelism.tp=2"))
+
 
 @dataclass
 class TrainerConfig:
@@ -27,6 +31,13 @@ class TrainerConfig:
     # none | selective (the attention core recomputed in backward) | full (each block recomputed)
     recompute: str = key("none", choices=("none", "selective", "full"))
     activation_checkpointing: bool = False  # the old name of recompute=full (derive_layout keeps them in step)
+    # ZeRO-R's Pa: under recompute=full and tp > 1 each tp rank keeps 1/tp of every block input,
+    # all-gathered before the block is recomputed (framework/comm/activation_partition.py)
+    partition_activations: bool = key(False, **_PA)
+    # Pa+cpu: those slices in host memory (pinned, copied without blocking on CUDA)
+    cpu_checkpointing: bool = key(False, when=lambda r: r.trainer.partition_activations,
+                                  when_text="trainer.partition_activations=true",
+                                  base=(*_PA["base"], "trainer.partition_activations=true"))
     # none | blocks: each transformer block torch.compile'd (torchtitan's apply_compile; framework/models/compile.py)
     compile: str = key("none", choices=("none", "blocks"))
     # inductor (generated kernels; on CPU gcc builds C++) | aot_eager (the same traced graphs, eager kernels)

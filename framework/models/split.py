@@ -37,6 +37,9 @@ class SplitLM(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.head = head
         self.checkpoint_blocks = checkpoint_blocks
+        # ZeRO-R's Pa / Pa+cpu (framework/comm/activation_partition.py): a Partition whose
+        # checkpoint keeps 1/tp of each block input; None: torch's checkpoint keeps it whole
+        self.partition = None
         # context parallelism (framework/parallel/context_parallel.py): the first stage keeps
         # this rank's tokens of the ids, the last its tokens of the labels; None: all of them
         self.context = None
@@ -53,14 +56,16 @@ class SplitLM(nn.Module):
         last; the same modules (not copies) and the same loss."""
         stage = SplitLM(self.embedding if first else None, [self.blocks[i] for i in blocks],
                         self.head if last else None, self.hf_model, self.checkpoint_blocks, self.loss_fn)
-        stage.context = self.context
+        stage.context, stage.partition = self.context, self.partition
         return stage
 
     def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                # Non-reentrant: works with DDP's no_sync and with saved-tensor hooks.
-                h = checkpoint(block, h, use_reentrant=False)
+                if self.partition is not None and h.requires_grad:
+                    h = self.partition.checkpoint(block, h)
+                else:  # non-reentrant: works with DDP's no_sync and with saved-tensor hooks
+                    h = checkpoint(block, h, use_reentrant=False)
             else:
                 h = block(h)
         return h

@@ -32,7 +32,8 @@ from framework.files import read_json
 # time outside the pipeline, which is replayed as measured); the device. parallelism.dp is not
 # here: it changes only the dp all-reduce in that outside time (docs/simulator.md, Limits).
 UNSCALED = ("model", "data.seq_len", "trainer.micro_batch_size", "trainer.precision", "precision.fp8",
-            "trainer.compile", "trainer.activation_checkpointing", "parallelism.tp", "parallelism.sequence_parallel",
+            "trainer.compile", "trainer.activation_checkpointing", "trainer.partition_activations",
+            "trainer.cpu_checkpointing", "parallelism.tp", "parallelism.sequence_parallel",
             "parallelism.zero", "parallelism.zero_impl", "parallelism.offload_optimizer", "device")
 MAX_JOB_FILE_BYTES = 64 << 20  # run_info.json, summary.json: kilobytes when this framework wrote them
 NOT_WORK = ("model.name", "model.pretrained")

@@ -35,6 +35,7 @@ from framework.metrics.comm_ledger import CommLedger, ledger_path
 from framework.metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
 from framework.metrics.model_states import formula_report
 from framework.metrics.peak import resolve_rank_peak
+from framework.comm.activation_partition import Partition
 from framework.models import build_model
 from framework.optim.build import lr_at
 from framework.comm.expert_parallel import EPComm
@@ -75,6 +76,8 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
     model = build_model(run.model, vocab, run.trainer.seed, ctx.device, run.trainer.activation_checkpointing,
                         tp_comm, run.parallelism.sequence_parallel, run.trainer.precision, on_meta=True,
                         whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
+    if run.trainer.partition_activations:  # ZeRO-R's Pa (+cpu): 1/tp of each checkpointed block input
+        model.partition = Partition(tp_comm, run.trainer.cpu_checkpointing)
     cp = None
     if d.cp > 1:  # attention over the cp group, ids / labels / positions of this rank's tokens
         cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords), timer=ctx.timer, dim="cp")

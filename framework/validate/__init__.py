@@ -15,6 +15,7 @@ import os
 
 from framework.config import ConfigError, DataConfig, RunConfig, check_overrides, load_config
 from framework.parallel.pipeline.partition import PartitionError
+from framework.schedules import get as get_schedule
 from framework.schedules import never_flushes
 from framework.commands import first_line
 from framework.validate.compile import check_compile
@@ -111,6 +112,27 @@ def _tensor_parallel(run: RunConfig) -> None:
         raise ConfigError("data.seq_len", run.data.seq_len,
                           f"sequence parallelism splits the sequence over tp={p.tp}",
                           f"use a multiple of {p.tp}, e.g. data.seq_len={p.tp * max(1, run.data.seq_len // p.tp)}")
+    if run.trainer.partition_activations:
+        _partitioned_activations(run)
+
+
+def _partitioned_activations(run: RunConfig) -> None:
+    """ZeRO-R's Pa where it is verified: its checkpoint recomputes a whole block inside the
+    backward and back-propagates through it at once."""
+    p, t, fix = run.parallelism, run.trainer, "set trainer.partition_activations=false"
+    if p.sequence_parallel:
+        raise ConfigError("trainer.partition_activations", True,
+                          f"under sequence parallelism each block input is already 1/tp={p.tp} of the sequence "
+                          "on each tp rank: there is nothing left to partition", fix)
+    if get_schedule(run.schedule.name).splits_backward:
+        raise ConfigError("trainer.partition_activations", True,
+                          f"schedule={run.schedule.name} splits each backward into input and weight gradients; "
+                          "the partitioned checkpoint computes both at once", f"{fix}, or use a schedule that "
+                          "does not split the backward (1f1b, gpipe, interleaved)")
+    if t.compile != "none":
+        raise ConfigError("trainer.partition_activations", True, "not yet verified with compiled blocks "
+                          "(the block runs without a graph in forward, with one in backward)",
+                          f"{fix}, or trainer.compile=none")
 
 
 def _model(run: RunConfig) -> None:

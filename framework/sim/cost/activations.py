@@ -29,7 +29,9 @@ the tokens of norms and residuals (t / tp under sequence parallelism), `a` the a
   vocab-parallel loss's softmax of the padded shard (t Vp / tp), local targets and their mask.
 Recomputation (trainer.activation_checkpointing) keeps each block's input only (h tn); in its
 backward one block's full set lives again for a moment: `recompute_transient`, added to the
-memory per GPU, not to the saved peak (the tracker sees only what checkpointing keeps).
+memory per GPU, not to the saved peak (the tracker sees only what checkpointing keeps). With
+ZeRO-R's Pa (trainer.partition_activations, tp > 1 without SP) the input is kept as its 1/tp
+slice, ceil(h t / tp); with Pa+cpu nothing of it stays in device memory.
 
 The terms are exact for fp32 and fp64 runs here (tests/test_comm_bytes.py compares them with
 the measured peak of every layout it runs). Under bf16 autocast the framework also saves fp32
@@ -182,7 +184,11 @@ def chunk_bytes(s: ModelShape, lay: Layout, blocks: int, first: bool, last: bool
     recomputation), the embedding on the first stage, the head on the last. `received`: MoE,
     per block the rows this rank's experts process (block_bytes; default the expectation)."""
     tn = _tokens(lay) // lay.tp if lay.sp else _tokens(lay)
-    if lay.recompute:
+    if lay.recompute and lay.partition == "cpu":
+        body = 0.0  # Pa+cpu: the inputs' slices are in host memory
+    elif lay.recompute and lay.partition == "tp":  # Pa: each input's 1/tp slice (padded: tp slices)
+        body = blocks * -(-s.hidden * tn // lay.tp) * lay.act_bytes
+    elif lay.recompute:
         body = blocks * s.hidden * tn * lay.act_bytes
     else:
         body = sum(block_bytes(s, lay, r) for r in (received or [None] * blocks))

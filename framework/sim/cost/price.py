@@ -99,6 +99,11 @@ class Priced:
     comm_hidden_s: dict = field(default_factory=dict)  # dimension -> seconds an overlap hid (not in comm_s)
 
 
+def partition_of(t) -> str:
+    """Layout.partition of a TrainerConfig: none | tp (Pa) | cpu (Pa+cpu)."""
+    return ("cpu" if t.cpu_checkpointing else "tp") if t.partition_activations else "none"
+
+
 def job_of(run, vocab: int) -> Job:
     """What a RunConfig prices as: its model, micro-batch, layout, schedule and precision
     (the GEMM table's dtype: the MFU peak's column, fp64 for fp64)."""
@@ -107,7 +112,8 @@ def job_of(run, vocab: int) -> Job:
     pol, p, s = policy_of(run), run.parallelism, run.schedule
     lay = Layout(run.trainer.micro_batch_size, run.data.seq_len, p.tp, p.sequence_parallel and p.tp > 1, p.ep,
                  run.trainer.activation_checkpointing, pol.gemm_dtype, bytes_of(pol.comm_dtype), p.cp, p.cp_comm,
-                 run.trainer.recompute == "selective", p.cp_balance, pol.fp8, run.trainer.compile == "blocks")
+                 run.trainer.recompute == "selective", p.cp_balance, pol.fp8, run.trainer.compile == "blocks",
+                 partition_of(run.trainer))
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,

@@ -128,6 +128,9 @@ class Layout:
     cp_balance: str = "headtail"  # which chunks a cp rank holds (context_parallel.token_pieces)
     fp8: str = "none"  # precision.fp8: the blocks' linears' GEMMs at the profile's fp8 rate, plus their casts
     compiled: bool = False  # trainer.compile=blocks: a block's elementwise ops fused (ops.py)
+    # ZeRO-R's Pa (trainer.partition_activations): a checkpointed block input kept as 1/tp slices,
+    # all-gathered before its recomputation; "cpu": those slices in host memory (Pa+cpu)
+    partition: str = "none"  # none | tp | cpu
 
     @property
     def tokens(self) -> int:

@@ -229,6 +229,11 @@ def pass_collectives(job, blocks: int, first: bool, last: bool) -> dict[str, lis
     # backward needs is rebuilt) repeats both entries and the attention's exit; the MLP's
     # exit only when dropout follows it (its mask is saved).
     again = (1 + (s.dropout > 0)) if lay.recompute else 0
+    if lay.recompute and lay.partition != "none":
+        # Pa's checkpoint recomputes the whole block (both exits again) from its input, which
+        # it all-gathers first: tp slices of ceil(h t / tp) elements
+        again = 2
+        add("B", "all_gather", blocks, -(-lay.tokens * s.hidden // n) * n * lay.act_bytes)
     if lay.sp:
         # GPT-2's c_attn / c_fc enter the region themselves and keep only their sequence
         # shard, so their backward gathers it again (Megatron's sequence-parallel linear);
