@@ -71,6 +71,13 @@ class HardwareConfig:
     attention_tflops: list[Any] = key(factory=list, free=_TABLE, **_HW)  # [[s, head_dim, fwd, fwd+bwd], ...]
     host_us: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # arch -> {F, B}; optimizer_tensor
     links: dict[str, Any] = key(factory=dict, free=_TABLE, **_HW)  # intra / inter -> {alpha_us, GBps}
+    # The host side (ZeRO-Offload's and ZeRO-Infinity's prices; null: not given, offload not priced):
+    host_link_GBps: Optional[float] = key(None, gt=0, le=1e6, **_HW)  # GPU <-> host, one way, per GPU, sustained
+    host_adamw_GBps: Optional[float] = key(None, gt=0, le=1e6, **_HW)  # the host's optimizer step, bytes/s per GPU
+    host_memory_gib: Optional[float] = key(None, gt=0, le=1 << 30, **_HW)  # per node
+    nvme_read_GBps: Optional[float] = key(None, gt=0, le=1e6, **_HW)  # per node, sequential
+    nvme_write_GBps: Optional[float] = key(None, gt=0, le=1e6, **_HW)  # per node, sequential
+    nvme_gib: Optional[float] = key(None, gt=0, le=1 << 40, **_HW)  # per node
 
 
 @dataclass

@@ -22,6 +22,16 @@ def memory_line(rep: dict) -> str:
             f"{rank} = {terms} GiB ({'fits' if rep['fits'] else 'OUT OF MEMORY'})")
 
 
+def host_line(rep: dict) -> str:
+    """ZeRO-Offload's host side: the node's offloaded states against its host memory."""
+    if "host_state_bytes_per_node" not in rep:
+        return ""
+    have = rep.get("host_memory_bytes")
+    fit = "no host memory in the profile" if have is None else (
+        f"of {have / 2 ** 30:.1f} GiB, {'fits' if rep['fits_host'] else 'OUT OF HOST MEMORY'}")
+    return f" | host {rep['host_state_bytes_per_node'] / 2 ** 30:.1f} GiB per node offloaded ({fit})"
+
+
 def _tenths(parts: list[float], total: float) -> list[int]:
     """Each part in tenths of a GiB, rounded so they add to the rounded total (largest
     remainders get the leftover tenths) where the parts add to the total."""
@@ -47,4 +57,5 @@ def describe(rep: dict) -> str:
             f"{cluster:,.0f} tokens/s on the {rep['gpus']} GPUs | MFU "
             f"{rep['mfu']:.1%} (HFU {rep['hfu']:.1%}, {rep['dtype']} peak) | bubble {rep['bubble']:.3f} | "
             f"communication {comm or 'none'} | optimizer {rep['optimizer_s'] * 1e3:.1f} ms | {memory_line(rep)}"
+            f"{host_line(rep)}"
             f"\n  assumed: {rep['assumptions']}")

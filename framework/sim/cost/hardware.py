@@ -19,6 +19,9 @@ datasheet (efficiencies), or both; the keys (docs/cost_model.md):
   launch / dispatch path (measured where compute is negligible); `host_overlaps`: true on a
   GPU (a pass takes the larger of host and kernel time), false on a CPU (they add).
 - `gpus_per_node`, `gpus`, `memory_gib`: placement and the fit of memory.
+- the host side: `host_link_GBps` (PCIe, one way per GPU), `host_adamw_GBps` (the host's
+  optimizer step per GPU), `host_memory_gib`, `nvme_read_GBps`, `nvme_write_GBps`, `nvme_gib`
+  (per node): ZeRO-Offload's price (price.py) and ZeRO-Infinity's capacities (capacity.py).
 Every time is max(work / rate, kernel_us) per kernel: a roofline with a launch floor, no
 overlap of kernels (what is not modelled: docs/cost_model.md).
 """
@@ -67,6 +70,14 @@ class Profile:
     links: dict = field(default_factory=dict)  # "intra" | "inter" -> Link
     host_us: dict = field(default_factory=dict)  # arch -> {F, B} per block; optimizer_tensor
     host_overlaps: bool = True  # a GPU: the launch path runs ahead of the kernels
+    # the host side (None: not in the profile): ZeRO-Offload's transfers and host step, and the
+    # capacities ZeRO-Infinity plans with (capacity.py)
+    host_link_GBps: Optional[float] = None  # GPU <-> host, one way, per GPU
+    host_adamw_GBps: Optional[float] = None  # the host's optimizer step per GPU (bytes read + written / s)
+    host_memory_gib: Optional[float] = None  # per node
+    nvme_read_GBps: Optional[float] = None  # per node
+    nvme_write_GBps: Optional[float] = None
+    nvme_gib: Optional[float] = None
 
     def __post_init__(self):
         self._grids = {d: _Grid(gemm_rows(rows)) for d, rows in self.gemm_tflops.items() if rows}

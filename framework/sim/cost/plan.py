@@ -62,6 +62,11 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
     prof, job = Profile.of(run.hardware), job_of(run, vocab)
     p = run.parallelism
     out = report(prof, job, price(prof, job), model_states(run, job, per_rank=True))
+    if p.offload_optimizer:  # a node's ranks each hold the fullest rank's host share at most
+        per_node = model_states(run, job, host=True) * min(prof.gpus_per_node, job.world)
+        capacity = prof.host_memory_gib * 2 ** 30 if prof.host_memory_gib else None
+        out.update(host_state_bytes_per_node=per_node, host_memory_bytes=capacity,
+                   fits_host=None if capacity is None else per_node <= capacity)
     out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
                                              "sequence_parallel": p.sequence_parallel, "schedule": run.schedule.name,
                                              "microbatches": run.schedule.microbatches,
@@ -69,7 +74,8 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
                                              "micro_batch_size": run.trainer.micro_batch_size,
                                              "seq_len": run.data.seq_len, "recompute":
                                              run.trainer.activation_checkpointing,
-                                             "recompute_mode": run.trainer.recompute})
+                                             "recompute_mode": run.trainer.recompute,
+                                             "offload_optimizer": p.offload_optimizer})
     return out
 
 
@@ -86,11 +92,12 @@ def check_shapes(run: RunConfig, vocab: int) -> None:
         check_tp_sizes(arch.tp_sizes(arch.hf_config(run.model, vocab)), run.parallelism.tp)
 
 
-def model_states(run: RunConfig, job, per_rank: bool = False):
+def model_states(run: RunConfig, job, per_rank: bool = False, host: bool = False):
     """The fullest rank's (`per_rank`: each pipeline rank's) model-state bytes by this configuration's formula, for the ZeRO
     units the cost model places on each pipeline rank (traffic.rank_units: a block's tp
     shards and replicated parameters in two flat buffers, over dp; its experts in a third,
-    over edp)."""
+    over edp). In device memory; `host`: in host memory instead (ZeRO-Offload's masters and
+    optimizer states; none without offload)."""
     from framework.metrics.model_states import config_model_states
     from framework.metrics.model_states import optimizer_state_ratio
     from framework.precision import policy_of
@@ -101,7 +108,11 @@ def model_states(run: RunConfig, job, per_rank: bool = False):
 
     def states(units: list[int], n: int) -> float:
         units = [u for u in units if u]
-        return sum(config_model_states(p.zero, units, n, pol, ratio, offload=p.offload_optimizer).values()) if units else 0
+        if not units:
+            return 0
+        parts = config_model_states(p.zero, units, n, pol, ratio, offload=p.offload_optimizer)
+        offloaded = ("master_bytes", "optimizer_bytes") if p.offload_optimizer else ()
+        return sum(v for k, v in parts.items() if (k in offloaded) == host)
 
     def of_rank(r: int) -> float:
         units = rank_units(job, r)

@@ -50,6 +50,7 @@ from framework.sim.cost.overlaps import (calls_s, chunk_reduce_after, dims_of, p
 from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
 from framework.sim.cost.hardware import Profile
+from framework.sim.cost.offload import offload_step_s
 from framework.sim.cost.shapes import Layout, ModelShape
 
 
@@ -78,6 +79,8 @@ class Job:
     tp_comm_overlap: bool = False
     # Megatron's overlap_param_gather (ZeRO 1 / 2): the updated parameters gathered in the next forward (overlaps.py)
     param_gather_overlap: bool = False
+    # ZeRO-Offload (parallelism.offload_optimizer): the update on the host, priced by offload.py
+    offload: bool = False
 
     @property
     def world(self) -> int:
@@ -117,7 +120,8 @@ def job_of(run, vocab: int) -> Job:
     return Job(ModelShape.of(run.model, vocab), lay, p.replicas, p.pp, s.microbatches, s.name, s.virtual_stages, p.zero,
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
-               cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe)
+               cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe,
+               offload=p.offload_optimizer)
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
@@ -204,8 +208,11 @@ def price(prof: Profile, job: Job) -> Priced:
         after, comm["dp"] = after - hid, max(0.0, comm.get("dp", 0.0) - hid)
     params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
-    opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
-    opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
+    if job.offload:  # the gradients down, the host's step, the parameters up: offload.py
+        opt = offload_step_s(prof, shard, lay.act_bytes, s.param_tensors() / p)
+    else:
+        opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
+        opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
     step = pipeline + after + opt
     tokens = lay.tokens * m * job.dp
     per_gpu = model * job.dp * lay.tp / step / job.world  # model FLOPs of all stages / world / step
@@ -276,7 +283,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
                            "host path "
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
                            "states + saved activations (framework/sim/cost/activations.py; no allocator "
-                           "fragmentation, workspaces, p2p buffers or framework runtime)"}
+                           "fragmentation, workspaces, p2p buffers or framework runtime)"
+                           f"{'; ZeRO-Offload: the update on the host after the backward, the gradients down and the parameters up over the host link, on the critical path; masters and optimizer states in host memory (offload.py)' if job.offload else ''}"}
 
 
 def oom_reason(need: float, capacity: float) -> str:

@@ -1,0 +1,57 @@
+"""ZeRO-Offload's price and ZeRO-Infinity's capacities on a hardware profile's host side.
+
+The step, as framework/optim/master.py runs `parallelism.offload_optimizer=true` (Ren et
+al., 2021), all on the critical path (no overlap with the backward, as DeepSpeed's
+`overlap_comm` would give): the rank's gradient shard goes to the host over the GPU's link
+(`host_link_GBps`, one way), the host steps AdamW over it (`host_adamw_GBps`: bytes read and
+written per second for one GPU's share of the host), the updated parameters come back over
+the link. Per element of the shard, in the parameters' dtype p (2 for 16-bit, 4, 8 in fp64
+verification) and the states' s (4, 8 in fp64): p down, p up, and on the host the gradient's
+copy in s written and read, the master, m and v read and written: 8 s.
+
+Capacity (`largest_params`): the parameters one node of the profile holds the model states of,
+ZeRO 3 over its GPUs, by the ZeRO papers' accounting per parameter (2 + 2 bytes of 16-bit
+parameters and gradients, K = 12 of fp32 master, m and v: 16 in all; Rajbhandari et al.,
+2020, sec. 5) and nothing else (no activations, buffers, working sets or fragmentation): an
+upper bound, one number per tier:
+- none: all 16 bytes in the node's GPU memory;
+- cpu: this framework's ZeRO-Offload: the 12 in host memory, parameters and gradients (4) on
+  the GPUs (ZeRO-Offload's own streams the gradients to the host too: 2 on the GPUs);
+- infinity-cpu, infinity-nvme: ZeRO-Infinity's (Rajbhandari et al., 2021) with all 16 bytes in
+  host memory, or on the node's NVMe; priced, not run by this framework.
+"""
+
+from __future__ import annotations
+
+from framework.config import ConfigError
+
+STEP_ACCESSES = 8  # the host step's state-sized reads and writes per element (docstring)
+STATE_BYTES = 12  # fp32 master, m, v per parameter
+WORKING_BYTES = 4  # 16-bit parameters and gradients per parameter
+
+
+def offload_step_s(prof, shard: float, param_bytes: int, tensors: float) -> float:
+    """Seconds of the offloaded update of a rank's `shard` parameters (`tensors` of them
+    copied one by one: the profile's per-tensor host time each)."""
+    if prof.host_link_GBps is None or prof.host_adamw_GBps is None:
+        raise ConfigError("hardware.host_link_GBps", prof.host_link_GBps,
+                          f"profile {prof.name} has no host side: parallelism.offload_optimizer=true cannot be priced",
+                          "add host_link_GBps and host_adamw_GBps to the profile (docs/cost_model.md#offload)")
+    state_bytes = 8 if param_bytes == 8 else 4
+    link = 2 * shard * param_bytes / (prof.host_link_GBps * 1e9)
+    host = shard * STEP_ACCESSES * state_bytes / (prof.host_adamw_GBps * 1e9)
+    return link + host + tensors * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6
+
+
+def largest_params(prof, offload: str) -> float:
+    """The most parameters whose model states one node of `prof` holds, ZeRO 3 over its GPUs,
+    with `offload` none | cpu | infinity-cpu | infinity-nvme (module docstring); 0 where the
+    profile lacks the tier."""
+    gpus = prof.memory_gib * 2 ** 30 * prof.gpus_per_node
+    host = (prof.host_memory_gib or 0.0) * 2 ** 30
+    nvme = (prof.nvme_gib or 0.0) * 2 ** 30
+    tiers = {"none": gpus / (STATE_BYTES + WORKING_BYTES), "cpu": min(gpus / WORKING_BYTES, host / STATE_BYTES),
+             "infinity-cpu": host / (STATE_BYTES + WORKING_BYTES), "infinity-nvme": nvme / (STATE_BYTES + WORKING_BYTES)}
+    if offload not in tiers:
+        raise ValueError(f"offload {offload!r}: one of {', '.join(tiers)}")
+    return tiers[offload]

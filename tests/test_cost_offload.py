@@ -1,0 +1,64 @@
+"""ZeRO-Offload priced on a profile's host side (framework/sim/cost/offload.py): by hand on a
+made-up profile, through a planned layout against the built model's own parameter count, the
+dry run's host-memory line, and ZeRO-Infinity's capacity tiers against its papers' claims."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.config import ConfigError
+from framework.sim.cost.hardware import Profile
+from framework.sim.cost.offload import largest_params, offload_step_s
+
+from .conftest import compose
+
+HOST = Profile(name="hand", peak_tflops={"bf16": 100.0}, memory_GBps=1000.0, kernel_us=0.0, host_link_GBps=10.0,
+               host_adamw_GBps=32.0, host_us={"optimizer_tensor": 5.0}, memory_gib=32.0, gpus_per_node=16,
+               host_memory_gib=1536.0, nvme_gib=28610.0)
+
+
+def test_the_offloaded_update_on_a_hand_computed_profile():
+    # 1e9 16-bit parameters in 100 tensors: 2 GB down and 2 GB up at 10 GB/s = 0.4 s; the host's
+    # 8 accesses of 4 bytes per parameter at 32 GB/s = 1.0 s; 100 tensors x 5 us = 0.5 ms
+    assert offload_step_s(HOST, 1e9, 2, 100) == pytest.approx(1.4005, rel=1e-12)
+    # fp64 verification: 8-byte parameters and states: 16 GB over the link, 64 GB on the host
+    assert offload_step_s(HOST, 1e9, 8, 0) == pytest.approx(1.6 + 2.0, rel=1e-12)
+    with pytest.raises(ConfigError, match="hardware.host_link_GBps=None: profile bare has no host side"):
+        offload_step_s(Profile(name="bare", peak_tflops={}, memory_GBps=1.0, kernel_us=0.0), 1e9, 2, 0)
+
+
+def test_a_planned_offload_layout_prices_its_update_from_the_models_own_parameters():
+    """GPT-2 124M, ZeRO 2 over dp 2 on h100-sxm: the optimizer time is the hand formula on
+    half the built model's parameters (transformers' own count), its tensors each copied."""
+    from framework.models import meta_hf_model
+    from framework.sim.cost.plan import plan
+
+    args = ["hardware=h100-sxm", "model=gpt2", "model.vocab_size=50304", "parallelism=dp2", "parallelism.zero=2",
+            "trainer.precision=bf16-mixed"]
+    run = compose(*args)
+    hf = meta_hf_model(run.model, 50304, "bf16-mixed")
+    params, tensors = sum(p.numel() for p in hf.parameters()), len(list(hf.parameters()))
+    shard = params / 2
+    by_hand = 2 * shard * 2 / 51.2e9 + shard * 8 * 4 / 38.4e9 + tensors * 6.499e-6
+    rep = plan([*args, "parallelism.offload_optimizer=true"])
+    assert rep["optimizer_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert rep["optimizer_s"] > 20 * plan(args)["optimizer_s"]  # the device's step is ~1 ms
+    # memory: the GPUs keep the 16-bit parameters (2 bytes each, whole under ZeRO 2) and their
+    # gradients' shard (2 bytes per sharded parameter); masters and states (12 bytes per sharded
+    # parameter) are the host's, per node 2 ranks'. Padding: under 1e-3.
+    assert rep["model_state_bytes_max"] == pytest.approx(2 * params + 2 * shard, rel=1e-3)
+    assert rep["host_state_bytes_per_node"] == pytest.approx(2 * 12 * shard, rel=1e-3) and rep["fits_host"] is True
+
+
+def test_zero_infinity_capacity_tiers_beside_the_papers_claims():
+    """A DGX-2 as ZeRO-Infinity ran on (16 V100 32 GB, 1.5 TB of host memory, 8 x 3.84 TB of
+    NVMe): the NVMe tier holds the trillion parameters the paper fine-tunes on one node; GPU
+    memory alone about 34 billion."""
+    gib = 2 ** 30
+    assert largest_params(HOST, "none") == pytest.approx(16 * 32 * gib / 16)
+    assert largest_params(HOST, "cpu") == pytest.approx(min(16 * 32 * gib / 4, 1536 * gib / 12))
+    assert largest_params(HOST, "infinity-cpu") == pytest.approx(1536 * gib / 16)
+    assert largest_params(HOST, "infinity-nvme") == pytest.approx(28610 * gib / 16)
+    assert largest_params(HOST, "infinity-nvme") > 1e12 > largest_params(HOST, "infinity-cpu")
+    with pytest.raises(ValueError, match="one of none, cpu, infinity-cpu, infinity-nvme"):
+        largest_params(HOST, "disk")
