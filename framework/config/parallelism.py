@@ -10,6 +10,13 @@ from framework.schedules.base import DEFAULT as DEFAULT_SCHEDULE
 from framework.schedules.base import pairs_forward_backward
 
 
+_OFFLOAD = dict(when=lambda r: r.parallelism.offload_optimizer, when_text="parallelism.offload_optimizer=true",
+                base=("parallelism.zero=1", "parallelism.offload_optimizer=true"))
+_NVME = dict(when=lambda r: r.parallelism.offload_optimizer and r.parallelism.offload_device == "nvme",
+             when_text="parallelism.offload_device=nvme",
+             base=(*_OFFLOAD["base"], "parallelism.offload_device=nvme", "parallelism.nvme_path=/tmp/offload"))
+
+
 @dataclass
 class ParallelismConfig:
     name: str = key("single", free=_LABEL)
@@ -22,6 +29,10 @@ class ParallelismConfig:
     # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
+    # where the offloaded optimizer states live: cpu (host memory) | nvme (ZeRO-Infinity: a file-backed
+    # map under nvme_path; the masters stay in host memory: framework/optim/swap.py)
+    offload_device: str = key("cpu", choices=("cpu", "nvme"), **_OFFLOAD)
+    nvme_path: Optional[str] = key(None, nonempty=True, free="a directory on the drive (created if absent)", **_NVME)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
     # dp reduction under backward (Megatron's overlap_grad_reduce): pipelines, each chunk's all-reduce
     # (ZeRO 1: reduce-scatter) after its last backward; our ZeRO at pp = 1, each unit's reduce-scatter

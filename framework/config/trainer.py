@@ -115,6 +115,13 @@ class DebugConfig:
     # Checkpoint writes see a file system of this many bytes (the checkpoints directory):
     # past it they fail with ENOSPC, as a full disk would. null = the real disk.
     checkpoint_disk_bytes: Optional[int] = key(None, ge=1, **_CHECKPOINTS)
+    # The NVMe offload's drive has room for this many bytes (framework/optim/swap.py): a larger
+    # reservation fails with ENOSPC, as a full drive would. null = the real drive's free space.
+    offload_disk_bytes: Optional[int] = key(None, ge=1, when=lambda r: r.parallelism.offload_optimizer
+                                            and r.parallelism.offload_device == "nvme",
+                                            when_text="parallelism.offload_device=nvme",
+                                            base=("parallelism.zero=1", "parallelism.offload_optimizer=true",
+                                                  "parallelism.offload_device=nvme", "parallelism.nvme_path=/tmp/offload"))
     # fp16-mixed: an inf loss on one head-holding rank at this step (1-based)
     inf_grad_step: Optional[int] = key(None, ge=1, le="trainer.steps", **_FP16)
     # With inf_grad_step: instead of the inf loss, this global rank alone puts one inf into one

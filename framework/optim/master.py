@@ -7,6 +7,8 @@ master is then 1/N of the model, as in Megatron's distributed optimizer):
   parameters' device; the model's 16-bit parameters are a rounding of them after every step.
 - ZeRO-Offload: the copies (in the master dtype, else the parameters') and the optimizer
   states live in host memory, pinned on CUDA; the update runs there (Ren et al., 2021).
+  With `parallelism.offload_device=nvme` the states live in a file-backed map on the drive
+  instead (framework/optim/swap.py).
 
 The masters live in one flat buffer (`flat`, each master a view of it, in the parameters'
 order): one allocation, and the copy back is one op. Their gradients are views of a second
@@ -35,11 +37,13 @@ import torch
 from torch import nn
 
 from framework.optim.build import build_optimizer
+from framework.optim.swap import OffloadTarget, StateSwap
 from framework.precision import Policy
 
 
 class MasterOptimizer:
-    def __init__(self, spec: dict, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: dict, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
+                 swap: Optional[StateSwap] = None):
         self.params = params
         pin = device.type == "cpu" and params[0].device.type == "cuda"
         total = sum(p.numel() for p in params)
@@ -53,6 +57,7 @@ class MasterOptimizer:
         self._grad_bytes = self.grad_flat.untyped_storage().nbytes()
         self.grad_flat.untyped_storage().resize_(0)  # held for the step only
         self.inner = build_optimizer(spec, self.master)
+        self.swap = swap  # ZeRO-Infinity's NVMe tier: the states in a file-backed map (swap.py)
 
     # Read through, not copied: torch's load_state_dict replaces the inner optimizer's
     # param_groups and state objects (a copy would leave the lr schedule setting stale groups).
@@ -81,6 +86,8 @@ class MasterOptimizer:
             for i, g in zip(held, grads, strict=True):
                 self.master[i].grad = g
             self.inner.step()
+            if self.swap is not None:  # states the step (or a checkpoint's load) made in memory: to the drive
+                self.swap.adopt(self.inner.state)
         finally:
             for m in self.master:
                 m.grad = None
@@ -118,13 +125,14 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool =
             d.copy_(s, non_blocking=non_blocking)
 
 
-def build(spec: dict, params: list[nn.Parameter], policy: Policy, offload: bool = False):
+def build(spec: dict, params: list[nn.Parameter], policy: Policy, offload: Optional[OffloadTarget] = None):
     """The optimizer a runner steps: plain, or a MasterOptimizer when the policy keeps master
-    weights or the states are offloaded."""
-    if policy.master_dtype is None and not offload:
+    weights or the states are offloaded (to host memory, or their states to NVMe)."""
+    if policy.master_dtype is None and offload is None:
         return build_optimizer(spec, params)
-    device = torch.device("cpu") if offload else params[0].device
-    return MasterOptimizer(spec, params, policy.state_dtype, device)
+    device = torch.device("cpu") if offload is not None else params[0].device
+    swap = StateSwap(offload) if offload is not None and offload.device == "nvme" else None
+    return MasterOptimizer(spec, params, policy.state_dtype, device, swap)
 
 
 def master_of(optimizer) -> dict[int, torch.Tensor]:

@@ -250,7 +250,7 @@ class FSDP2:
         for m in self.modules:
             m.reshard()
 
-    def build_optimizer(self, spec: dict, offload: bool, policy=None):
+    def build_optimizer(self, spec: dict, offload=None, policy=None):
         """The plain optimizer over the sharded parameters: in the mixed modes they are the
         fp32 masters already (compute gathers 16-bit copies), so no MasterOptimizer."""
         from framework.optim.build import build_optimizer

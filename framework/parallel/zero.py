@@ -286,9 +286,10 @@ class Zero:
             for f in self.flat:
                 self._free(f)
 
-    def build_optimizer(self, spec: dict, offload: bool, policy):
+    def build_optimizer(self, spec: dict, offload, policy):
         """Over this rank's slices: plain, or with master copies of the slices (fp32 in the
-        mixed modes; in host memory with ZeRO-Offload), framework/optim/master.py."""
+        mixed modes; in host memory with ZeRO-Offload, `offload` an OffloadTarget, its states
+        on NVMe with its nvme tier), framework/optim/master.py."""
         return build_master(spec, self.shards, policy, offload)
 
     def state_bytes(self, optimizer) -> dict[str, int]:

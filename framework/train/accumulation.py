@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from framework.optim import master
+from framework.optim.swap import offload_of
 from framework.config import RunConfig
 from framework.device import to_host
 from framework.comm.comm_timer import timed
@@ -51,7 +52,7 @@ class AccumulationRunner:
                                    overlap_reduce=run.parallelism.overlap_grad_reduce,
                                    prefetch=run.parallelism.overlap_param_gather))
             self.wrapped, self.params = model, self.zero.shards
-            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, policy_of(run))
+            self.optimizer = self.zero.build_optimizer(run.optimizer, offload_of(run), policy_of(run))
         else:
             self.zero = None
             if hasattr(model, "fill"):

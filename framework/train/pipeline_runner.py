@@ -31,6 +31,7 @@ from torch import nn
 from framework.config import RunConfig
 from framework.device import to_host
 from framework.optim.master import build as build_master
+from framework.optim.swap import offload_of
 from framework.train.update import Update
 from framework.report.records import StateBytes, StepResult
 from framework.topology import ParallelContext
@@ -77,7 +78,7 @@ class PipelineRunner:
             self.zero = Zero(1, [[c] for c in self.chunks], ctx, tracker, separate=self.tied,
                              reduce_dtype=self.policy.reduce_dtype)
             self.params = self.zero.shards
-            self.optimizer = self.zero.build_optimizer(run.optimizer, run.parallelism.offload_optimizer, self.policy)
+            self.optimizer = self.zero.build_optimizer(run.optimizer, offload_of(run), self.policy)
         else:
             self.params = list(self.module.parameters())
             self.optimizer = build_master(run.optimizer, self.params, self.policy)

@@ -35,6 +35,13 @@ def check_paths(run: RunConfig) -> None:
         _data_files(run.data.data_files)
     if run.data.name != "synthetic":  # synthetic data is drawn in each rank: no cache
         _cache_dir(run.data.cache_dir)
+    p = run.parallelism
+    if p.offload_optimizer and p.offload_device == "nvme":
+        fix = "set parallelism.nvme_path to a writable directory on the drive, e.g. parallelism.nvme_path=/local_nvme/offload"
+        if p.nvme_path is None:
+            raise ConfigError("parallelism.nvme_path", None, "offload_device=nvme keeps the optimizer states in a file "
+                              "on a drive: which directory is not said", fix)
+        writable_dir("parallelism.nvme_path", p.nvme_path, p.nvme_path, fix)
 
 
 def _cache_dir(cache_dir: Optional[str]) -> None:

@@ -1,0 +1,112 @@
+"""ZeRO-Infinity's NVMe tier for the optimizer's states (`parallelism.offload_device=nvme`).
+
+With ZeRO-Offload (framework/optim/master.py) the masters and the optimizer's states live in
+host memory. With the NVMe tier the states (AdamW's m and v: 8 of a parameter's 12 offloaded
+bytes; the masters stay in host memory) live in a file under `parallelism.nvme_path`, as
+views of one shared memory map of it: the host optimizer steps them where they are and the
+kernel's page cache moves them between the drive and memory (pages the step wrote go back
+to the drive; under memory pressure the ones it read are dropped). What this is not:
+DeepSpeed's explicit asynchronous I/O pool, which reads unit k+1 while unit k steps with a
+fixed host budget; here the budget is the kernel's.
+
+The states are created by the optimizer's first step (or by a checkpoint's load) in host
+memory and moved into the map right after it (`adopt`), so that step holds them in memory
+once; every later step keeps them in the map. The file's blocks are reserved when it is made
+(posix_fallocate: a write through the map can never meet a full disk, which would kill the
+process with SIGBUS); a drive without the room is told then, as ENOSPC, naming the path, the
+bytes needed and the bytes free, before anything is written. The file is unlinked as soon as
+it is mapped: the map keeps its blocks, and no crash leaves one behind. It is scratch, never
+a saved state: a run resumes from its checkpoints (framework/checkpoint), which the offload
+leaves alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ALIGN = 64  # bytes: each state's view starts on a cache line (and any dtype's element)
+
+
+@dataclass(frozen=True)
+class OffloadTarget:
+    """Where ZeRO-Offload keeps the optimizer's states: "cpu" (host memory) or "nvme" (a file
+    under `path`); `disk_bytes`: debug.offload_disk_bytes, the room the drive is taken to have."""
+
+    device: str = "cpu"
+    path: Optional[str] = None
+    disk_bytes: Optional[int] = None
+
+
+def offload_of(run) -> Optional[OffloadTarget]:
+    """A run's offload target; None without parallelism.offload_optimizer."""
+    p = run.parallelism
+    if not p.offload_optimizer:
+        return None
+    return OffloadTarget(p.offload_device, p.nvme_path, run.debug.offload_disk_bytes)
+
+
+class StateSwap:
+    """The optimizer's per-element states in a file-backed map (module docstring)."""
+
+    def __init__(self, target: OffloadTarget):
+        self.target = target
+        self.map: Optional[torch.Tensor] = None  # uint8, the whole file
+        self.bytes = 0
+
+    def _reserve(self, need: int) -> torch.Tensor:
+        os.makedirs(self.target.path, exist_ok=True)
+        free = shutil.disk_usage(self.target.path).free
+        if self.target.disk_bytes is not None:
+            free = min(free, self.target.disk_bytes)
+        if need > free:
+            raise OSError(errno.ENOSPC, f"No space left on device for the optimizer states offloaded to NVMe "
+                                        f"(parallelism.nvme_path={self.target.path}: {need} bytes needed, {free} "
+                                        "free); nothing was written", self.target.path)
+        name = os.path.join(self.target.path, f"optimizer-states-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, need)  # ENOSPC here too if the drive filled meanwhile
+            return torch.from_file(name, shared=True, size=need, dtype=torch.uint8)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+
+    def adopt(self, state: dict) -> None:
+        """Move every per-element state tensor of `state` (the optimizer's: param -> {name:
+        tensor}) into the map, in place of the host tensor; 0-d states (step) stay. The first
+        call reserves the file; later calls move only what is not in it (a checkpoint's load
+        replaces the states with host tensors)."""
+        wanted = [(p, st, k) for p, st in state.items() for k, v in st.items()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0 and not self._holds(v)]
+        if not wanted:
+            return
+        if self.map is None:  # each (parameter, state) its place for the run: a load refills the same places
+            self.bytes = sum(_aligned(st[k].numel() * st[k].element_size()) for _, st, k in wanted)
+            self.map = self._reserve(self.bytes)
+            self._layout, at = {}, 0
+            for p, st, k in wanted:
+                self._layout[(id(p), k)] = at
+                at += _aligned(st[k].numel() * st[k].element_size())
+        for p, st, k in wanted:
+            v = st[k]
+            at = self._layout[(id(p), k)]
+            view = self.map[at:at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            view.copy_(v)
+            st[k] = view
+
+    def _holds(self, t: torch.Tensor) -> bool:
+        if self.map is None:
+            return False
+        base = self.map.data_ptr()
+        return base <= t.data_ptr() < base + self.bytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
