@@ -43,6 +43,12 @@ def test_a_planned_offload_layout_prices_its_update_from_the_models_own_paramete
     rep = plan([*args, "parallelism.offload_optimizer=true"])
     assert rep["optimizer_s"] == pytest.approx(by_hand, rel=1e-9)
     assert rep["optimizer_s"] > 20 * plan(args)["optimizer_s"]  # the device's step is ~1 ms
+    # the NVMe tier: m and v (8 bytes per sharded parameter) of the job's 2 ranks through the
+    # node's drives (h100-sxm's 55.2 GB/s read, 32.8 write), both ways each step
+    nvme = plan([*args, "parallelism.offload_optimizer=true", "parallelism.offload_device=nvme",
+                 "parallelism.nvme_path=/tmp/offload"])
+    drives = 2 * shard * 8
+    assert nvme["optimizer_s"] == pytest.approx(by_hand + drives / 55.2e9 + drives / 32.8e9, rel=1e-9)
     # memory: the GPUs keep the 16-bit parameters (2 bytes each, whole under ZeRO 2) and their
     # gradients' shard (2 bytes per sharded parameter); masters and states (12 bytes per sharded
     # parameter) are the host's, per node 2 ranks'. Padding: under 1e-3.
@@ -62,3 +68,14 @@ def test_zero_infinity_capacity_tiers_beside_the_papers_claims():
     assert largest_params(HOST, "infinity-nvme") > 1e12 > largest_params(HOST, "infinity-cpu")
     with pytest.raises(ValueError, match="one of none, cpu, infinity-cpu, infinity-nvme"):
         largest_params(HOST, "disk")
+
+
+def test_the_nvme_tier_adds_the_drives_reads_and_writes_shared_by_the_nodes_gpus():
+    # 1e9 parameters per rank, 16 GPUs on the node's drives: m and v (8 bytes per parameter)
+    # of 16 ranks = 128 GB read at 64 GB/s (2 s) and written at 32 GB/s (4 s), beside the 1.4005 s
+    from dataclasses import replace
+
+    drives = replace(HOST, nvme_read_GBps=64.0, nvme_write_GBps=32.0)
+    assert offload_step_s(drives, 1e9, 2, 100, nvme_ranks=16) == pytest.approx(1.4005 + 2.0 + 4.0, rel=1e-12)
+    with pytest.raises(ConfigError, match="hardware.nvme_read_GBps=None: profile hand has no NVMe rates"):
+        offload_step_s(HOST, 1e9, 2, 100, nvme_ranks=16)

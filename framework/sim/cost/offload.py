@@ -7,7 +7,11 @@ al., 2021), all on the critical path (no overlap with the backward, as DeepSpeed
 written per second for one GPU's share of the host), the updated parameters come back over
 the link. Per element of the shard, in the parameters' dtype p (2 for 16-bit, 4, 8 in fp64
 verification) and the states' s (4, 8 in fp64): p down, p up, and on the host the gradient's
-copy in s written and read, the master, m and v read and written: 8 s.
+copy in s written and read, the master, m and v read and written: 8 s. With the NVMe tier
+(`parallelism.offload_device=nvme`, framework/optim/swap.py) the states (m and v: 2 s per
+element) are read from the node's drives and written back each step, at the drives' rates
+shared by the node's GPUs, before and after the host's step: the steady state of states
+larger than the page cache (smaller ones stay cached and cost no reads).
 
 Capacity (`largest_params`): the parameters one node of the profile holds the model states of,
 ZeRO 3 over its GPUs, by the ZeRO papers' accounting per parameter (2 + 2 bytes of 16-bit
@@ -26,13 +30,15 @@ from __future__ import annotations
 from framework.config import ConfigError
 
 STEP_ACCESSES = 8  # the host step's state-sized reads and writes per element (docstring)
+NVME_STATES = 2  # AdamW's m and v: what the NVMe tier keeps on the drive (the masters stay in host memory)
 STATE_BYTES = 12  # fp32 master, m, v per parameter
 WORKING_BYTES = 4  # 16-bit parameters and gradients per parameter
 
 
-def offload_step_s(prof, shard: float, param_bytes: int, tensors: float) -> float:
+def offload_step_s(prof, shard: float, param_bytes: int, tensors: float, nvme_ranks: int = 0) -> float:
     """Seconds of the offloaded update of a rank's `shard` parameters (`tensors` of them
-    copied one by one: the profile's per-tensor host time each)."""
+    copied one by one: the profile's per-tensor host time each); `nvme_ranks`: with the NVMe
+    tier, the ranks of a node whose states share its drives (0: host memory)."""
     if prof.host_link_GBps is None or prof.host_adamw_GBps is None:
         raise ConfigError("hardware.host_link_GBps", prof.host_link_GBps,
                           f"profile {prof.name} has no host side: parallelism.offload_optimizer=true cannot be priced",
@@ -40,7 +46,15 @@ def offload_step_s(prof, shard: float, param_bytes: int, tensors: float) -> floa
     state_bytes = 8 if param_bytes == 8 else 4
     link = 2 * shard * param_bytes / (prof.host_link_GBps * 1e9)
     host = shard * STEP_ACCESSES * state_bytes / (prof.host_adamw_GBps * 1e9)
-    return link + host + tensors * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6
+    out = link + host + tensors * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6
+    if nvme_ranks:
+        if prof.nvme_read_GBps is None or prof.nvme_write_GBps is None:
+            raise ConfigError("hardware.nvme_read_GBps", prof.nvme_read_GBps,
+                              f"profile {prof.name} has no NVMe rates: parallelism.offload_device=nvme cannot be priced",
+                              "add nvme_read_GBps and nvme_write_GBps to the profile (docs/cost_model.md#offload)")
+        states = shard * NVME_STATES * state_bytes * nvme_ranks  # the node's ranks share its drives
+        out += states / (prof.nvme_read_GBps * 1e9) + states / (prof.nvme_write_GBps * 1e9)
+    return out
 
 
 def largest_params(prof, offload: str) -> float:

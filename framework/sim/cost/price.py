@@ -79,8 +79,9 @@ class Job:
     tp_comm_overlap: bool = False
     # Megatron's overlap_param_gather (ZeRO 1 / 2): the updated parameters gathered in the next forward (overlaps.py)
     param_gather_overlap: bool = False
-    # ZeRO-Offload (parallelism.offload_optimizer): the update on the host, priced by offload.py
-    offload: bool = False
+    # ZeRO-Offload (parallelism.offload_optimizer): the update on the host, priced by offload.py;
+    # "nvme": its states on the node's drives (parallelism.offload_device=nvme)
+    offload: str = "none"  # none | cpu | nvme
 
     @property
     def world(self) -> int:
@@ -121,7 +122,7 @@ def job_of(run, vocab: int) -> Job:
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
                cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe,
-               offload=p.offload_optimizer)
+               offload=p.offload_device if p.offload_optimizer else "none")
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
@@ -208,8 +209,9 @@ def price(prof: Profile, job: Job) -> Priced:
         after, comm["dp"] = after - hid, max(0.0, comm.get("dp", 0.0) - hid)
     params = max(rank_params(job, r) for r in range(p))
     shard = params / job.dp if job.zero >= 1 else params
-    if job.offload:  # the gradients down, the host's step, the parameters up: offload.py
-        opt = offload_step_s(prof, shard, lay.act_bytes, s.param_tensors() / p)
+    if job.offload != "none":  # the gradients down, the host's step (its states from the drive), the parameters up
+        sharing = min(prof.gpus_per_node, job.world) if job.offload == "nvme" else 0
+        opt = offload_step_s(prof, shard, lay.act_bytes, s.param_tensors() / p, sharing)
     else:
         opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
         opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
@@ -284,7 +286,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
                            f"{'overlapped with' if prof.host_overlaps else 'added to'} the kernels; memory: model "
                            "states + saved activations (framework/sim/cost/activations.py; no allocator "
                            "fragmentation, workspaces, p2p buffers or framework runtime)"
-                           f"{'; ZeRO-Offload: the update on the host after the backward, the gradients down and the parameters up over the host link, on the critical path; masters and optimizer states in host memory (offload.py)' if job.offload else ''}"}
+                           f"{'; ZeRO-Offload: the update on the host after the backward, the gradients down and the parameters up over the host link, on the critical path; masters and optimizer states in host memory (offload.py)' if job.offload != 'none' else ''}"
+                           f"{', the states read from and written to the node drives each step, shared by its GPUs' if job.offload == 'nvme' else ''}"}
 
 
 def oom_reason(need: float, capacity: float) -> str:
