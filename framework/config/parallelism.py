@@ -34,6 +34,10 @@ class ParallelismConfig:
     offload_device: str = key("cpu", choices=("cpu", "nvme"), **_OFFLOAD)
     nvme_path: Optional[str] = key(None, nonempty=True, free="a directory on the drive (created if absent)", **_NVME)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
+    # ZeRO-R's constant-size buffers (CB): every fused gradient reduction (DDP's buckets, our ZeRO's
+    # reduce-scatters, the pipeline's dp all-reduce) through buffers of this many MiB, whatever the
+    # model's size; null: each its own (DDP 25, a ZeRO unit whole, a pipeline's dense buffer whole)
+    bucket_mb: Optional[float] = key(None, gt=0, le=1 << 20)
     # dp reduction under backward (Megatron's overlap_grad_reduce): pipelines, each chunk's all-reduce
     # (ZeRO 1: reduce-scatter) after its last backward; our ZeRO at pp = 1, each unit's reduce-scatter
     # as its gradients complete. pp = 1 without ZeRO uses torch DDP, which always overlaps

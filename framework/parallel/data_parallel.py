@@ -23,11 +23,13 @@ from framework.topology import ParallelContext
 
 
 def wrap(model: nn.Module, ctx: ParallelContext, reduce_dtype: Optional[torch.dtype] = None,
-         ignore: Sequence[nn.Parameter] = ()) -> nn.Module:
+         ignore: Sequence[nn.Parameter] = (), bucket_mb: Optional[float] = None) -> nn.Module:
     """DDP over ctx.dp_group; the bare model when dp = 1 (no peers, nothing to reduce).
     `reduce_dtype` (the precision policy's, when not the parameters'): each bucket is
     all-reduced in it (a transient copy) and rounded back into the parameters' gradients.
-    `ignore`: parameters DDP leaves alone (expert-parallel experts, reduced over edp)."""
+    `ignore`: parameters DDP leaves alone (expert-parallel experts, reduced over edp).
+    `bucket_mb` (`parallelism.bucket_mb`, CB): DDP's buckets of that size, the first one too
+    (torch's default: 25 MiB, and 1 MiB for the first)."""
     if ctx.dims.dp == 1:
         return model
     if ignore:
@@ -44,6 +46,7 @@ def wrap(model: nn.Module, ctx: ParallelContext, reduce_dtype: Optional[torch.dt
         # Gradients live in DDP's buckets instead of a second copy (memory accounting dedups).
         gradient_as_bucket_view=True,
         **no_buffer_sync,
+        **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}),
     )
     if reduce_dtype is not None and reduce_dtype != next(model.parameters()).dtype:
         ddp.register_comm_hook(ctx.dp_group, _reduce_in(reduce_dtype))

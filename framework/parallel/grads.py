@@ -24,12 +24,19 @@ from framework.comm.tensor_parallel import is_tp_sharded
 BUCKET_ELEMENTS = 2 ** 24  # per all-reduce when widened (precision.reduce_dtype): 64 MiB of fp32
 
 
-def all_reduce_grads(params: list[nn.Parameter], group, world: int, dtype: Optional[torch.dtype] = None) -> None:
+def bucket_elements(bucket_mb: Optional[float], dtype: torch.dtype) -> Optional[int]:
+    """`parallelism.bucket_mb` (ZeRO-R's constant-size buffers, CB) in elements of `dtype`."""
+    return None if bucket_mb is None else max(1, int(bucket_mb * 2 ** 20) // dtype.itemsize)
+
+
+def all_reduce_grads(params: list[nn.Parameter], group, world: int, dtype: Optional[torch.dtype] = None,
+                     bucket_mb: Optional[float] = None) -> None:
     """Average gradients over `group`, flattened: in one bucket when reduced in their own
     dtype; in `dtype` (the precision policy's reduce dtype, wider than the gradients) in
     buckets of BUCKET_ELEMENTS, each rounded back into the gradients, so the transient is one
-    bucket's wide copy, not the stage's."""
-    for bucket in _buckets(params, world, dtype):
+    bucket's wide copy, not the stage's. `bucket_mb` (CB): buckets of that size either way (a
+    gradient larger than it is one bucket of its own)."""
+    for bucket in _buckets(params, world, dtype, bucket_mb):
         finish_all_reduce([_issue(bucket, group, dtype, False)], world)
 
 
@@ -62,8 +69,9 @@ class GradBuffer:
     parameter then holds a gradient, zero where it took no part: for the parameters of a
     pipeline chunk, which all take part in each micro-batch."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], bucket_mb: Optional[float] = None):
         self.params, self.flats, self.views = params, [], []
+        self.bucket_mb = bucket_mb  # CB: every reduction in slices of this size (else as `_pieces` says)
         kinds = list(dict.fromkeys((p.dtype, p.device) for p in params))
         for dtype, device in kinds:
             ps = [p for p in params if (p.dtype, p.device) == (dtype, device)]
@@ -92,19 +100,23 @@ class GradBuffer:
             return []
         out = []
         for flat in self.flats:
-            step = BUCKET_ELEMENTS if dtype is not None and dtype != flat.dtype else max(flat.numel(), 1)
+            wide = dtype if dtype is not None else flat.dtype
+            step = (bucket_elements(self.bucket_mb, wide) if self.bucket_mb is not None
+                    else BUCKET_ELEMENTS if wide != flat.dtype else max(flat.numel(), 1))
             out += [flat[at:at + step] for at in range(0, flat.numel(), step)]
         return out
 
 
-def _buckets(params: list[nn.Parameter], world: int, dtype: Optional[torch.dtype]) -> list[list[torch.Tensor]]:
+def _buckets(params: list[nn.Parameter], world: int, dtype: Optional[torch.dtype],
+             bucket_mb: Optional[float] = None) -> list[list[torch.Tensor]]:
     grads = [p.grad for p in params if p.grad is not None]
     if world == 1 or not grads:
         return []
     widen = dtype is not None and dtype != grads[0].dtype
+    limit = bucket_elements(bucket_mb, dtype or grads[0].dtype) if bucket_mb is not None else BUCKET_ELEMENTS
     buckets, size = [[]], 0
     for g in grads:
-        if widen and buckets[-1] and size + g.numel() > BUCKET_ELEMENTS:
+        if (widen or bucket_mb is not None) and buckets[-1] and size + g.numel() > limit:
             buckets.append([])
             size = 0
         buckets[-1].append(g)
@@ -184,11 +196,11 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> Optional[torch.Tens
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
 
 
-def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None) -> None:
+def reduce_expert_grads(params, ctx, dtype: Optional[torch.dtype] = None, bucket_mb: Optional[float] = None) -> None:
     """Average expert-parallel experts' gradients over the expert data parallel group (once per
     step, after the last micro-batch's backward; DDP and the dp all-reduce leave them out)."""
     if ctx.dims.ep > 1:
-        all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype)
+        all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype, bucket_mb)
 
 
 def nonfinite(params: list[nn.Parameter]) -> torch.Tensor:

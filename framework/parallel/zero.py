@@ -70,7 +70,8 @@ class Zero:
 
     def __init__(self, stage: int, units: list[list[nn.Module]], ctx, tracker=None,
                  separate: Optional[nn.Parameter] = None, fill: Optional[Callable] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, overlap_reduce: bool = False, prefetch: bool = False):
+                 reduce_dtype: Optional[torch.dtype] = None, overlap_reduce: bool = False, prefetch: bool = False,
+                 bucket_mb: Optional[float] = None):
         """`units`: groups of modules whose parameters share a buffer (and, at stage 3, are
         gathered together). `separate`: a parameter kept in a buffer of its own (a tied
         embedding's second copy on the last pipeline stage, left out of the grad norm).
@@ -82,7 +83,9 @@ class Zero:
         issued as its gradients complete and waited for at the end of the micro-batch's
         backward (stage 1: in the step's last micro-batch; stages 2-3: in every one).
         `prefetch` (`parallelism.overlap_param_gather`, stage 3): the next unit's all-gather
-        issued as a unit starts, in forward and in backward (module docstring)."""
+        issued as a unit starts, in forward and in backward (module docstring). `bucket_mb`
+        (`parallelism.bucket_mb`, MiB): each reduce-scatter in pieces through one buffer of
+        that size (CB, zero_unit.py)."""
         self.stage, self.overlap_reduce, self.prefetch = stage, overlap_reduce, prefetch and stage == 3
         self.reducing: list[tuple[FlatUnit, tuple]] = []  # reduce-scatters in flight
         self.order: list[int] = []  # stage 3: hooked modules' positions in forward order (learned once)
@@ -128,6 +131,8 @@ class Zero:
                 open_grads_on_backward(modules, flats)
         for f in self.flat:  # the separate unit is in self.flat too
             f.timer = getattr(ctx, "timer", None)
+            if bucket_mb is not None:
+                f.bucket = max(1, int(bucket_mb * 2 ** 20) // (reduce_dtype or f.full.dtype).itemsize)
         self.shards = [f.shard for f in self.flat]
         self._live = 0  # bytes of parameters gathered right now (stage 3)
         if tracker is not None and stage < 3:  # the flattened weights are new storages

@@ -32,6 +32,7 @@ class FlatUnit:
     """Some parameters as views into one flat buffer; this dp rank's slice as `shard`."""
 
     timer = None  # the rank's CommTimer (set by Zero): its collectives are dp spans
+    bucket: Optional[int] = None  # parallelism.bucket_mb in elements of the reduce dtype (set by Zero): CB
 
     def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
                  reduce_dtype: Optional[torch.dtype] = None):
@@ -159,6 +160,8 @@ class FlatUnit:
         if self.stage >= 2:
             self.open_grads()  # no-op after the backward opened it (zeros if no gradient came)
         flat = held = self.grad_full
+        if self.bucket is not None and not async_op:
+            return self._reduce_in_buckets(held, accumulate)
         if self.reduce_dtype is not None and self.reduce_dtype != flat.dtype:
             flat = flat.to(self.reduce_dtype)  # summed wide, held in the parameters' dtype
         out = torch.empty(self.slice, dtype=flat.dtype, device=flat.device)
@@ -176,6 +179,29 @@ class FlatUnit:
             for p in self.params:
                 p.grad = None
         return work, flat, out, accumulate, transient
+
+    def _reduce_in_buckets(self, held: torch.Tensor, accumulate: bool) -> tuple:
+        """ZeRO-R's constant-size buffer (CB): the reduce-scatter in pieces, each gathering
+        `bucket` elements of the gradient (bucket / dp of every rank's slice, widened in the
+        copy) into one buffer the pieces reuse, so the transient is that buffer whatever the
+        unit's size. The same sums, element by element, as one reduce-scatter."""
+        wide = self.reduce_dtype or held.dtype
+        out = torch.empty(self.slice, dtype=wide, device=held.device)
+        per = max(1, min(self.bucket // self.size, self.slice))  # elements of each rank's slice per piece
+        buffer = torch.empty(self.size * per, dtype=wide, device=held.device)
+        grid = held.view(self.size, self.slice)
+        with timed(self.timer, "dp", "zero reduce-scatter"):
+            for a in range(0, self.slice, per):
+                n = min(per, self.slice - a)
+                piece = buffer[:self.size * n]
+                piece.view(self.size, n).copy_(grid[:, a:a + n])
+                _reduce_scatter_single(out[a:a + n], piece, group=self.group)
+        transient = buffer.numel() * buffer.element_size() + (held.numel() * held.element_size()
+                                                              if self.stage >= 2 else 0)
+        if self.stage >= 2:
+            for p in self.params:
+                p.grad = None
+        return None, held, out, accumulate, transient
 
     def finish_reduce(self, pending: tuple) -> int:
         work, _flat, out, accumulate, transient = pending  # the input is held until the wait

@@ -50,7 +50,8 @@ class AccumulationRunner:
                          else Zero(stage, units, ctx, tracker, fill=getattr(model, "fill", None),
                                    reduce_dtype=policy_of(run).reduce_dtype,
                                    overlap_reduce=run.parallelism.overlap_grad_reduce,
-                                   prefetch=run.parallelism.overlap_param_gather))
+                                   prefetch=run.parallelism.overlap_param_gather,
+                                   bucket_mb=run.parallelism.bucket_mb))
             self.wrapped, self.params = model, self.zero.shards
             self.optimizer = self.zero.build_optimizer(run.optimizer, offload_of(run), policy_of(run))
         else:
@@ -58,7 +59,8 @@ class AccumulationRunner:
             if hasattr(model, "fill"):
                 model.fill(model.parameters())  # built on the meta device: the whole model is this rank's
             self.wrapped = data_parallel.wrap(model, ctx, policy_of(run).reduce_dtype,
-                                              ignore=expert_params(model.parameters()))  # reduced over edp
+                                              ignore=expert_params(model.parameters()),  # reduced over edp
+                                              bucket_mb=run.parallelism.bucket_mb)
             self.params = list(model.parameters())
             self.optimizer = master.build(run.optimizer, self.params, policy_of(run))
         c, d = ctx.coords, ctx.dims
@@ -98,7 +100,8 @@ class AccumulationRunner:
             if self.zero:
                 self.zero.reduce_gradients()
             else:
-                reduce_expert_grads(self.params, self.ctx, policy_of(self.run).reduce_dtype)
+                reduce_expert_grads(self.params, self.ctx, policy_of(self.run).reduce_dtype,
+                                    self.run.parallelism.bucket_mb)
         if self.tp_comm.size > 1:
             sync_replicated_grads(self.params, self.tp_comm, self.run.parallelism.sequence_parallel)
         grad_norm = clip_grad_norm(self.params, 0.0, tp_comm=self.tp_comm,  # the norm only: Update clips

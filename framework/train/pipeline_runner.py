@@ -76,7 +76,7 @@ class PipelineRunner:
         self.zero = None
         if run.parallelism.zero:  # stage 1 only with pp > 1 (framework.validate): one buffer per chunk
             self.zero = Zero(1, [[c] for c in self.chunks], ctx, tracker, separate=self.tied,
-                             reduce_dtype=self.policy.reduce_dtype)
+                             reduce_dtype=self.policy.reduce_dtype, bucket_mb=run.parallelism.bucket_mb)
             self.params = self.zero.shards
             self.optimizer = self.zero.build_optimizer(run.optimizer, offload_of(run), self.policy)
         else:
@@ -119,7 +119,7 @@ class PipelineRunner:
         self.grad_buffers = []
         if ctx.dims.dp > 1 and not self.zero and not self.is_async:
             lists = self.own if self.overlap is not None else [[q for ps in self.own for q in ps]]
-            self.grad_buffers = [GradBuffer(ps) if ps else None for ps in lists]
+            self.grad_buffers = [GradBuffer(ps, self.run.parallelism.bucket_mb) if ps else None for ps in lists]
 
     def _owned(self) -> list[list]:
         """Per chunk its dense parameters no other chunk of this rank holds (reduced after its
@@ -247,7 +247,7 @@ class PipelineRunner:
                     self.grad_buffers[-1].all_reduce(ctx.dp_group, ctx.dims.dp, self.policy.reduce_dtype)
                 if self.overlap is not None:
                     self.reducing, self.overlap = [], [0] * len(self.chunks)
-                reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype)
+                reduce_expert_grads(self.params, ctx, self.policy.reduce_dtype, self.run.parallelism.bucket_mb)
         with timed(ctx.timer if self.tied is not None else None, "pp", "tied embedding sum"):  # the pipeline's ends
             sum_tied_grad(self.tied, ctx.groups.get("embedding"))
         if self.zero:  # ZeRO-1: the dp reduction is a reduce-scatter to each slice's owner

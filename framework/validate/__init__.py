@@ -64,10 +64,24 @@ def _parallelism(run: RunConfig) -> None:
                           f"does not match dp*cp*tp*pp = {p.dp}*{p.cp}*{p.tp}*{p.pp} = {run.world_size}",
                           "change dp/cp/tp/pp so their product is the world size, or leave world_size null")
     _zero(run)
+    if p.bucket_mb is not None:
+        _constant_buffers(run)
     check_expert_parallel(run)
     check_context_parallel(run)
     if p.tp > 1:
         _tensor_parallel(run)
+
+
+def _constant_buffers(run: RunConfig) -> None:
+    """ZeRO-R's CB where it bounds what it says: one buffer reused, reduction by reduction."""
+    p, fix = run.parallelism, "leave parallelism.bucket_mb unset (null)"
+    if p.overlap_grad_reduce:
+        raise ConfigError("parallelism.bucket_mb", p.bucket_mb, "with parallelism.overlap_grad_reduce every piece of "
+                          "an overlapped reduction holds its buffer until the wait, so no buffer size is constant",
+                          f"{fix}, or set parallelism.overlap_grad_reduce=false")
+    if p.zero and p.zero_impl == "fsdp2":
+        raise ConfigError("parallelism.bucket_mb", p.bucket_mb, "torch's fully_shard sizes its own reduce-scatter "
+                          "buffers (one per unit)", f"{fix}, or use parallelism.zero_impl=ours")
 
 
 def _zero(run: RunConfig) -> None:
