@@ -198,3 +198,13 @@ def test_the_activation_tracker_runs_on_the_sampled_steps_only():
         assert tracker.live_bytes() == (64 if enabled else 0), tracker.live_bytes()
         y.backward()
         tracker.backward_done(0)
+
+
+def test_fragmentation_is_reserved_less_allocated_on_cuda_and_absent_on_a_cpu(monkeypatch):
+    """ZeRO-R's MD metric: the caching allocator's own counters, read without a device sync."""
+    from framework.metrics.memory import fragmentation_bytes
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: (3 << 20) - 4096)
+    assert fragmentation_bytes(torch.device("cuda", 0)) == 4096
+    assert fragmentation_bytes(torch.device("cpu")) is None

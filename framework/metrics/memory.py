@@ -174,6 +174,15 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def fragmentation_bytes(device: torch.device) -> Optional[int]:
+    """CUDA: what the caching allocator holds but no tensor uses, reserved minus allocated
+    (ZeRO-R's memory fragmentation, MD), now; the allocator's own counters, no device sync.
+    None elsewhere (a CPU run has no caching allocator to ask)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def device_memory(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}

@@ -109,6 +109,9 @@ class StepRecord:
     host: str = ""
     cpus: int = 1
     node_busy_s: Optional[float] = None
+    # CUDA: the caching allocator's reserved minus allocated bytes at the step's end (ZeRO-R's
+    # fragmentation, framework/metrics/memory.py); None on a CPU
+    fragmentation_bytes: Optional[int] = None
 
 
 @dataclass

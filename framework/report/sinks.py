@@ -138,6 +138,10 @@ class RunLogger:
             "bubble_fraction_analytic": self._analytic([r.actions for r in per_rank])[0],
             "activation_peak_bytes": max(r.activation_peak_bytes for r in per_rank),
             "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
+            # CUDA: reserved minus allocated at the step's end (memory.fragmentation_bytes)
+            **({"fragmentation_bytes": max(r.fragmentation_bytes for r in per_rank),
+                "rank_fragmentation_bytes": [r.fragmentation_bytes for r in per_rank]}
+               if r0.fragmentation_bytes is not None else {}),
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
             "rank_tp_comm_bytes": [r.tp_comm_bytes for r in per_rank],
             **cp_metrics(per_rank, self.ctx.dims.groups("cp")),  # framework/metrics/cp.py

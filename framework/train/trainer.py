@@ -32,7 +32,8 @@ from framework.report.export import save_final_model, transformers_tokenizer
 from framework.report.sinks import RunLogger
 from framework.timestamps import now
 from framework.metrics.comm_ledger import CommLedger, ledger_path
-from framework.metrics.memory import ActivationTracker, current_rss_bytes, device_memory, peak_rss_bytes
+from framework.metrics.memory import (ActivationTracker, current_rss_bytes, device_memory, fragmentation_bytes,
+                                      peak_rss_bytes)
 from framework.metrics.model_states import formula_report
 from framework.metrics.peak import resolve_rank_peak
 from framework.comm.activation_partition import Partition
@@ -185,7 +186,8 @@ def train_step(step: int, runner, batches: Batches, run: RunConfig, ctx: Paralle
                       moe=out.moe if ctx.coords.dp == 0 and ctx.coords.tp == 0 else None, **_a2a(runner, spans),
                       actions=actions, action_comm_s=inside, states=out.states, parts=parts, comm_spans=spans,
                       comm_total=dict(ctx.timer.totals) if ctx.timer is not None else {}, **cpu.take(),
-                      host_syncs=take_syncs(), compiles=None if frames is None else compiled_frames()[0] - frames)
+                      host_syncs=take_syncs(), compiles=None if frames is None else compiled_frames()[0] - frames,
+                      fragmentation_bytes=fragmentation_bytes(ctx.device))
 
 
 def _announce(saver, logger) -> None:
