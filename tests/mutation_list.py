@@ -71,7 +71,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_mixed_precision.py::test_a_bf16_mixed_checkpoint_resumes_in_fp32",)),
     Mutation("edp-reduction-noop", "expert gradients not averaged over the expert-data-parallel ranks",
              "framework/parallel/grads.py",
-             "all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype)", "pass  # mutation",
+             "all_reduce_grads(expert_params(params), ctx.edp_group, ctx.dims.edp, dtype, bucket_mb)", "pass  # mutation",
              ("tests/test_expert_parallel.py::test_expert_parallel_layouts_reproduce_the_single_process_in_fp64",)),
     Mutation("moe-activations-expected-rows", "the MoE activation model ignores the run's own routing",
              "framework/sim/cost/activations.py",

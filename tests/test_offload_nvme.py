@@ -69,7 +69,7 @@ def test_the_states_move_into_the_map_and_a_load_refills_the_same_places(tmp_pat
     with pytest.raises(OSError) as e:
         StateSwap(OffloadTarget("nvme", str(tmp_path / "small"), need - 1)).adopt(opt.state)
     assert e.value.errno == errno.ENOSPC and f"{need} bytes needed, {need - 1} free" in str(e.value)
-    swap = StateSwap(OffloadTarget("nvme", str(tmp_path / "nvme"), need))
+    swap = StateSwap(OffloadTarget("nvme", str(tmp_path / "nvme"), need + 128))  # room for a later 5-element parameter's
     before = {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state[p].items()}
     swap.adopt(opt.state)
     assert swap.bytes == need and list((tmp_path / "nvme").iterdir()) == []
@@ -84,6 +84,16 @@ def test_the_states_move_into_the_map_and_a_load_refills_the_same_places(tmp_pat
     opt.step()
     swap.adopt(opt.state)
     assert {(i, k): v.data_ptr() for i, p in enumerate(params) for k, v in opt.state[p].items() if v.dim()} == places
+    # a parameter whose first gradient comes later: its states get a file of their own then
+    late = torch.nn.Parameter(torch.randn(5))
+    opt.add_param_group({"params": [late]})
+    late.grad = torch.ones_like(late)
+    opt.step()
+    swap.adopt(opt.state)
+    assert len(swap.maps) == 2 and all(swap._holds(v) for v in opt.state[late].values() if v.dim())
+    opt.state[late]["exp_avg"] = torch.zeros(6)  # a state that changed size has no place
+    with pytest.raises(RuntimeError, match="'exp_avg' is 24 bytes now, its place on the drive 20"):
+        swap.adopt(opt.state)
 
 
 @pytest.mark.parametrize("args,key,problem", [

@@ -101,7 +101,8 @@ PA = ["trainer.recompute=full", "parallelism=tp2", "trainer.partition_activation
     ([*PA, "parallelism.sequence_parallel=true"], "already 1/tp=2 of the sequence"),
     ([*PA, "parallelism=tp2_pp2", "schedule=zbh1"], "splits each backward into input and weight gradients"),
     ([*PA, "trainer.compile=blocks"], "not yet verified with compiled blocks"),
-], ids=["no_tp", "cpu_without_pa", "sp", "zbh1", "compile"])
+    (["model=moe-tiny", *PA], "routing statistics and its expert bias update"),
+], ids=["no_tp", "cpu_without_pa", "sp", "zbh1", "compile", "moe"])
 def test_partitioned_checkpoints_are_refused_where_unverified_or_void(args, problem, tmp_path):
     from .prelaunch import prelaunch
 

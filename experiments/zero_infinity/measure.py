@@ -12,6 +12,7 @@ step time against model size, each beside what the framework's models predict.
 Each job runs `python run.py` once (REPEATS passes interleaved: the spread is between them).
 
     python experiments/zero_infinity/measure.py [out_dir]
+    python experiments/zero_infinity/measure.py --reprice out_dir   # the predictions again, seconds
 """
 
 from __future__ import annotations
@@ -103,10 +104,36 @@ def table(rows_pa: list[dict], rows_off: list[dict]) -> str:
             rs = [r for r in rows_off if r["h"] == h and r["offload"] == name]
             lines.append(f"| {h} | {rs[0]['params']:,} | {name} | " + " / ".join(f"{r['step_s']:.3f}" for r in rs)
                          + " | " + " / ".join(f"{r['optimizer_s']:.4f}" for r in rs)
-                         + f" | {rs[0]['predicted_optimizer_s']:.4f} | {rs[0]['model_state_bytes']:,} | "
+                         + f" | {_seconds(rs[0]['predicted_optimizer_s'])} | {rs[0]['model_state_bytes']:,} | "
                          + " / ".join(f"{r['rss_peak'] / 2 ** 20:.0f}" for r in rs) + " |")
     return "\n".join(lines)
 
 
+def _seconds(x: float) -> str:
+    return "-" if x != x else f"{x:.4f}"  # NaN: not priced
+
+
+def reprice(out: Path) -> None:
+    """`--reprice DIR`: the cost model's optimizer seconds of DIR's offload jobs again (their
+    overrides composed as a dry run, priced on cpu-local), the table printed from the runs'
+    measurements: after a change to the cost model, without running the jobs again."""
+    from framework.sim.cost.plan import plan
+
+    res = json.loads((out / "results.json").read_text())
+    for r in res["offload"]:
+        nvme = ["parallelism.nvme_path=/tmp/offload"] if r["offload"] == "nvme" else []
+        args = [*COMMON, *SIZES[r["h"]], "parallelism=dp2", "parallelism.zero=2", *OFFLOAD[r["offload"]], *nvme,
+                "hardware=cpu-local"]
+        try:
+            r["predicted_optimizer_s"] = plan(args)["optimizer_s"]
+        except Exception:  # nvme: no drive rates in the profile
+            r["predicted_optimizer_s"] = float("nan")
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    print(table(res["pa"], res["offload"]))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "experiments" / "zero_infinity" / "cpu_2026-11-29")
+    if sys.argv[1:2] == ["--reprice"]:
+        reprice(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "experiments" / "zero_infinity" / "cpu_2026-11-29")

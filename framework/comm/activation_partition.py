@@ -78,7 +78,6 @@ class _PartitionedCheckpoint(torch.autograd.Function):
         part = ctx.part
         if part.to_cpu:
             piece = ctx.host.to(ctx.device, non_blocking=ctx.device.type == "cuda")
-            del ctx.host
         else:
             piece, = ctx.saved_tensors
         numel = ctx.shape.numel()

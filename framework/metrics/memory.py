@@ -183,6 +183,13 @@ def fragmentation_bytes(device: torch.device) -> Optional[int]:
     return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def fragmentation_row(per_rank: list) -> dict:
+    """metrics.jsonl's `fragmentation_bytes` (the most over ranks) and each rank's; {} off CUDA."""
+    if per_rank[0] is None:
+        return {}
+    return {"fragmentation_bytes": max(per_rank), "rank_fragmentation_bytes": per_rank}
+
+
 def device_memory(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}

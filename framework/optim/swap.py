@@ -53,26 +53,35 @@ def offload_of(run) -> Optional[OffloadTarget]:
 
 
 class StateSwap:
-    """The optimizer's per-element states in a file-backed map (module docstring)."""
+    """The optimizer's per-element states in file-backed maps (module docstring)."""
 
     def __init__(self, target: OffloadTarget):
         self.target = target
-        self.map: Optional[torch.Tensor] = None  # uint8, the whole file
-        self.bytes = 0
+        self.maps: list[torch.Tensor] = []  # uint8, each a whole reserved file
+        self._slot: dict[tuple[int, str], tuple[int, int, int]] = {}  # (param, state) -> (map, offset, bytes)
+        self.bytes = 0  # reserved in all
+
+    def _full(self, need: int, free: int) -> OSError:
+        return OSError(errno.ENOSPC, f"No space left on device for the optimizer states offloaded to NVMe "
+                                     f"(parallelism.nvme_path={self.target.path}: {need} bytes needed, {free} free); "
+                                     "nothing was written", self.target.path)
 
     def _reserve(self, need: int) -> torch.Tensor:
         os.makedirs(self.target.path, exist_ok=True)
         free = shutil.disk_usage(self.target.path).free
-        if self.target.disk_bytes is not None:
-            free = min(free, self.target.disk_bytes)
+        if self.target.disk_bytes is not None:  # the room left of the emulated drive, this rank's maps counted
+            free = min(free, self.target.disk_bytes - self.bytes)
         if need > free:
-            raise OSError(errno.ENOSPC, f"No space left on device for the optimizer states offloaded to NVMe "
-                                        f"(parallelism.nvme_path={self.target.path}: {need} bytes needed, {free} "
-                                        "free); nothing was written", self.target.path)
+            raise self._full(need, free)
         name = os.path.join(self.target.path, f"optimizer-states-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, need)  # ENOSPC here too if the drive filled meanwhile
+            try:
+                os.posix_fallocate(fd, 0, need)
+            except OSError as e:  # the drive filled meanwhile (another rank's file on it, say)
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise self._full(need, shutil.disk_usage(self.target.path).free) from None
             return torch.from_file(name, shared=True, size=need, dtype=torch.uint8)
         finally:
             os.close(fd)
@@ -80,32 +89,38 @@ class StateSwap:
 
     def adopt(self, state: dict) -> None:
         """Move every per-element state tensor of `state` (the optimizer's: param -> {name:
-        tensor}) into the map, in place of the host tensor; 0-d states (step) stay. The first
-        call reserves the file; later calls move only what is not in it (a checkpoint's load
-        replaces the states with host tensors)."""
+        tensor}) into a map, in place of the host tensor; 0-d states (step) stay. Each
+        (parameter, state) gets its place once, in the file reserved when it first appears (a
+        parameter whose first gradient comes later gets a file of its own then); later calls
+        move only what is not in place (a checkpoint's load replaces the states with host
+        tensors, refilled into the same places)."""
         wanted = [(p, st, k) for p, st in state.items() for k, v in st.items()
                   if isinstance(v, torch.Tensor) and v.dim() > 0 and not self._holds(v)]
-        if not wanted:
-            return
-        if self.map is None:  # each (parameter, state) its place for the run: a load refills the same places
-            self.bytes = sum(_aligned(st[k].numel() * st[k].element_size()) for _, st, k in wanted)
-            self.map = self._reserve(self.bytes)
-            self._layout, at = {}, 0
-            for p, st, k in wanted:
-                self._layout[(id(p), k)] = at
-                at += _aligned(st[k].numel() * st[k].element_size())
+        new = [(p, st, k) for p, st, k in wanted if (id(p), k) not in self._slot]
+        if new:
+            size = sum(_aligned(_nbytes(st[k])) for _, st, k in new)
+            self.maps.append(self._reserve(size))
+            at = 0
+            for p, st, k in new:
+                self._slot[(id(p), k)] = (len(self.maps) - 1, at, _nbytes(st[k]))
+                at += _aligned(_nbytes(st[k]))
+            self.bytes += size
         for p, st, k in wanted:
+            i, at, nbytes = self._slot[(id(p), k)]
             v = st[k]
-            at = self._layout[(id(p), k)]
-            view = self.map[at:at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            if _nbytes(v) != nbytes:
+                raise RuntimeError(f"optimizer state {k!r} is {_nbytes(v)} bytes now, its place on the drive "
+                                   f"{nbytes}: a state that changes size cannot be offloaded to NVMe")
+            view = self.maps[i][at:at + nbytes].view(v.dtype).view(v.shape)
             view.copy_(v)
             st[k] = view
 
     def _holds(self, t: torch.Tensor) -> bool:
-        if self.map is None:
-            return False
-        base = self.map.data_ptr()
-        return base <= t.data_ptr() < base + self.bytes
+        return any(m.data_ptr() <= t.data_ptr() < m.data_ptr() + m.numel() for m in self.maps)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _aligned(n: int) -> int:

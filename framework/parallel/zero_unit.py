@@ -184,7 +184,8 @@ class FlatUnit:
         """ZeRO-R's constant-size buffer (CB): the reduce-scatter in pieces, each gathering
         `bucket` elements of the gradient (bucket / dp of every rank's slice, widened in the
         copy) into one buffer the pieces reuse, so the transient is that buffer whatever the
-        unit's size. The same sums, element by element, as one reduce-scatter."""
+        unit's size (at least one element of each rank's slice a piece: dp elements where the
+        bucket holds fewer). The same sums, element by element, as one reduce-scatter."""
         wide = self.reduce_dtype or held.dtype
         out = torch.empty(self.slice, dtype=wide, device=held.device)
         per = max(1, min(self.bucket // self.size, self.slice))  # elements of each rank's slice per piece

@@ -29,12 +29,11 @@ import torch.distributed as dist
 
 from framework.config import RunConfig
 from framework.files import write_atomic
-from framework.metrics import breakdown, compiles, noise
+from framework.metrics import breakdown, compiles, memory, noise
 from framework.metrics.noise import median_or_none
 from framework.metrics.bubble import analytic_at_measured, analytic_label
 from framework.metrics.cp import step_metrics as cp_metrics
 from framework.metrics.flops import executed_flops_per_token, mfu
-from framework.metrics.memory import memory_summary
 from framework.metrics.moe import step_metrics
 from framework.metrics.moe import summary as moe_summary
 from framework.metrics.replay import FlatPredictor, RunPredictor, predicted_keys, summary_prediction
@@ -138,10 +137,7 @@ class RunLogger:
             "bubble_fraction_analytic": self._analytic([r.actions for r in per_rank])[0],
             "activation_peak_bytes": max(r.activation_peak_bytes for r in per_rank),
             "weight_version_bytes": max(r.weight_version_bytes for r in per_rank),
-            # CUDA: reserved minus allocated at the step's end (memory.fragmentation_bytes)
-            **({"fragmentation_bytes": max(r.fragmentation_bytes for r in per_rank),
-                "rank_fragmentation_bytes": [r.fragmentation_bytes for r in per_rank]}
-               if r0.fragmentation_bytes is not None else {}),
+            **memory.fragmentation_row([r.fragmentation_bytes for r in per_rank]),  # CUDA only
             "tp_comm_bytes": max(r.tp_comm_bytes for r in per_rank),
             "rank_tp_comm_bytes": [r.tp_comm_bytes for r in per_rank],
             **cp_metrics(per_rank, self.ctx.dims.groups("cp")),  # framework/metrics/cp.py
@@ -289,7 +285,7 @@ class RunLogger:
             **self._prediction(med),
             "schedule": run.schedule.name, "microbatches": run.schedule.microbatches,
             "virtual_stages": run.schedule.virtual_stages,
-            **memory_summary(ranks), "offload_optimizer": run.parallelism.offload_optimizer,
+            **memory.memory_summary(ranks), "offload_optimizer": run.parallelism.offload_optimizer,
             "precision": policy_of(run).mode,
             **compiles.summary(self.records, measured),  # trainer.compile: warm-up and measured frames
             **({"loss_scale": self.records[-1]["loss_scale"], "skipped_steps": self.records[-1]["skipped_steps"]}

@@ -143,6 +143,11 @@ def _partitioned_activations(run: RunConfig) -> None:
                           f"schedule={run.schedule.name} splits each backward into input and weight gradients; "
                           "the partitioned checkpoint computes both at once", f"{fix}, or use a schedule that "
                           "does not split the backward (1f1b, gpipe, interleaved)")
+    if run.model.arch == "qwen3_moe":
+        raise ConfigError("trainer.partition_activations", True, "an MoE block's routing statistics and its expert "
+                          "bias update are recorded in a forward with a graph; the partitioned checkpoint runs the "
+                          "block without one and recomputes it inside the backward, so neither would be recorded",
+                          f"{fix}, or a dense model")
     if t.compile != "none":
         raise ConfigError("trainer.partition_activations", True, "not yet verified with compiled blocks "
                           "(the block runs without a graph in forward, with one in backward)",

@@ -29,7 +29,11 @@ def host_line(rep: dict) -> str:
     have = rep.get("host_memory_bytes")
     fit = "no host memory in the profile" if have is None else (
         f"of {have / 2 ** 30:.1f} GiB, {'fits' if rep['fits_host'] else 'OUT OF HOST MEMORY'}")
-    return f" | host {rep['host_state_bytes_per_node'] / 2 ** 30:.1f} GiB per node offloaded ({fit})"
+    line = f" | host {rep['host_state_bytes_per_node'] / 2 ** 30:.1f} GiB per node offloaded ({fit})"
+    if "nvme_state_bytes_per_node" in rep:
+        room = {None: "no drives in the profile", True: "fits", False: "OUT OF DRIVE SPACE"}[rep["fits_nvme"]]
+        line += f", drives {rep['nvme_state_bytes_per_node'] / 2 ** 30:.1f} GiB per node ({room})"
+    return line
 
 
 def _tenths(parts: list[float], total: float) -> list[int]:

@@ -7,7 +7,9 @@ al., 2021), all on the critical path (no overlap with the backward, as DeepSpeed
 written per second for one GPU's share of the host), the updated parameters come back over
 the link. Per element of the shard, in the parameters' dtype p (2 for 16-bit, 4, 8 in fp64
 verification) and the states' s (4, 8 in fp64): p down, p up, and on the host the gradient's
-copy in s written and read, the master, m and v read and written: 8 s. With the NVMe tier
+copy in s written, scaled in place by the clip and loss-scale factor (read and written: the
+default trainer.grad_clip=1.0 always passes one) and read by the step, the master, m and v read
+and written: 10 s. With the NVMe tier
 (`parallelism.offload_device=nvme`, framework/optim/swap.py) the states (m and v: 2 s per
 element) are read from the node's drives and written back each step, at the drives' rates
 shared by the node's GPUs, before and after the host's step: the steady state of states
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from framework.config import ConfigError
 
-STEP_ACCESSES = 8  # the host step's state-sized reads and writes per element (docstring)
+STEP_ACCESSES = 10  # the host step's state-sized reads and writes per element (docstring)
 NVME_STATES = 2  # AdamW's m and v: what the NVMe tier keeps on the drive (the masters stay in host memory)
 STATE_BYTES = 12  # fp32 master, m, v per parameter
 WORKING_BYTES = 4  # 16-bit parameters and gradients per parameter

@@ -63,10 +63,14 @@ def predict_run(run: RunConfig, vocab: int) -> dict:
     p = run.parallelism
     out = report(prof, job, price(prof, job), model_states(run, job, per_rank=True))
     if p.offload_optimizer:  # a node's ranks each hold the fullest rank's host share at most
-        per_node = model_states(run, job, host=True) * min(prof.gpus_per_node, job.world)
+        per_node = model_states(run, job, where="host") * min(prof.gpus_per_node, job.world)
         capacity = prof.host_memory_gib * 2 ** 30 if prof.host_memory_gib else None
         out.update(host_state_bytes_per_node=per_node, host_memory_bytes=capacity,
                    fits_host=None if capacity is None else per_node <= capacity)
+        if p.offload_device == "nvme":  # the states on the node's drives
+            drive = model_states(run, job, where="drive") * min(prof.gpus_per_node, job.world)
+            out.update(nvme_state_bytes_per_node=drive, fits_nvme=None if prof.nvme_gib is None
+                       else drive <= prof.nvme_gib * 2 ** 30)
     out.update(model=run.model.name, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero": p.zero,
                                              "sequence_parallel": p.sequence_parallel, "schedule": run.schedule.name,
                                              "microbatches": run.schedule.microbatches,
@@ -92,12 +96,12 @@ def check_shapes(run: RunConfig, vocab: int) -> None:
         check_tp_sizes(arch.tp_sizes(arch.hf_config(run.model, vocab)), run.parallelism.tp)
 
 
-def model_states(run: RunConfig, job, per_rank: bool = False, host: bool = False):
+def model_states(run: RunConfig, job, per_rank: bool = False, where: str = "device"):
     """The fullest rank's (`per_rank`: each pipeline rank's) model-state bytes by this configuration's formula, for the ZeRO
     units the cost model places on each pipeline rank (traffic.rank_units: a block's tp
     shards and replicated parameters in two flat buffers, over dp; its experts in a third,
-    over edp). In device memory; `host`: in host memory instead (ZeRO-Offload's masters and
-    optimizer states; none without offload)."""
+    over edp). `where`: device (the GPU's), host (ZeRO-Offload's masters, and its optimizer
+    states but with the NVMe tier) or drive (the NVMe tier's optimizer states)."""
     from framework.metrics.model_states import config_model_states
     from framework.metrics.model_states import optimizer_state_ratio
     from framework.precision import policy_of
@@ -111,8 +115,10 @@ def model_states(run: RunConfig, job, per_rank: bool = False, host: bool = False
         if not units:
             return 0
         parts = config_model_states(p.zero, units, n, pol, ratio, offload=p.offload_optimizer)
-        offloaded = ("master_bytes", "optimizer_bytes") if p.offload_optimizer else ()
-        return sum(v for k, v in parts.items() if (k in offloaded) == host)
+        place = {k: "device" for k in parts}
+        if p.offload_optimizer:
+            place.update(master_bytes="host", optimizer_bytes="drive" if p.offload_device == "nvme" else "host")
+        return sum(v for k, v in parts.items() if place[k] == where)
 
     def of_rank(r: int) -> float:
         units = rank_units(job, r)
