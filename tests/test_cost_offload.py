@@ -83,3 +83,17 @@ def test_the_nvme_tier_adds_the_drives_reads_and_writes_shared_by_the_nodes_gpus
     assert offload_step_s(drives, 1e9, 2, 100, nvme_ranks=16) == pytest.approx(1.6505 + 2.0 + 4.0, rel=1e-12)
     with pytest.raises(ConfigError, match="hardware.nvme_read_GBps=None: profile hand has no NVMe rates"):
         offload_step_s(HOST, 1e9, 2, 100, nvme_ranks=16)
+
+
+def test_pa_cpu_prices_each_checkpoint_slice_down_in_forward_and_up_in_backward():
+    """GPT-2 124M at tp 2 with full recomputation, 2 micro-batches of 4 x 1024 tokens on
+    h100-sxm: Pa+cpu's step is Pa's plus, per micro-batch and block, one bf16 slice of the
+    block input (768 x 4096 / 2 elements) over the 51.2 GB/s host link each way."""
+    from framework.sim.cost.plan import plan
+
+    args = ["hardware=h100-sxm", "model=gpt2", "model.vocab_size=50304", "parallelism=tp2", "trainer.recompute=full",
+            "trainer.precision=bf16-mixed", "trainer.micro_batch_size=4", "data.seq_len=1024",
+            "schedule.microbatches=2", "trainer.partition_activations=true"]
+    pa, cpu = plan(args), plan([*args, "trainer.cpu_checkpointing=true"])
+    assert cpu["step_s"] - pa["step_s"] == pytest.approx(2 * 2 * 12 * (768 * 4096 // 2) * 2 / 51.2e9, rel=1e-9)
+    assert pa["activation_peak_bytes_max"] - cpu["activation_peak_bytes_max"] == 12 * (768 * 4096 // 2) * 2

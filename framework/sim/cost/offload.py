@@ -59,6 +59,17 @@ def offload_step_s(prof, shard: float, param_bytes: int, tensors: float, nvme_ra
     return out
 
 
+def checkpoint_copy_s(prof, numel: int, act_bytes: int, blocks: int) -> float:
+    """Pa+cpu (trainer.cpu_checkpointing): one pass's copies of `blocks` checkpoint slices of
+    `numel` elements over the host link, down in the forward or up in the backward; issued on
+    the compute stream (framework/comm/activation_partition.py), so in its order."""
+    if prof.host_link_GBps is None:
+        raise ConfigError("hardware.host_link_GBps", None,
+                          f"profile {prof.name} has no host side: trainer.cpu_checkpointing=true cannot be priced",
+                          "add host_link_GBps to the profile (docs/cost_model.md#offload)")
+    return blocks * numel * act_bytes / (prof.host_link_GBps * 1e9)
+
+
 def largest_params(prof, offload: str) -> float:
     """The most parameters whose model states one node of `prof` holds, ZeRO 3 over its GPUs,
     with `offload` none | cpu | infinity-cpu | infinity-nvme (module docstring); 0 where the

@@ -50,7 +50,7 @@ from framework.sim.cost.overlaps import (calls_s, chunk_reduce_after, dims_of, p
 from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
 from framework.sim.cost.hardware import Profile
-from framework.sim.cost.offload import offload_step_s
+from framework.sim.cost.offload import checkpoint_copy_s, offload_step_s
 from framework.sim.cost.shapes import Layout, ModelShape
 
 
@@ -150,6 +150,9 @@ def stage_times(prof: Profile, job: Job, blocks: int, first: bool, last: bool) -
         out["tp_hidden_" + ph] = tp_hidden(prof, job, blocks, ph)
         out[pas] += calls_s(prof, job, [c for c in comm[ph] if c.op != "ring"]) + exposed - out["tp_hidden_" + ph]
         out["cp"] += cp
+    if lay.recompute and lay.partition == "cpu":  # Pa+cpu: each block input's slice down in F, up in B
+        copy = checkpoint_copy_s(prof, -(-s.hidden * lay.tokens // lay.tp), lay.act_bytes, blocks)
+        out["F"], out["I"] = out["F"] + copy, out["I"] + copy
     return out, flops(ops, model=False), flops(ops)
 
 
