@@ -5,7 +5,7 @@ In process: a converted linear (nn.Linear, GPT-2's Conv1D, our tp column and row
 equals a hand-written reference of the recipe (amax, scale = fp8 max / amax, saturating
 cast, dequantise, fp32 matmul, back to bf16) in forward and in both backward GEMMs, for
 tensorwise and rowwise; the conversion keeps the parameters and the state dict. One launch
-each: a tiny Llama's loss under FP8 within 2 % of bf16-mixed's after 12 steps, and a
+each: a tiny Llama's loss under FP8 within 2 % of bf16-mixed's after 8 steps, and a
 tp 2 x dp 2 FSDP2 layout with FP8 all-gather trains as close."""
 
 import pytest
@@ -118,7 +118,7 @@ def test_the_tensor_parallel_layers_multiply_in_fp8(recipe):
             assert torch.equal(a, b)
 
 
-COMMON = ["model=llama-tiny", "model.n_inner=352", "model.n_layer=2", "data.seq_len=64", "trainer.steps=12",
+COMMON = ["model=llama-tiny", "model.n_inner=352", "model.n_layer=2", "data.seq_len=64", "trainer.steps=8",
           "trainer.micro_batch_size=4", "logger=none", "trainer.log_interval=5", "trainer.precision=bf16-mixed",
           "optimizer.lr=3e-3"]
 FSDP2 = ["parallelism=single", "parallelism.tp=2", "parallelism.dp=2", "parallelism.zero=3", "parallelism.zero_impl=fsdp2",
@@ -144,7 +144,7 @@ def launches(tmp_path_factory):
 @pytest.mark.parametrize("name,reference", [("tensorwise", "bf16"), ("rowwise", "bf16"),
                                             ("fsdp2_fp8_gather", "fsdp2_bf16")])
 def test_fp8_trains_a_tiny_llama_within_2_percent_of_bf16_mixed(launches, name, reference):
-    """12 steps at lr 3e-3: the loss falls from 5.65 to ~3.37 in both, and FP8's last loss is
+    """8 steps at lr 3e-3: the loss falls from 5.65 to ~3.72 in both, and FP8's last loss is
     within 2 % of bf16-mixed's (measured: under 0.1 %). The model states are bf16-mixed's to the
     byte (dynamic scaling keeps no FP8 copy or scale between steps)."""
     (s, m), (rs, rm) = launches[name], launches[reference]
