@@ -53,6 +53,12 @@ def test_a_planned_offload_layout_prices_its_update_from_the_models_own_paramete
     # the masters stay in host memory (4 bytes per sharded parameter), m and v on the drives
     assert nvme["host_state_bytes_per_node"] == pytest.approx(2 * 4 * shard, rel=1e-3)
     assert nvme["nvme_state_bytes_per_node"] == pytest.approx(2 * 8 * shard, rel=1e-3) and nvme["fits_nvme"] is True
+    # ZeRO 3 with offload_params: each rank's 16-bit slice (2 bytes per sharded parameter) on the
+    # drives too; the GPUs keep only the gradients' shard between steps
+    z3 = plan([*args, "parallelism.zero=3", "parallelism.offload_optimizer=true", "parallelism.offload_device=nvme",
+               "parallelism.nvme_path=/tmp/offload", "parallelism.offload_params=true"])
+    assert z3["nvme_state_bytes_per_node"] == pytest.approx(2 * (8 + 2) * shard, rel=1e-3)
+    assert z3["model_state_bytes_max"] == pytest.approx(2 * shard, rel=1e-3)
     # memory: the GPUs keep the 16-bit parameters (2 bytes each, whole under ZeRO 2) and their
     # gradients' shard (2 bytes per sharded parameter); masters and states (12 bytes per sharded
     # parameter) are the host's, per node 2 ranks'. Padding: under 1e-3.

@@ -6,12 +6,14 @@ step time against model size, each beside what the framework's models predict.
    the activation model's prediction (framework/sim/cost/activations.py), and the ZeRO paper's
    term for the checkpoints alone (blocks x b s h x 4 bytes / MP with Pa, x 1 without).
 2. Offload: the same shapes at dp 2, ZeRO 2, with the optimizer in device memory (none), host
-   memory (cpu) or a file-backed map under /tmp (nvme: the drive behind /tmp here): median step
-   and optimizer seconds, the peak RSS of rank 0, and the cost model's optimizer seconds on
-   conf/hardware/cpu-local.yaml (none, cpu; it has no drive rates for nvme).
+   memory (cpu) or a file under /tmp (nvme: the drive behind /tmp here), and at ZeRO 3 with the
+   parameter slices on the drive too (nvme+params): median step and optimizer seconds, the
+   model states in memory per rank, the peak RSS of the fullest rank, and the cost model's
+   optimizer seconds on conf/hardware/cpu-local.yaml (none, cpu; it has no drive rates for nvme).
 Each job runs `python run.py` once (REPEATS passes interleaved: the spread is between them).
 
     python experiments/zero_infinity/measure.py [out_dir]
+    python experiments/zero_infinity/measure.py --offload out_dir   # section 2 again, section 1 kept
     python experiments/zero_infinity/measure.py --reprice out_dir   # the predictions again, seconds
 """
 
@@ -33,7 +35,14 @@ SIZES = {256: ["model.n_embd=256", "model.n_head=4"], 512: ["model.n_embd=512", 
 PA = {"off": [], "on": ["trainer.partition_activations=true"],
       "+cpu": ["trainer.partition_activations=true", "trainer.cpu_checkpointing=true"]}
 OFFLOAD = {"none": [], "cpu": ["parallelism.offload_optimizer=true"],
-           "nvme": ["parallelism.offload_optimizer=true", "parallelism.offload_device=nvme"]}
+           "nvme": ["parallelism.offload_optimizer=true", "parallelism.offload_device=nvme"],
+           "nvme+params": ["parallelism.offload_optimizer=true", "parallelism.offload_device=nvme",
+                           "parallelism.offload_params=true"]}
+ZERO = {"nvme+params": 3}  # parameter offload needs ZeRO 3; the other tiers run at ZeRO 2
+
+
+def offload_args(name: str) -> list[str]:
+    return ["parallelism=dp2", f"parallelism.zero={ZERO.get(name, 2)}", *OFFLOAD[name]]
 
 
 def run(job: Path, args: list[str]) -> dict:
@@ -61,22 +70,24 @@ def predicted(job: Path) -> tuple[float, float]:
     return acts, opt
 
 
-def main(out: Path) -> None:
+def main(out: Path, offload_only: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows_pa, rows_off = [], []
+    if offload_only:
+        rows_pa = json.loads((out / "results.json").read_text())["pa"]
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(REPEATS):
             for h, size in SIZES.items():
-                for name, extra in PA.items():
+                for name, extra in ({} if offload_only else PA).items():
                     job = Path(tmp) / f"pa_{h}_{name}_{rep}"
                     s = run(job, [*size, "parallelism=tp2", "trainer.recompute=full", *extra])
                     acts, _ = predicted(job)
                     rows_pa.append({"h": h, "pa": name, "rep": rep, "measured": s["activation_peak_bytes_max"],
                                     "model": acts, "step_s": s["step_time_s"]})
-                for name, extra in OFFLOAD.items():
+                for name in OFFLOAD:
                     job = Path(tmp) / f"off_{h}_{name}_{rep}"
-                    nvme = [f"parallelism.nvme_path={tmp}/nvme"] if name == "nvme" else []
-                    s = run(job, [*size, "parallelism=dp2", "parallelism.zero=2", *extra, *nvme])
+                    nvme = [f"parallelism.nvme_path={tmp}/nvme"] if name.startswith("nvme") else []
+                    s = run(job, [*size, *offload_args(name), *nvme])
                     _, opt = predicted(job)
                     rss = max(r["rss_peak_bytes"] for r in s["ranks"])
                     rows_off.append({"h": h, "offload": name, "rep": rep, "step_s": s["step_time_s"],
@@ -97,7 +108,7 @@ def table(rows_pa: list[dict], rows_off: list[dict]) -> str:
             lines.append(f"| {h} | {name} | {rs[0]['measured']:,} | {rs[0]['model']:,.0f} | {ckpt:,} | "
                          + " / ".join(f"{r['step_s']:.3f}" for r in rs) + " |")
     lines += ["", "| h | params | offload | step s (passes) | optimizer s (passes) | cost model's optimizer s "
-              "(cpu-local) | model states per rank (B) | peak RSS, fullest rank (MiB) |",
+              "(cpu-local) | model states in memory per rank (B) | peak RSS, fullest rank (MiB) |",
               "|---|---|---|---|---|---|---|---|"]
     for h in SIZES:
         for name in OFFLOAD:
@@ -121,9 +132,8 @@ def reprice(out: Path) -> None:
 
     res = json.loads((out / "results.json").read_text())
     for r in res["offload"]:
-        nvme = ["parallelism.nvme_path=/tmp/offload"] if r["offload"] == "nvme" else []
-        args = [*COMMON, *SIZES[r["h"]], "parallelism=dp2", "parallelism.zero=2", *OFFLOAD[r["offload"]], *nvme,
-                "hardware=cpu-local"]
+        nvme = ["parallelism.nvme_path=/tmp/offload"] if r["offload"].startswith("nvme") else []
+        args = [*COMMON, *SIZES[r["h"]], *offload_args(r["offload"]), *nvme, "hardware=cpu-local"]
         try:
             r["predicted_optimizer_s"] = plan(args)["optimizer_s"]
         except Exception:  # nvme: no drive rates in the profile
@@ -135,5 +145,7 @@ def reprice(out: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--reprice"]:
         reprice(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--offload"]:
+        main(Path(sys.argv[2]), offload_only=True)
     else:
         main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "experiments" / "zero_infinity" / "cpu_2026-11-29")

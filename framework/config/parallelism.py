@@ -16,6 +16,11 @@ _NVME = dict(when=lambda r: r.parallelism.offload_optimizer and r.parallelism.of
              when_text="parallelism.offload_device=nvme",
              base=(*_OFFLOAD["base"], "parallelism.offload_device=nvme", "parallelism.nvme_path=/tmp/offload"))
 
+_PARAMS = dict(when=lambda r: _NVME["when"](r) and r.parallelism.zero == 3 and r.parallelism.zero_impl == "ours",
+               when_text="parallelism.offload_device=nvme with parallelism.zero=3 and parallelism.zero_impl=ours",
+               base=("parallelism=zero3", "parallelism.offload_optimizer=true", "parallelism.offload_device=nvme",
+                     "parallelism.nvme_path=/tmp/offload"))
+
 
 @dataclass
 class ParallelismConfig:
@@ -29,10 +34,13 @@ class ParallelismConfig:
     # ZeRO back end: ours (framework/parallel/zero.py) | fsdp2 (torch's fully_shard, zero 2 / 3)
     zero_impl: str = key("ours", choices=("ours", "fsdp2"))
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step in host memory (zero >= 1)
-    # where the offloaded optimizer states live: cpu (host memory) | nvme (ZeRO-Infinity: a file-backed
-    # map under nvme_path; the masters stay in host memory: framework/optim/swap.py)
+    # where the offloaded optimizer states live: cpu (host memory) | nvme (ZeRO-Infinity: a file under
+    # nvme_path, stepped unit by unit through host buffers; the masters stay in host memory: optim/swap.py)
     offload_device: str = key("cpu", choices=("cpu", "nvme"), **_OFFLOAD)
     nvme_path: Optional[str] = key(None, nonempty=True, free="a directory on the drive (created if absent)", **_NVME)
+    # ZeRO-Infinity's parameter offload: each rank's ZeRO 3 parameter slices on the drive too, read
+    # before each unit's all-gather (the next one ahead), written after the update (optim/param_swap.py)
+    offload_params: bool = key(False, **_PARAMS)
     sequence_parallel: bool = False  # tp > 1: norms / dropout on sequence shards (no-op at tp = 1)
     # ZeRO-R's constant-size buffers (CB): every fused gradient reduction (DDP's buckets, our ZeRO's
     # reduce-scatters, the pipeline's dp all-reduce) through buffers of this many MiB, whatever the

@@ -77,9 +77,18 @@ def master_bytes(optimizer) -> int:
     return tensor_bytes(getattr(optimizer, "master", []))
 
 
+def held_states(optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors in memory: all of them, but those ZeRO-Infinity's NVMe tier
+    keeps on the drive (views of its file, framework/optim/swap.py), as an offloaded
+    parameter slice counts 0 bytes (its storage dropped)."""
+    swap = getattr(optimizer, "swap", None)
+    return [v for st in optimizer.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor) and not (swap is not None and swap.holds(v))]
+
+
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     params = list(model.parameters())
-    opt_tensors = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    opt_tensors = held_states(optimizer)
     return {
         "params_bytes": tensor_bytes(params),
         "grads_bytes": tensor_bytes(p.grad for p in params),

@@ -51,9 +51,13 @@ def _probe(spec: dict) -> tuple[float, int]:
 
 
 def config_model_states(stage: int, numels: list[int], n: int, policy: Policy, state_ratio: float,
-                        scalar_bytes: int = 0, offload: bool = False) -> dict[str, int]:
+                        scalar_bytes: int = 0, offload: bool = False, params_on_drive: bool = False,
+                        states_on_drive: bool = False) -> dict[str, int]:
     """Exact per-rank bytes. `numels`: the element counts of the tensors the optimizer steps,
-    before sharding: ZeRO's flat units (each padded to a multiple of n), else each parameter."""
+    before sharding: ZeRO's flat units (each padded to a multiple of n), else each parameter.
+    Bytes in memory: `states_on_drive` (parallelism.offload_device=nvme): the per-element states
+    on the drive (framework/optim/swap.py), the 0-d ones in memory; `params_on_drive` (stage 3
+    with parallelism.offload_params): no parameter slice (framework/optim/param_swap.py)."""
     if stage:
         whole = sum(-(-u // n) * n for u in numels)
         part = sum(-(-u // n) for u in numels)
@@ -61,10 +65,10 @@ def config_model_states(stage: int, numels: list[int], n: int, policy: Policy, s
         whole = part = sum(numels)
     p, s = policy.param_bytes, bytes_of(policy.state_dtype)
     stepped = part if stage >= 1 else whole
-    return {"params_bytes": p * (part if stage == 3 else whole),
+    return {"params_bytes": 0 if params_on_drive and stage == 3 else p * (part if stage == 3 else whole),
             "grads_bytes": p * (part if stage >= 2 else whole),
             "master_bytes": s * stepped if (policy.mixed or offload) else 0,
-            "optimizer_bytes": round(s * state_ratio) * stepped + scalar_bytes * len(numels)}
+            "optimizer_bytes": (0 if states_on_drive else round(s * state_ratio) * stepped) + scalar_bytes * len(numels)}
 
 
 def zero_model_states(stage: int, psi: int, n: int, state_ratio: float, bf16: bool = False,
@@ -119,10 +123,12 @@ def formula_report(runner, run) -> dict:
         # padding is by dim-0 rows, so this is exact only where rows divide by dp.
         stage = 3
         policy = replace(policy, param_dtype=policy.state_dtype, master_dtype=None)
+    nvme = p.offload_optimizer and p.offload_device == "nvme"
+    drive = dict(params_on_drive=nvme and p.offload_params, states_on_drive=nvme)
     exact = _added(config_model_states(stage, stepped_numels(runner), p.replicas, policy, ratio, scalars,
-                                       p.offload_optimizer),
+                                       p.offload_optimizer, **drive),
                    config_model_states(stage, stepped_numels(runner, experts=True), edp, policy, ratio, scalars,
-                                       p.offload_optimizer))
+                                       p.offload_optimizer, **drive))
     policy = policy_of(run)
     mixed = sum(zero_model_states(p.zero, psi, p.replicas, ratio, bf16=True).values()) + \
         sum(zero_model_states(p.zero, psi_experts, edp, ratio, bf16=True).values())

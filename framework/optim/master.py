@@ -7,8 +7,8 @@ master is then 1/N of the model, as in Megatron's distributed optimizer):
   parameters' device; the model's 16-bit parameters are a rounding of them after every step.
 - ZeRO-Offload: the copies (in the master dtype, else the parameters') and the optimizer
   states live in host memory, pinned on CUDA; the update runs there (Ren et al., 2021).
-  With `parallelism.offload_device=nvme` the states live in a file-backed map on the drive
-  instead (framework/optim/swap.py).
+  With `parallelism.offload_device=nvme` the states live in a file on the drive instead,
+  stepped unit by unit through a pool of host buffers (framework/optim/swap.py).
 
 The masters live in one flat buffer (`flat`, each master a view of it, in the parameters'
 order): one allocation, and the copy back is one op. Their gradients are views of a second
@@ -37,13 +37,14 @@ import torch
 from torch import nn
 
 from framework.optim.build import build_optimizer
+from framework.optim.param_swap import ParamSwap
 from framework.optim.swap import OffloadTarget, StateSwap
 from framework.precision import Policy
 
 
 class MasterOptimizer:
     def __init__(self, spec: dict, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
-                 swap: Optional[StateSwap] = None):
+                 offload: Optional[OffloadTarget] = None):
         self.params = params
         pin = device.type == "cpu" and params[0].device.type == "cuda"
         total = sum(p.numel() for p in params)
@@ -57,7 +58,12 @@ class MasterOptimizer:
         self._grad_bytes = self.grad_flat.untyped_storage().nbytes()
         self.grad_flat.untyped_storage().resize_(0)  # held for the step only
         self.inner = build_optimizer(spec, self.master)
-        self.swap = swap  # ZeRO-Infinity's NVMe tier: the states in a file-backed map (swap.py)
+        # ZeRO-Infinity's NVMe tier: the states on the drive, stepped unit by unit (swap.py)
+        self.swap = StateSwap(offload, self.master) if offload is not None and offload.device == "nvme" else None
+        # and with offload_params, ZeRO 3's parameter slices (param_swap.py): on the drive from here on
+        self.param_swap = ParamSwap(offload, params) if offload is not None and offload.params else None
+        if self.param_swap is not None:
+            self.copy_to_params()
 
     # Read through, not copied: torch's load_state_dict replaces the inner optimizer's
     # param_groups and state objects (a copy would leave the lr schedule setting stale groups).
@@ -85,9 +91,10 @@ class MasterOptimizer:
                 m.grad = None
             for i, g in zip(held, grads, strict=True):
                 self.master[i].grad = g
-            self.inner.step()
-            if self.swap is not None:  # states the step (or a checkpoint's load) made in memory: to the drive
-                self.swap.adopt(self.inner.state)
+            if self.swap is None:
+                self.inner.step()
+            else:
+                self.swap.step(self.inner)
         finally:
             for m in self.master:
                 m.grad = None
@@ -96,7 +103,10 @@ class MasterOptimizer:
 
     def copy_to_params(self) -> None:
         with torch.no_grad():
-            _copy(self.params, self.master, non_blocking=True)  # no .data: a detach per tensor
+            if self.param_swap is not None:  # each slice filled, written to the drive and dropped
+                self.param_swap.store(lambda i, t: t.detach().copy_(self.master[i]))
+            else:
+                _copy(self.params, self.master, non_blocking=True)  # no .data: a detach per tensor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -131,8 +141,7 @@ def build(spec: dict, params: list[nn.Parameter], policy: Policy, offload: Optio
     if policy.master_dtype is None and offload is None:
         return build_optimizer(spec, params)
     device = torch.device("cpu") if offload is not None else params[0].device
-    swap = StateSwap(offload) if offload is not None and offload.device == "nvme" else None
-    return MasterOptimizer(spec, params, policy.state_dtype, device, swap)
+    return MasterOptimizer(spec, params, policy.state_dtype, device, offload)
 
 
 def master_of(optimizer) -> dict[int, torch.Tensor]:

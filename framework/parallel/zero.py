@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from framework.optim.master import build as build_master
-from framework.metrics.memory import tensor_bytes
+from framework.metrics.memory import held_states, tensor_bytes
 from framework.comm.expert_parallel import is_expert
 from framework.comm.tensor_parallel import is_tp_sharded
 from framework.parallel.zero_unit import FlatUnit, open_grads_on_backward
@@ -295,14 +295,17 @@ class Zero:
         """Over this rank's slices: plain, or with master copies of the slices (fp32 in the
         mixed modes; in host memory with ZeRO-Offload, `offload` an OffloadTarget, its states
         on NVMe with its nvme tier), framework/optim/master.py."""
-        return build_master(spec, self.shards, policy, offload)
+        opt = build_master(spec, self.shards, policy, offload)
+        for f in self.flat:  # stage 3 with offload_params: the slices live on the drive
+            f.swap = getattr(opt, "param_swap", None)
+        return opt
 
     def state_bytes(self, optimizer) -> dict[str, int]:
         """Model states this rank holds between steps (storage-deduplicated exact bytes); the
         master copies are counted by the runner (framework/optim/master.py)."""
         params = [f.full for f in self.flat if f.gathered] + [f.shard for f in self.flat]
         grads = [f.grad_full for f in self.flat] if self.stage == 1 else [f.shard.grad for f in self.flat]
-        opt = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        opt = held_states(optimizer)
         return {"params_bytes": tensor_bytes(params), "grads_bytes": tensor_bytes(grads),
                 "optimizer_bytes": tensor_bytes(opt), "zero_transient_peak_bytes": self.transient_peak_bytes}
 

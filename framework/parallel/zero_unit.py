@@ -33,6 +33,7 @@ class FlatUnit:
 
     timer = None  # the rank's CommTimer (set by Zero): its collectives are dp spans
     bucket: Optional[int] = None  # parallelism.bucket_mb in elements of the reduce dtype (set by Zero): CB
+    swap = None  # stage 3 with parallelism.offload_params: the ParamSwap its slice lives in (set by Zero)
 
     def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
                  reduce_dtype: Optional[torch.dtype] = None):
@@ -70,6 +71,8 @@ class FlatUnit:
         if self.gathered or self.gathering is not None:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        if self.swap is not None:
+            self.swap.fetch(self.shard)  # the slice off the drive (framework/optim/param_swap.py)
         work = _all_gather_single(self.full, self.shard.detach(), group=self.group, async_op=True)
         (self.gathering,) = watch(self.timer, "dp", [work])  # its completion stamped (comm_timer.py)
 
@@ -82,8 +85,12 @@ class FlatUnit:
             self.gathering = None
         else:
             self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+            if self.swap is not None:
+                self.swap.fetch(self.shard)
             with timed(self.timer, "dp", "zero gather"):
                 _all_gather_single(self.full, self.shard.detach(), group=self.group)
+        if self.swap is not None:  # gathered: the drive holds the slice until the update
+            self.swap.release(self.shard)
         if self.tracker is not None:
             self.tracker.exclude([self.full])  # weights, not activations, when saved for backward
         self.gathered = True
@@ -92,6 +99,8 @@ class FlatUnit:
         if self.gathering is not None:  # a prefetch never used (a forward cut short): its buffer is in use
             self.gathering.wait()
             self.gathering = None
+            if self.swap is not None:
+                self.swap.release(self.shard)
         if self.tracker is not None and self.gathered and self.stage == 3:
             self.tracker.include_again([self.full])
         self.full.untyped_storage().resize_(0)

@@ -177,6 +177,7 @@ def layout_name(run: RunConfig) -> str:
             + (f"-cp{p.cp}-{p.cp_comm}-{p.cp_balance}" if p.cp > 1 else "")
             + ("-sp" if p.sequence_parallel and p.tp > 1 else "") + ("-offload" if p.offload_optimizer else "")
             + ("-nvme" if p.offload_optimizer and p.offload_device == "nvme" else "")
+            + ("-params" if p.offload_optimizer and p.offload_device == "nvme" and p.offload_params and p.zero == 3 else "")
             + (f"-overlap_{'+'.join(on)}" if on else ""))
 
 

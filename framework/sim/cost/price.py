@@ -82,6 +82,9 @@ class Job:
     # ZeRO-Offload (parallelism.offload_optimizer): the update on the host, priced by offload.py;
     # "nvme": its states on the node's drives (parallelism.offload_device=nvme)
     offload: str = "none"  # none | cpu | nvme
+    # parallelism.offload_params: ZeRO 3's parameter slices on the drives too (counted by the plan,
+    # their reads and writes not priced: the read ahead may hide them; docs/cost_model.md#offload)
+    offload_params: bool = False
 
     @property
     def world(self) -> int:
@@ -122,7 +125,8 @@ def job_of(run, vocab: int) -> Job:
                pol.master_dtype is not None, bytes_of(pol.grad_reduce_dtype),
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
                cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe,
-               offload=p.offload_device if p.offload_optimizer else "none")
+               offload=p.offload_device if p.offload_optimizer else "none",
+               offload_params=p.offload_optimizer and p.offload_device == "nvme" and p.offload_params and p.zero == 3)
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
@@ -290,7 +294,8 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
                            "states + saved activations (framework/sim/cost/activations.py; no allocator "
                            "fragmentation, workspaces, p2p buffers or framework runtime)"
                            f"{'; ZeRO-Offload: the update on the host after the backward, the gradients down and the parameters up over the host link, on the critical path; masters and optimizer states in host memory (offload.py)' if job.offload != 'none' else ''}"
-                           f"{', the states read from and written to the node drives each step, shared by its GPUs' if job.offload == 'nvme' else ''}"}
+                           f"{', the states read from and written to the node drives each step, shared by its GPUs' if job.offload == 'nvme' else ''}"
+                           f"{'; the parameter slices on the drives (offload_params): their reads and writes not priced' if job.offload_params else ''}"}
 
 
 def oom_reason(need: float, capacity: float) -> str:
