@@ -30,12 +30,14 @@ RUNS = {
     "llama_none": [*LLAMA, "parallelism=single", "schedule.microbatches=4"],
     "llama_selective_tp2_sp": [*LLAMA, "parallelism=tp2", SP, "schedule.microbatches=4", "trainer.recompute=selective"],
     "llama_full_tp2": [*LLAMA, "parallelism=tp2", "schedule.microbatches=4", "trainer.recompute=full"],
-    # ZeRO-R's Pa (1/tp of each block input kept) and Pa+cpu (in host memory), the latter in a pipeline
+    # ZeRO-R's Pa (1/tp of each block input kept) and Pa+cpu (in host memory), the latter in a
+    # pipeline, both with MD's slabs (Pa without them: test_comm_bytes' tp2_recompute_pa, and
+    # bit-equal in process below)
     "llama_full_tp2_pa": [*LLAMA, "parallelism=tp2", "schedule.microbatches=4", "trainer.recompute=full",
-                          "trainer.partition_activations=true"],
+                          "trainer.partition_activations=true", "trainer.contiguous_checkpoints=true"],
     "gpt2_full_tp2_pp2_pa_cpu": [*GPT2, "parallelism=tp2_pp2", "schedule=flush", "schedule.microbatches=4",
                                  "trainer.recompute=full", "trainer.partition_activations=true",
-                                 "trainer.cpu_checkpointing=true"],
+                                 "trainer.cpu_checkpointing=true", "trainer.contiguous_checkpoints=true"],
 }
 REFERENCE = {k: ("llama_none" if k.startswith("llama") else "gpt2_none") for k in RUNS if not k.endswith("_none")}
 
@@ -89,6 +91,56 @@ def test_the_old_key_is_full_recomputation_and_cannot_contradict_the_new_one():
     assert compose("trainer.recompute=selective").trainer.activation_checkpointing is False
     with pytest.raises(ConfigError, match="trainer.activation_checkpointing=True: is the old name"):
         compose("trainer.activation_checkpointing=true", "trainer.recompute=selective")
+
+
+@pytest.mark.parametrize("to_cpu", [False, True], ids=["pa", "pa_cpu"])
+def test_md_slabs_train_bit_equal_hold_the_same_bytes_and_are_reused_between_steps(to_cpu):
+    """In process (a one-rank tp group): two micro-batches in flight through three partitioned
+    blocks, two steps. With MD (trainer.contiguous_checkpoints) each micro-batch's slices are
+    views of one slab: the gradients equal the per-block slices' bit for bit, the activation
+    tracker counts the same bytes (3 block inputs per micro-batch, or none in device memory
+    with Pa+cpu, beside the loss's own saved input), and the second step reuses the first
+    step's two slabs."""
+    import torch
+
+    from framework.comm.activation_partition import Partition
+    from framework.metrics.memory import ActivationTracker
+    from framework.models.split import SplitLM
+
+    class Solo:  # a tp group of one: the slice is the whole input
+        size, rank = 1, 0
+
+        def all_gather(self, t, dim):
+            return t.clone()
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8, dtype=torch.float64), torch.nn.Tanh()) for _ in range(3)]
+    xs = [torch.randn(2, 5, 8, dtype=torch.float64) for _ in range(2)]
+    out = {}
+    for md in (False, True):
+        lm = SplitLM(None, blocks, None, checkpoint_blocks=True)
+        lm.partition = Partition(Solo(), to_cpu, md)
+        tracker, grads, made = ActivationTracker(lm), [], []
+        for step in range(2):
+            for b in blocks:
+                b.zero_grad()
+            losses = []
+            for mb, x in enumerate(xs):
+                with tracker.forward(mb):
+                    losses.append((lm.run_blocks(x.requires_grad_(True)) ** 2).sum())
+            live, storages = tracker.live_bytes(), len(tracker._live[0])
+            for mb, loss in enumerate(losses):
+                loss.backward()
+                tracker.backward_done(mb)
+            grads.append([p.grad.clone() for b in blocks for p in b.parameters()])
+            made.append(lm.partition.pool.made)
+        out[md] = (grads, live, made, storages)
+    assert all(torch.equal(a, b) for g, h in zip(out[False][0], out[True][0]) for a, b in zip(g, h))
+    kept = (0 if to_cpu else 3) + 1  # block inputs, and the square's input (the loss's saved tensor)
+    assert out[True][1] == out[False][1] == 2 * kept * 2 * 5 * 8 * 8
+    assert out[True][2] == [2, 2] and out[False][2] == [0, 0]
+    # a micro-batch's saved storages: the slab (or each slice) and the loss's input
+    assert (out[True][3], out[False][3]) == ((1, 1) if to_cpu else (2, 4))
 
 
 PA = ["trainer.recompute=full", "parallelism=tp2", "trainer.partition_activations=true"]

@@ -13,6 +13,15 @@ Pa+cpu keeps the slice in host memory instead (pinned, copied without blocking o
 not device memory, so the activation tracker does not count it; the copy back is issued when
 the block's backward starts.
 
+ZeRO-R's memory defragmentation (MD) for these checkpoints (`trainer.contiguous_checkpoints`,
+DeepSpeed's `contiguous_memory_optimization`): a micro-batch's slices are views of one slab
+(its blocks x the slice, on the device, or in host memory with Pa+cpu), taken from a free list
+when the micro-batch's first block checkpoints and given back once its last slice was
+gathered in the backward. After the first step the slabs are long-lived and reused: no
+allocation per block and micro-batch, so short-lived slices cannot fragment the caching
+allocator (CUDA's `fragmentation_bytes` reads the difference). The slab is saved once per
+micro-batch, so the activation tracker counts exactly the slices' bytes, as without it.
+
 Unlike torch's non-reentrant checkpoint, the recomputation runs the whole block (the
 Megatron / DeepSpeed checkpoint function does too), so the MLP's exit all-reduce is repeated
 (framework/sim/cost/traffic.py counts it). The RNG state and the autocast state of the
@@ -21,23 +30,76 @@ forward are restored for the recomputation, as torch's checkpoint does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from framework.comm.tp_comm import TPComm
 
 
+class Slab:
+    """One micro-batch's slices of `n` block inputs, views of one buffer (MD)."""
+
+    def __init__(self, data: torch.Tensor, per: int, n: int, pool: "SlabPool"):
+        self.data, self.per, self.n, self.pool = data, per, n, pool
+        self.taken = self.left = 0
+
+    def next_piece(self) -> torch.Tensor:
+        j = self.taken
+        self.taken, self.left = j + 1, self.left + 1
+        return self.data[j * self.per:(j + 1) * self.per]
+
+    def gathered(self) -> None:
+        """One slice used by its backward; the slab goes back once all of them were."""
+        self.left -= 1
+        if self.left == 0:
+            self.pool.give(self)
+
+
+class SlabPool:
+    """Free slabs by shape, kept between steps; `made`: slabs ever allocated (steady after the
+    first step: as many as micro-batches in flight at once)."""
+
+    def __init__(self):
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.made = 0
+
+    def take(self, n: int, per: int, dtype: torch.dtype, device: torch.device, pinned: bool) -> Slab:
+        key = (n, per, dtype, str(device), pinned)
+        spare = self.free.get(key)
+        if spare:
+            data = spare.pop()
+        else:
+            data = torch.empty(n * per, dtype=dtype, device=device, pin_memory=pinned)
+            self.made += 1
+        return Slab(data, per, n, self)
+
+    def give(self, slab: Slab) -> None:
+        d = slab.data
+        self.free.setdefault((slab.n, slab.per, d.dtype, str(d.device), d.is_pinned()), []).append(d)
+
+
 @dataclass(frozen=True, eq=False)
 class Partition:
-    """How a SplitLM checkpoints its blocks: the tp group it shards inputs over, and whether
-    the shards go to host memory."""
+    """How a SplitLM checkpoints its blocks: the tp group it shards inputs over, whether the
+    shards go to host memory, and whether a micro-batch's shards share one slab (MD)."""
 
     comm: TPComm
     to_cpu: bool = False
+    contiguous: bool = False
+    pool: SlabPool = field(default_factory=SlabPool)
 
-    def checkpoint(self, block, h: torch.Tensor) -> torch.Tensor:
-        return _PartitionedCheckpoint.apply(h, block, self)
+    def slab(self, n: int, h: torch.Tensor) -> Optional[Slab]:
+        """The slab for a micro-batch's next `n` checkpointed blocks (None without MD)."""
+        if not self.contiguous:
+            return None
+        cuda = h.device.type == "cuda"
+        return self.pool.take(n, slice_numel(h.numel(), self.comm.size), h.dtype,
+                              torch.device("cpu") if self.to_cpu else h.device, self.to_cpu and cuda)
+
+    def checkpoint(self, block, h: torch.Tensor, slab: Optional[Slab] = None) -> torch.Tensor:
+        return _PartitionedCheckpoint.apply(h, block, self, slab)
 
 
 def slice_numel(numel: int, tp: int) -> int:
@@ -51,9 +113,9 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
 
 class _PartitionedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, block, part: Partition):
+    def forward(ctx, h, block, part: Partition, slab: Optional[Slab]):
         comm = part.comm
-        ctx.block, ctx.part, ctx.shape, ctx.dtype = block, part, h.shape, h.dtype
+        ctx.block, ctx.part, ctx.shape, ctx.dtype, ctx.slab = block, part, h.shape, h.dtype, slab
         ctx.device = h.device
         ctx.autocast = _autocast_state(h.device.type)
         ctx.cpu_rng = torch.get_rng_state()
@@ -62,14 +124,16 @@ class _PartitionedCheckpoint(torch.autograd.Function):
             out = block(h)
         per = slice_numel(h.numel(), comm.size)
         flat = h.detach().reshape(-1)
-        piece = torch.zeros(per, dtype=h.dtype, device=h.device)
         mine = flat[comm.rank * per:(comm.rank + 1) * per]
-        piece[:mine.numel()].copy_(mine)  # its own storage: the whole input can be freed
+        # its own storage (the whole input can be freed); the padding past the input is never read
         if part.to_cpu:
             cuda = h.device.type == "cuda"
-            ctx.host = torch.empty(per, dtype=h.dtype, device="cpu", pin_memory=cuda)
-            ctx.host.copy_(piece, non_blocking=cuda)  # the stream orders it before piece's reuse
+            ctx.host = slab.next_piece() if slab is not None else \
+                torch.empty(per, dtype=h.dtype, device="cpu", pin_memory=cuda)
+            ctx.host[:mine.numel()].copy_(mine, non_blocking=cuda)  # the stream orders it before h's reuse
         else:
+            piece = slab.next_piece() if slab is not None else torch.empty(per, dtype=h.dtype, device=h.device)
+            piece[:mine.numel()].copy_(mine)
             ctx.save_for_backward(piece)
         return out
 
@@ -82,6 +146,8 @@ class _PartitionedCheckpoint(torch.autograd.Function):
             piece, = ctx.saved_tensors
         numel = ctx.shape.numel()
         full = part.comm.all_gather(piece, 0)[:numel].view(ctx.shape)
+        if ctx.slab is not None:  # gathered: the slice's place in the slab is free
+            ctx.slab.gathered()
         h = full.detach().requires_grad_(True)
         devices = [ctx.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices, device_type=ctx.device.type):
@@ -92,4 +158,4 @@ class _PartitionedCheckpoint(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
                 out = ctx.block(h)
         torch.autograd.backward(out, grad)
-        return h.grad, None, None
+        return h.grad, None, None, None

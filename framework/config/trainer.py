@@ -38,6 +38,11 @@ class TrainerConfig:
     cpu_checkpointing: bool = key(False, when=lambda r: r.trainer.partition_activations,
                                   when_text="trainer.partition_activations=true",
                                   base=(*_PA["base"], "trainer.partition_activations=true"))
+    # ZeRO-R's MD for them (DeepSpeed's contiguous_memory_optimization): a micro-batch's slices in one
+    # slab, kept and reused between steps (framework/comm/activation_partition.py)
+    contiguous_checkpoints: bool = key(False, when=lambda r: r.trainer.partition_activations,
+                                       when_text="trainer.partition_activations=true",
+                                       base=(*_PA["base"], "trainer.partition_activations=true"))
     # none | blocks: each transformer block torch.compile'd (torchtitan's apply_compile; framework/models/compile.py)
     compile: str = key("none", choices=("none", "blocks"))
     # inductor (generated kernels; on CPU gcc builds C++) | aot_eager (the same traced graphs, eager kernels)

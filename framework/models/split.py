@@ -60,10 +60,13 @@ class SplitLM(nn.Module):
         return stage
 
     def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
+        slab = None  # MD: this micro-batch's partitioned checkpoints in one slab (activation_partition.py)
+        for i, block in enumerate(self.blocks):
             if self.checkpoint_blocks and torch.is_grad_enabled():
                 if self.partition is not None and h.requires_grad:
-                    h = self.partition.checkpoint(block, h)
+                    if slab is None:
+                        slab = self.partition.slab(len(self.blocks) - i, h)
+                    h = self.partition.checkpoint(block, h, slab)
                 else:  # non-reentrant: works with DDP's no_sync and with saved-tensor hooks
                     h = checkpoint(block, h, use_reentrant=False)
             else:

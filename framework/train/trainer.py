@@ -78,7 +78,7 @@ def build_runner(run: RunConfig, info: RunInfo, ctx: ParallelContext, first_step
                         tp_comm, run.parallelism.sequence_parallel, run.trainer.precision, on_meta=True,
                         whole_first=run.debug.materialise_whole, ep_comm=ep_comm)
     if run.trainer.partition_activations:  # ZeRO-R's Pa (+cpu): 1/tp of each checkpointed block input
-        model.partition = Partition(tp_comm, run.trainer.cpu_checkpointing)
+        model.partition = Partition(tp_comm, run.trainer.cpu_checkpointing, run.trainer.contiguous_checkpoints)
     cp = None
     if d.cp > 1:  # attention over the cp group, ids / labels / positions of this rank's tokens
         cp_comm = TPComm(ctx.cp_group, d.cp, d.cp_rank(ctx.coords), timer=ctx.timer, dim="cp")
