@@ -50,7 +50,7 @@ from framework.sim.cost.overlaps import (calls_s, chunk_reduce_after, dims_of, p
 from framework.sim.cost.traffic import Collective, after_pipeline, pass_collectives, rank_units, step_collectives
 from framework.sim.cost.ops import flops, optimizer_ops, stage_ops
 from framework.sim.cost.hardware import Profile
-from framework.sim.cost.offload import checkpoint_copy_s, offload_step_s
+from framework.sim.cost.offload import checkpoint_copy_s, offload_step_s, param_drive_s
 from framework.sim.cost.shapes import Layout, ModelShape
 
 
@@ -82,8 +82,7 @@ class Job:
     # ZeRO-Offload (parallelism.offload_optimizer): the update on the host, priced by offload.py;
     # "nvme": its states on the node's drives (parallelism.offload_device=nvme)
     offload: str = "none"  # none | cpu | nvme
-    # parallelism.offload_params: ZeRO 3's parameter slices on the drives too (counted by the plan,
-    # their reads and writes not priced: the read ahead may hide them; docs/cost_model.md#offload)
+    # parallelism.offload_params: ZeRO 3's parameter slices on the drives too (offload.py param_drive_s)
     offload_params: bool = False
 
     @property
@@ -219,6 +218,12 @@ def price(prof: Profile, job: Job) -> Priced:
     if job.offload != "none":  # the gradients down, the host's step (its states from the drive), the parameters up
         sharing = min(prof.gpus_per_node, job.world) if job.offload == "nvme" else 0
         opt = offload_step_s(prof, shard, lay.act_bytes, s.param_tensors() / p, sharing)
+        if job.offload_params:  # the slices written after the update; read one unit ahead of each gather,
+            reads, writes = param_drive_s(prof, shard, lay.act_bytes, sharing)  # so under the compute
+            opt += writes
+            exposed = max(0.0, reads - pipeline)  # where the drives are slower than the passes they hide behind
+            if exposed:
+                comm["nvme_params"], after = exposed, after + exposed
     else:
         opt_dev = prof.seconds(optimizer_ops(shard, lay.act_bytes, job.master), lay.dtype)
         opt = _combine(prof, opt_dev, s.param_tensors() / p * prof.host_us.get("optimizer_tensor", 0.0) * 1e-6)
@@ -295,7 +300,7 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
                            "fragmentation, workspaces, p2p buffers or framework runtime)"
                            f"{'; ZeRO-Offload: the update on the host after the backward, the gradients down and the parameters up over the host link, on the critical path; masters and optimizer states in host memory (offload.py)' if job.offload != 'none' else ''}"
                            f"{', the states read from and written to the node drives each step, shared by its GPUs' if job.offload == 'nvme' else ''}"
-                           f"{'; the parameter slices on the drives (offload_params): their reads and writes not priced' if job.offload_params else ''}"}
+                           f"{'; the parameter slices on the drives (offload_params): written after the update (in optimizer_s), read one unit ahead of each gather, exposed only past the passes compute (comm_s nvme_params)' if job.offload_params else ''}"}
 
 
 def oom_reason(need: float, capacity: float) -> str:
