@@ -89,7 +89,8 @@ def test_the_pool_steps_unit_by_unit_as_in_memory_adamw_one_unit_ahead_in_bounde
     memory before the fourth); between steps every state is a view of the file, which is
     unlinked; the I/O is read k+1 before unit k steps, write k after; the host memory held for
     the states is the same with 2 units as with 8 while the file grows 4x; one byte too little
-    room is ENOSPC before anything is written; a state of a kind the layout lacks is refused."""
+    room is ENOSPC before anything is written; a step that fails leaves no state in a buffer; a
+    state of a kind the layout lacks is refused."""
     sizes = [1000, 300, 7]
     units, inner, swap = _pooled(tmp_path, sizes)
     ref = _units(sizes)
@@ -138,6 +139,19 @@ def test_the_pool_steps_unit_by_unit_as_in_memory_adamw_one_unit_ahead_in_bounde
     assert not (tmp_path / "small" / "nvme").exists() or list((tmp_path / "small" / "nvme").iterdir()) == []
     units, inner, swap = _pooled(tmp_path / "resize", sizes)
     _step(units, [torch.ones(n, dtype=torch.float64) for n in sizes], lambda: swap.step(inner))
+    # a step that fails on unit 1 leaves no state a view of a pool buffer (the next reads overwrite them)
+    real = inner.step
+
+    def failing():
+        if units[1].grad is not None:
+            raise RuntimeError("boom")
+        real()
+    inner.step = failing
+    with pytest.raises(RuntimeError, match="boom"):
+        _step(units, [torch.ones(n, dtype=torch.float64) for n in sizes], lambda: swap.step(inner))
+    held = [v for u in units for v in inner.state[u].values() if v.dim()]
+    assert not any(b.data_ptr() <= v.data_ptr() < b.data_ptr() + b.numel() for v in held for b in swap.buffers)
+    inner.step = real
     inner.state[units[1]]["momentum"] = torch.zeros(300)  # a state the drive's layout has no place for
     with pytest.raises(RuntimeError, match="states of a 300-element unit are .*'momentum': .300, torch.float32"):
         _step(units, [torch.ones(n, dtype=torch.float64) for n in sizes], lambda: swap.step(inner))
@@ -148,7 +162,8 @@ def test_parameter_slices_live_on_the_drive_and_the_next_one_is_read_ahead(tmp_p
     fetches (forward 0..5, backward 5..0, each released once gathered) read back the values
     stored; from the second step on every fetch but two finds its slice already read ahead on
     the I/O thread (the step's first, and the backward's first: the slice the forward's last
-    fetch held then), and at most two slices are in memory at once."""
+    fetch held then), and at most two slices are in memory at once, an evaluation's forwards
+    before the second step (training=False) changing neither."""
     g = torch.Generator().manual_seed(0)
     masters = [torch.randn(n, generator=g, dtype=torch.float64) for n in (300, 40, 513, 7, 300, 64)]
     slices = [torch.nn.Parameter(torch.zeros(m.numel(), dtype=torch.float32)) for m in masters]
@@ -161,6 +176,10 @@ def test_parameter_slices_live_on_the_drive_and_the_next_one_is_read_ahead(tmp_p
         swap.store(lambda i, t: t.detach().copy_(masters[i] * (step + 1)))
         assert swap.resident == 0 and all(t.untyped_storage().nbytes() == 0 for t in slices)
         assert list(tmp_path.iterdir()) == []
+        for _ in range(2 if step == 1 else 0):  # an evaluation's forwards: read, no guess, no read ahead
+            for i in range(6):
+                swap.fetch(slices[i], training=False)
+                swap.release(slices[i])
         ahead.clear()
         for i in order:
             swap.fetch(slices[i])

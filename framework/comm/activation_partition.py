@@ -46,9 +46,14 @@ class Slab:
         self.taken = self.left = 0
 
     def next_piece(self) -> torch.Tensor:
+        """The next slice: a tensor of its own over the slab's storage, not a view. A view
+        shares its base's version counter, so writing the next piece would mark every piece
+        saved before it as modified in place and fail their backward."""
         j = self.taken
         self.taken, self.left = j + 1, self.left + 1
-        return self.data[j * self.per:(j + 1) * self.per]
+        d = self.data
+        return torch.empty(0, dtype=d.dtype, device=d.device).set_(
+            d.untyped_storage(), d.storage_offset() + j * self.per, (self.per,))
 
     def gathered(self) -> None:
         """One slice used by its backward; the slab goes back once all of them were."""
@@ -58,8 +63,9 @@ class Slab:
 
 
 class SlabPool:
-    """Free slabs by shape, kept between steps; `made`: slabs ever allocated (steady after the
-    first step: as many as micro-batches in flight at once)."""
+    """Free slabs of the last shape taken, kept between steps (device memory a step's peak
+    already held; not in the activation tracker's count between steps); `made`: slabs ever
+    allocated (steady after the first step: as many as micro-batches in flight at once)."""
 
     def __init__(self):
         self.free: dict[tuple, list[torch.Tensor]] = {}
@@ -67,6 +73,8 @@ class SlabPool:
 
     def take(self, n: int, per: int, dtype: torch.dtype, device: torch.device, pinned: bool) -> Slab:
         key = (n, per, dtype, str(device), pinned)
+        for other in [k for k in self.free if k != key]:  # a new shape (another sequence length):
+            del self.free[other]  # the old shape's spare slabs go back to the allocator
         spare = self.free.get(key)
         if spare:
             data = spare.pop()

@@ -3,9 +3,10 @@
 Under ZeRO 3 each rank keeps its 1/dp slice of every unit's 16-bit parameters (`FlatUnit.shard`,
 framework/parallel/zero_unit.py) only to all-gather it. With this tier the slices live in a
 file under `parallelism.nvme_path`, one region each, and in memory only around their use:
-- `fetch` (before a unit's all-gather, forward and backward) reads the slice back into its
-  storage, and reads the next unit's ahead on the I/O thread, in the order the previous step
-  fetched them (the forward's order, then the backward's; a guess that misses costs a read);
+- `fetch` (before a unit's all-gather, forward and backward, each micro-batch) reads the slice
+  back into its storage, and in training reads the next unit's ahead on the I/O thread, in the
+  order the previous step fetched them (forwards and backwards as the schedule ran them; a
+  guess that misses costs a synchronous read; evaluation forwards read without guessing);
 - `release` (once the all-gather has landed) drops the slice's storage: the file holds it,
   unchanged until the update;
 - `store` (the update's copy of the masters into the slices, and a checkpoint's load) fills
@@ -74,17 +75,19 @@ class ParamSwap:
         full_io(os.pwritev, self.fd, host.view(-1).view(torch.uint8), self.place[id(t)])
 
     # -- use --------------------------------------------------------------------------------
-    def fetch(self, t: torch.Tensor) -> None:
-        """`t` (a slice) in memory, read from the drive; the next slice of the previous
-        step's order read ahead."""
-        i = self.index[id(t)]
-        self.order.append(i)
+    def fetch(self, t: torch.Tensor, training: bool = True) -> None:
+        """`t` (a slice) in memory, read from the drive; in training, the next slice of the
+        previous step's order read ahead (an evaluation's forwards neither read ahead nor
+        count in the order the next step guesses from)."""
         read = self.reads.pop(id(t), None)
         if read is not None:
             read.result()
         elif t.untyped_storage().nbytes() == 0:
             self._alloc(t)
             self._read(t)
+        if not training:
+            return
+        self.order.append(self.index[id(t)])
         pos = len(self.order)
         if pos < len(self.last):
             nxt = self.slices[self.last[pos]]

@@ -186,10 +186,17 @@ class StateSwap:
                 st.update(self._views(self.map, self.place[id(u)], u))
             for f in writes.values():
                 f.result()
+        except BaseException:
+            for u, _ in todo:  # no state may stay a view of a buffer the next step's reads overwrite
+                st = inner.state.get(u, {})
+                for name, v in list(st.items()):
+                    if _per_element(v) and any(_within(b, v) for b in self.buffers):
+                        st[name] = v.clone()
+            raise
         finally:
             for f in list(reads.values()) + list(writes.values()):
                 f.cancel() or f.exception()  # the pool is idle when this returns, even after an error
-            for u, g in todo:
+            for u, g in todo:  # as torch's optimizers leave them (after an error too: the caller clears them)
                 u.grad = g
 
     def close(self) -> None:
@@ -229,6 +236,10 @@ def reserve(target: OffloadTarget, need: int, what: str, mapped: bool) -> tuple[
         raise
     finally:
         os.unlink(name)
+
+
+def _within(base: torch.Tensor, t: torch.Tensor) -> bool:
+    return base.data_ptr() <= t.data_ptr() < base.data_ptr() + base.numel() * base.element_size()
 
 
 def _per_element(v) -> bool:

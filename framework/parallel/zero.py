@@ -178,6 +178,8 @@ class Zero:
         io_unit = len(modules) > 1  # embedding + head: gathered from first use to backward's end
 
         def before_forward(m, _args):  # (activation checkpointing, a forward in backward: rejected at zero 3)
+            for f in flats:  # offload_params: an evaluation's gathers do not train the read-ahead
+                f.training = m.training
             if not self.order_known:
                 self.order.append(self._position[m])
             for f in flats:
@@ -187,6 +189,7 @@ class Zero:
 
         def before_backward(m):
             for f in flats:
+                f.training = True
                 self._gather(f)
                 f.open_grads()
             if self.order_known:
@@ -215,6 +218,7 @@ class Zero:
         if 0 <= k < len(self.order):
             for f in self._modules[self.order[k]]:
                 if not f.gathered and f.gathering is None:
+                    f.training = m.training
                     f.start_gather()
                     self._live += f.full.numel() * f.full.element_size()
                     self._note_peak(0)

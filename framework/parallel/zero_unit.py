@@ -34,6 +34,7 @@ class FlatUnit:
     timer = None  # the rank's CommTimer (set by Zero): its collectives are dp spans
     bucket: Optional[int] = None  # parallelism.bucket_mb in elements of the reduce dtype (set by Zero): CB
     swap = None  # stage 3 with parallelism.offload_params: the ParamSwap its slice lives in (set by Zero)
+    training = True  # with swap: whether this gather is training's (Zero's hooks set it from the module)
 
     def __init__(self, params: list[nn.Parameter], group, size: int, rank: int, stage: int, tracker=None,
                  reduce_dtype: Optional[torch.dtype] = None):
@@ -72,7 +73,7 @@ class FlatUnit:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         if self.swap is not None:
-            self.swap.fetch(self.shard)  # the slice off the drive (framework/optim/param_swap.py)
+            self.swap.fetch(self.shard, self.training)  # the slice off the drive (framework/optim/param_swap.py)
         work = _all_gather_single(self.full, self.shard.detach(), group=self.group, async_op=True)
         (self.gathering,) = watch(self.timer, "dp", [work])  # its completion stamped (comm_timer.py)
 
@@ -86,7 +87,7 @@ class FlatUnit:
         else:
             self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
             if self.swap is not None:
-                self.swap.fetch(self.shard)
+                self.swap.fetch(self.shard, self.training)
             with timed(self.timer, "dp", "zero gather"):
                 _all_gather_single(self.full, self.shard.detach(), group=self.group)
         if self.swap is not None:  # gathered: the drive holds the slice until the update

@@ -59,13 +59,13 @@ def offload_step_s(prof, shard: float, param_bytes: int, tensors: float, nvme_ra
     return out
 
 
-def param_drive_s(prof, shard: float, param_bytes: int, nvme_ranks: int) -> tuple[float, float]:
+def param_drive_s(prof, shard: float, param_bytes: int, nvme_ranks: int, microbatches: int) -> tuple[float, float]:
     """ZeRO 3's parameter slices on the drives (`parallelism.offload_params`, param_swap.py):
     (reads, writes) in seconds per step for the `shard` parameters of each of a node's
-    `nvme_ranks` ranks: each slice read before its forward and its backward gather (twice) and
-    written once after the update, at the node's drive rates."""
+    `nvme_ranks` ranks: each slice read before each of its gathers (a forward and a backward
+    per micro-batch: 2 x microbatches) and written once after the update, at the node's rates."""
     node = shard * param_bytes * nvme_ranks
-    return 2 * node / (prof.nvme_read_GBps * 1e9), node / (prof.nvme_write_GBps * 1e9)
+    return 2 * microbatches * node / (prof.nvme_read_GBps * 1e9), node / (prof.nvme_write_GBps * 1e9)
 
 
 def checkpoint_copy_s(prof, numel: int, act_bytes: int, blocks: int) -> float:

@@ -219,7 +219,7 @@ def price(prof: Profile, job: Job) -> Priced:
         sharing = min(prof.gpus_per_node, job.world) if job.offload == "nvme" else 0
         opt = offload_step_s(prof, shard, lay.act_bytes, s.param_tensors() / p, sharing)
         if job.offload_params:  # the slices written after the update; read one unit ahead of each gather,
-            reads, writes = param_drive_s(prof, shard, lay.act_bytes, sharing)  # so under the compute
+            reads, writes = param_drive_s(prof, shard, lay.act_bytes, sharing, m)  # so under the compute
             opt += writes
             exposed = max(0.0, reads - pipeline)  # where the drives are slower than the passes they hide behind
             if exposed:
@@ -300,7 +300,7 @@ def report(prof: Profile, job: Job, r: Priced, state_bytes) -> dict:
                            "fragmentation, workspaces, p2p buffers or framework runtime)"
                            f"{'; ZeRO-Offload: the update on the host after the backward, the gradients down and the parameters up over the host link, on the critical path; masters and optimizer states in host memory (offload.py)' if job.offload != 'none' else ''}"
                            f"{', the states read from and written to the node drives each step, shared by its GPUs' if job.offload == 'nvme' else ''}"
-                           f"{'; the parameter slices on the drives (offload_params): written after the update (in optimizer_s), read one unit ahead of each gather, exposed only past the passes compute (comm_s nvme_params)' if job.offload_params else ''}"}
+                           f"{'; the parameter slices on the drives (offload_params): written after the update (in optimizer_s), read before each gather (2 x microbatches), one unit ahead, exposed only past the passes compute (comm_s nvme_params)' if job.offload_params else ''}"}
 
 
 def oom_reason(need: float, capacity: float) -> str:
