@@ -23,7 +23,7 @@ STAGES = ((0, False), (1, False), (2, False), (3, False), (1, True), (2, True), 
 BYTES = {"fp32": (4, 4), "bf16-autocast": (4, 4), "bf16-mixed": (2, 4), "fp16-mixed": (2, 4), "fp64": (8, 8)}
 VOCAB = 64
 MODEL = ["parallelism=single", "model.n_layer=2", "model.n_embd=24", "model.n_head=2", f"model.vocab_size={VOCAB}", "data=synthetic",
-         "data.seq_len=16", "trainer.micro_batch_size=2", "schedule.microbatches=2", "logger=none"]
+         "data.seq_len=16", "trainer.micro_batch_size=2", "schedule.microbatches=1", "logger=none"]
 
 
 def _runs(dp: int) -> dict:
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, runs: dict) -> dict:
     info = RunInfo(None, VOCAB, 64, 1.0, None, "none", 0.0)
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randint(0, VOCAB, (2, 16), generator=gen), torch.randint(0, VOCAB, (2, 16), generator=gen))
-               for _ in range(2)]
+               for _ in range(1)]
     out = {}
     for key, run in runs.items():
         runner, full = build_runner(run, info, ctx)
