@@ -43,6 +43,13 @@ def test_nvme_offload_trains_as_in_memory_zero3_resumes_and_tells_a_full_drive(t
     assert [r["params_bytes"] for r in on_drive["ranks"]] == [0, 0], on_drive["ranks"]
     assert min(r["params_bytes"] for r in in_memory["ranks"]) > 0
     assert on_drive["model_state_bytes_max"] == on_drive["model_state_formula_bytes_max"]
+    # the states' tier alone (the parameter slices in memory): the same training, its own bytes
+    states = tmp_path / "states"
+    run_local(states, *args, *nvme[:-1])
+    assert_same_training(read_metrics(states), final_params(states), read_metrics(memory), final_params(memory))
+    alone = json.loads((states / "summary.json").read_text())
+    assert alone["model_state_bytes_max"] == alone["model_state_formula_bytes_max"] > on_drive["model_state_bytes_max"]
+    assert alone["layout"].endswith("-offload-nvme")
     assert on_drive["layout"].endswith("-offload-nvme-params")
 
     with pytest.raises(RankFailure):
