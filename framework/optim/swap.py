@@ -60,7 +60,8 @@ def offload_of(run) -> Optional[OffloadTarget]:
     p = run.parallelism
     if not p.offload_optimizer:
         return None
-    return OffloadTarget(p.offload_device, p.nvme_path, run.debug.offload_disk_bytes, p.offload_params)
+    params = p.offload_params and p.offload_device == "nvme" and p.zero == 3  # (validated so before launch)
+    return OffloadTarget(p.offload_device, p.nvme_path, run.debug.offload_disk_bytes, params)
 
 
 class StateSwap:
