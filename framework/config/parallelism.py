@@ -12,7 +12,7 @@ from framework.schedules.base import pairs_forward_backward
 
 _OFFLOAD = dict(when=lambda r: r.parallelism.offload_optimizer, when_text="parallelism.offload_optimizer=true",
                 base=("parallelism.zero=1", "parallelism.offload_optimizer=true"))
-_NVME = dict(when=lambda r: r.parallelism.offload_optimizer and r.parallelism.offload_device == "nvme",
+_NVME = dict(when=lambda r: r.parallelism.states_on_drive,
              when_text="parallelism.offload_device=nvme",
              base=(*_OFFLOAD["base"], "parallelism.offload_device=nvme", "parallelism.nvme_path=/tmp/offload"))
 
@@ -79,6 +79,16 @@ class ParallelismConfig:
         """The ranks a parameter is replicated over (per tp and pp coordinate): dp x cp. Its
         gradients are averaged, and ZeRO shards it, over them."""
         return self.dp * self.cp
+
+    @property
+    def states_on_drive(self) -> bool:
+        """ZeRO-Infinity's NVMe tier holds the optimizer's states (framework/optim/swap.py)."""
+        return self.offload_optimizer and self.offload_device == "nvme"
+
+    @property
+    def params_on_drive(self) -> bool:
+        """And ZeRO 3's parameter slices too (`offload_params`, framework/optim/param_swap.py)."""
+        return self.states_on_drive and self.offload_params and self.zero == 3 and self.zero_impl == "ours"
 
 
 @dataclass

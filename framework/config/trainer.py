@@ -122,8 +122,7 @@ class DebugConfig:
     checkpoint_disk_bytes: Optional[int] = key(None, ge=1, **_CHECKPOINTS)
     # The NVMe offload's drive has room for this many bytes (framework/optim/swap.py): a larger
     # reservation fails with ENOSPC, as a full drive would. null = the real drive's free space.
-    offload_disk_bytes: Optional[int] = key(None, ge=1, when=lambda r: r.parallelism.offload_optimizer
-                                            and r.parallelism.offload_device == "nvme",
+    offload_disk_bytes: Optional[int] = key(None, ge=1, when=lambda r: r.parallelism.states_on_drive,
                                             when_text="parallelism.offload_device=nvme",
                                             base=("parallelism.zero=1", "parallelism.offload_optimizer=true",
                                                   "parallelism.offload_device=nvme", "parallelism.nvme_path=/tmp/offload"))

@@ -123,8 +123,7 @@ def formula_report(runner, run) -> dict:
         # padding is by dim-0 rows, so this is exact only where rows divide by dp.
         stage = 3
         policy = replace(policy, param_dtype=policy.state_dtype, master_dtype=None)
-    nvme = p.offload_optimizer and p.offload_device == "nvme"
-    drive = dict(params_on_drive=nvme and p.offload_params, states_on_drive=nvme)
+    drive = dict(params_on_drive=p.params_on_drive, states_on_drive=p.states_on_drive)
     exact = _added(config_model_states(stage, stepped_numels(runner), p.replicas, policy, ratio, scalars,
                                        p.offload_optimizer, **drive),
                    config_model_states(stage, stepped_numels(runner, experts=True), edp, policy, ratio, scalars,

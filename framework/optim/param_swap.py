@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from framework.optim.swap import ALIGN, OffloadTarget, full_io, reserve
+from framework.optim.swap import OffloadTarget, aligned, full_io, reserve
 
 
 class ParamSwap:
@@ -39,7 +39,7 @@ class ParamSwap:
         at = 0
         for t in slices:
             self.place[id(t)] = at
-            at += _aligned(_nbytes(t))
+            at += aligned(_nbytes(t))
         self.bytes = at
         self.fd, _ = reserve(target, at, "the parameters", mapped=False)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="nvme-params")
@@ -71,6 +71,8 @@ class ParamSwap:
             t.detach().copy_(host)
 
     def _write(self, t: torch.Tensor) -> None:
+        # CUDA: a device-to-host copy that waits for the slice, on the I/O thread inside the
+        # update's store (after the step's compute), where the drive needs the bytes on the host
         host = t.detach() if t.device.type == "cpu" else t.detach().cpu()
         full_io(os.pwritev, self.fd, host.view(-1).view(torch.uint8), self.place[id(t)])
 
@@ -134,6 +136,3 @@ class ParamSwap:
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN

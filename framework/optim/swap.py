@@ -60,8 +60,7 @@ def offload_of(run) -> Optional[OffloadTarget]:
     p = run.parallelism
     if not p.offload_optimizer:
         return None
-    params = p.offload_params and p.offload_device == "nvme" and p.zero == 3  # (validated so before launch)
-    return OffloadTarget(p.offload_device, p.nvme_path, run.debug.offload_disk_bytes, params)
+    return OffloadTarget(p.offload_device, p.nvme_path, run.debug.offload_disk_bytes, p.params_on_drive)
 
 
 class StateSwap:
@@ -83,7 +82,7 @@ class StateSwap:
 
     # -- the file ---------------------------------------------------------------------------
     def _region(self, u: torch.Tensor) -> int:
-        return sum(_aligned(u.numel() * _size(d)) for _, d in self.layout)
+        return sum(aligned(u.numel() * _size(d)) for _, d in self.layout)
 
     def _reserve(self, states: dict) -> None:
         """The file for every unit's states, laid out as `states` (one unit's, the first made)."""
@@ -105,7 +104,7 @@ class StateSwap:
         for k, d in self.layout:
             n = u.numel() * _size(d)
             out[k] = base[at:at + n].view(d).view(u.shape)
-            at += _aligned(n)
+            at += aligned(n)
         return out
 
     def _on_drive(self, u: torch.Tensor, st: dict) -> bool:
@@ -251,7 +250,7 @@ def _size(d: torch.dtype) -> int:
     return torch.empty((), dtype=d).element_size()
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 

@@ -176,8 +176,7 @@ def layout_name(run: RunConfig) -> str:
             + (f"-v{s.virtual_stages}" if s.virtual_stages > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else "")
             + (f"-cp{p.cp}-{p.cp_comm}-{p.cp_balance}" if p.cp > 1 else "")
             + ("-sp" if p.sequence_parallel and p.tp > 1 else "") + ("-offload" if p.offload_optimizer else "")
-            + ("-nvme" if p.offload_optimizer and p.offload_device == "nvme" else "")
-            + ("-params" if p.offload_optimizer and p.offload_device == "nvme" and p.offload_params and p.zero == 3 else "")
+            + ("-nvme" if p.states_on_drive else "") + ("-params" if p.params_on_drive else "")
             + (f"-overlap_{'+'.join(on)}" if on else ""))
 
 

@@ -36,7 +36,7 @@ def check_paths(run: RunConfig) -> None:
     if run.data.name != "synthetic":  # synthetic data is drawn in each rank: no cache
         _cache_dir(run.data.cache_dir)
     p = run.parallelism
-    if p.offload_optimizer and p.offload_device == "nvme":
+    if p.states_on_drive:
         fix = "set parallelism.nvme_path to a writable directory on the drive, e.g. parallelism.nvme_path=/local_nvme/offload"
         if p.nvme_path is None:
             raise ConfigError("parallelism.nvme_path", None, "offload_device=nvme keeps the optimizer states in a file "

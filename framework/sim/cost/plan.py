@@ -118,7 +118,7 @@ def model_states(run: RunConfig, job, per_rank: bool = False, where: str = "devi
         place = {k: "device" for k in parts}
         if p.offload_optimizer:
             place.update(master_bytes="host", optimizer_bytes="drive" if p.offload_device == "nvme" else "host")
-            if p.offload_device == "nvme" and p.offload_params and p.zero == 3:  # ZeRO 3's slices too
+            if p.params_on_drive:  # ZeRO 3's slices too
                 place["params_bytes"] = "drive"
         return sum(v for k, v in parts.items() if place[k] == where)
 

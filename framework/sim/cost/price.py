@@ -125,7 +125,7 @@ def job_of(run, vocab: int) -> Job:
                zero3_prefetch=p.overlap_param_gather, overlap_grad_reduce=p.overlap_grad_reduce,
                cp_ring_overlap=p.overlap_cp_ring, dualpipe_overlap=p.overlap_dualpipe,
                offload=p.offload_device if p.offload_optimizer else "none",
-               offload_params=p.offload_optimizer and p.offload_device == "nvme" and p.offload_params and p.zero == 3)
+               offload_params=p.params_on_drive)
 
 
 def _combine(prof: Profile, dev: float, host: float) -> float:
